@@ -1,0 +1,66 @@
+"""Tile shapes, warps and pipeline depths for the attention kernels.
+
+A shipped table for the H200 (measured with `scripts/tune.py`, see benchmarks/NOTES.md) so users pay no autotune
+time; other GPUs take the generic Hopper/Ampere-safe row. Under TRITON_INTERPRET=1 the tiles are small and
+unequal (BLOCK_M != BLOCK_N) so that CPU tests cross tile, tail and diagonal-band boundaries at small sizes.
+`FLASHATTN_CONFIG="fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"` overrides any entry (tuning and benchmarks).
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> "TileConfig":
+        return cls(*(int(x) for x in text.split(",")))
+
+
+# (kernel, padded head dim) -> config. Keys missing for a head dim fall back to the largest smaller key.
+_H200 = {
+    ("fwd", 64): TileConfig(128, 128, 8, 3),
+    ("fwd", 128): TileConfig(128, 128, 8, 3),
+    ("fwd", 256): TileConfig(128, 64, 8, 2),
+    ("dkdv", 64): TileConfig(64, 128, 8, 3),
+    ("dkdv", 128): TileConfig(64, 128, 8, 2),
+    ("dkdv", 256): TileConfig(32, 64, 8, 2),
+    ("dq", 64): TileConfig(128, 64, 8, 3),
+    ("dq", 128): TileConfig(128, 64, 8, 2),
+    ("dq", 256): TileConfig(64, 32, 8, 2),
+}
+
+_INTERPRETER = {
+    "fwd": TileConfig(32, 16, 4, 1),
+    "dkdv": TileConfig(16, 32, 4, 1),
+    "dq": TileConfig(32, 16, 4, 1),
+}
+
+
+def _overrides() -> dict[str, TileConfig]:
+    text = os.environ.get("FLASHATTN_CONFIG", "")
+    out = {}
+    for part in filter(None, text.split(";")):
+        name, _, spec = part.partition("=")
+        out[name.strip()] = TileConfig.parse(spec)
+    return out
+
+
+def tile_config(kernel: str, block_d: int, device: torch.device) -> TileConfig:
+    """The config for `kernel` ('fwd' | 'dkdv' | 'dq') at padded head dim `block_d`."""
+    override = _overrides().get(kernel)
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return _INTERPRETER[kernel]
+    # head dims up to 32 reuse the 64 row: the tiles are bound by the matmul shape, not by d
+    keys = sorted(d for (k, d) in _H200 if k == kernel)
+    key = max([d for d in keys if d <= block_d], default=keys[0])
+    return _H200[(kernel, key)]
