@@ -1,0 +1,291 @@
+"""Dense attention oracle and the blockwise online-softmax reference.
+
+Both follow the semantics in ``design.md`` (flash_attn 2.x): bottom-right aligned causal mask, sliding
+window, softcap, ALiBi, learnable sink, padding masks and an explicit dropout keep-mask.  They are plain
+PyTorch, differentiable, and meant for correctness checks, not speed: the dense oracle materialises the
+full ``(batch, nheads, seqlen_q, seqlen_k)`` score matrix.
+
+A query row that sees no key gets output 0 and LSE ``+inf`` (or LSE = sink when a learnable sink is given);
+nothing along the way produces NaN, in the forward or the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_ref", "blockwise_attention_ref"]
+
+
+def _check_inputs(q, k, v, alibi_slopes, learnable_sink):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, seqlen, nheads, headdim); got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    b, _, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in seqlen_k and nheads_k")
+    if k.shape[3] != d:
+        raise ValueError(f"k has headdim {k.shape[3]} but q has {d}; q and k must share the head dimension")
+    hk = k.shape[2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(
+            f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA)"
+        )
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((h,), (b, h)):
+        raise ValueError(
+            f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({b}, {h})"
+        )
+    if learnable_sink is not None and tuple(learnable_sink.shape) != (h,):
+        raise ValueError(f"learnable_sink has shape {tuple(learnable_sink.shape)}; expected ({h},)")
+    return b, h, hk, d
+
+
+def _offsets(b, sq, sk, query_padding_mask, key_padding_mask, device):
+    """Per-batch ``seqlen_k - seqlen_q``: with padding the alignment uses each sequence's real lengths,
+    as a varlen call on the unpadded tokens would."""
+    q_len = query_padding_mask.sum(-1) if query_padding_mask is not None else torch.full((b,), sq)
+    k_len = key_padding_mask.sum(-1) if key_padding_mask is not None else torch.full((b,), sk)
+    return (k_len.to(device) - q_len.to(device)).long().view(b, 1, 1, 1)
+
+
+def _visible(rows, cols, offset, *, causal, window_size, query_padding_mask, key_padding_mask):
+    """Bool ``(b|1, 1, len(rows), len(cols))``: True where query ``rows[i]`` may attend to key ``cols[j]``."""
+    left, right = window_size
+    if causal:
+        right = 0
+    diag = rows.view(-1, 1) + offset  # key index aligned with each query (b|1, 1, m, 1)
+    j = cols.view(1, -1)
+    vis = torch.ones(diag.shape[:-1] + (cols.numel(),), dtype=torch.bool, device=rows.device)
+    if right >= 0:
+        vis = vis & (j <= diag + right)
+    if left >= 0:
+        vis = vis & (j >= diag - left)
+    if key_padding_mask is not None:
+        vis = vis & key_padding_mask[:, cols].view(-1, 1, 1, cols.numel())
+    if query_padding_mask is not None:
+        vis = vis & query_padding_mask[:, rows].view(-1, 1, rows.numel(), 1)
+    return vis
+
+
+def _alibi_bias(alibi_slopes, rows, cols, offset, b, h, dtype):
+    """``-slope * |i + sk - sq - j|`` as ``(b|1, h, m, n)``; the same formula for causal and non-causal."""
+    slopes = alibi_slopes.to(dtype)
+    slopes = slopes.view(1, h, 1, 1) if slopes.dim() == 1 else slopes.view(b, h, 1, 1)
+    dist = (rows.view(-1, 1) + offset - cols.view(1, -1)).abs().to(dtype)  # (b|1, 1, m, n)
+    return -slopes * dist
+
+
+def _repeat_kv(x, h):
+    """Expand kv heads to query heads; GQA query head i reads kv head ``i // (h // hk)``."""
+    g = h // x.shape[2]
+    return x if g == 1 else x.repeat_interleave(g, dim=2)
+
+
+def _safe_softmax(scores, sink):
+    """Softmax over the last dim with an optional extra sink logit; returns (probs, lse).
+
+    Masked entries are -inf.  The row max is detached: softmax and LSE are invariant to it, and a fully
+    masked row would otherwise push inf/NaN through the gradient.
+    """
+    m = scores.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = m.detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
+    empty = denom == 0
+    denom_safe = torch.where(empty, torch.ones_like(denom), denom)
+    lse = torch.where(empty, torch.full_like(denom, math.inf), m + torch.log(denom_safe))
+    return p / denom_safe, lse.squeeze(-1)
+
+
+def _sink_view(learnable_sink, h, dtype):
+    return None if learnable_sink is None else learnable_sink.to(dtype).view(1, h, 1, 1)
+
+
+def _dropout_scale(dropout_p, dropout_mask):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
+    if dropout_p > 0.0 and dropout_mask is None:
+        raise ValueError(
+            "dropout_p > 0 needs dropout_mask, a bool keep-mask of shape (b, h, seqlen_q, seqlen_k)"
+        )
+    return 1.0 / (1.0 - dropout_p)
+
+
+def attention_ref(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    learnable_sink=None,
+    query_padding_mask=None,
+    key_padding_mask=None,
+    dropout_p=0.0,
+    dropout_mask=None,
+    upcast=True,
+    reorder_ops=False,
+):
+    """Dense reference attention.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA/MQA).
+        v: ``(batch, seqlen_k, nheads_k, headdim_v)``.
+        causal: bottom-right aligned, query i sees key j iff ``j <= i + seqlen_k - seqlen_q``.
+            seqlen_q=2, seqlen_k=5::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+        softmax_scale: defaults to ``1 / sqrt(headdim)``.
+        window_size: ``(left, right)``; query i sees keys in
+            ``[i + sk - sq - left, i + sk - sq + right]``, -1 means unbounded on that side.
+        softcap: if > 0, scaled scores become ``softcap * tanh(s / softcap)`` (before masking).
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``; ``s -= slope * |i + sk - sq - j|`` after softcap.
+        learnable_sink: ``(nheads,)`` extra logit per head in the softmax denominator (no value).
+        query_padding_mask, key_padding_mask: ``(batch, seqlen)`` bool, True = real token.  The causal /
+            window / ALiBi alignment then uses each sequence's real lengths.
+        dropout_p: dropout probability; kept probabilities are scaled by ``1 / (1 - dropout_p)``.
+        dropout_mask: ``(batch, nheads, seqlen_q, seqlen_k)`` bool, True = keep.
+        upcast: compute in float64 and return float64.  False computes like plain PyTorch in the input
+            dtype (scores in that dtype, softmax in float32) -- the low-precision baseline of the tests.
+        reorder_ops: scale q before the matmul instead of the scores after it (only matters when not
+            upcast).
+
+    Returns:
+        ``(out, lse)``: out ``(batch, seqlen_q, nheads, headdim_v)`` (float64 if upcast, else q's dtype);
+        lse ``(batch, nheads, seqlen_q)`` natural log (float64 if upcast, else float32), ``+inf`` for rows
+        that see no key.
+    """
+    b, h, _, d = _check_inputs(q, k, v, alibi_slopes, learnable_sink)
+    sq, sk = q.shape[1], k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    drop_scale = _dropout_scale(dropout_p, dropout_mask)
+    dtype_out = q.dtype
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    soft_dtype = torch.float64 if upcast else torch.float32
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+
+    if reorder_ops:
+        scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    else:
+        scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.to(soft_dtype)
+
+    rows = torch.arange(sq, device=q.device)
+    cols = torch.arange(sk, device=q.device)
+    offset = _offsets(b, sq, sk, query_padding_mask, key_padding_mask, q.device)
+    if alibi_slopes is not None:
+        scores = scores + _alibi_bias(alibi_slopes, rows, cols, offset, b, h, soft_dtype)
+    vis = _visible(
+        rows,
+        cols,
+        offset,
+        causal=causal,
+        window_size=window_size,
+        query_padding_mask=query_padding_mask,
+        key_padding_mask=key_padding_mask,
+    )
+    scores = scores.masked_fill(~vis, -math.inf)
+    probs, lse = _safe_softmax(scores, _sink_view(learnable_sink, h, soft_dtype))
+    probs = probs.to(v.dtype)
+    if dropout_mask is not None:
+        probs = probs.masked_fill(~dropout_mask, 0.0) * drop_scale
+    out = torch.einsum("bhts,bshd->bthd", probs, v)
+    return (out if upcast else out.to(dtype_out)), lse
+
+
+def blockwise_attention_ref(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    block_n=64,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    learnable_sink=None,
+    query_padding_mask=None,
+    key_padding_mask=None,
+    dropout_p=0.0,
+    dropout_mask=None,
+):
+    """The FlashAttention online softmax over key blocks of ``block_n``, in float64.
+
+    Same arguments and outputs as :func:`attention_ref` with ``upcast=True``; exists to show (and test)
+    that streaming keys with a running max m, normaliser l and unnormalised accumulator gives the dense
+    result exactly.
+    """
+    b, h, _, d = _check_inputs(q, k, v, alibi_slopes, learnable_sink)
+    if block_n < 1:
+        raise ValueError(f"block_n={block_n}; expected a positive block size")
+    sq, sk, dv = q.shape[1], k.shape[1], v.shape[3]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    drop_scale = _dropout_scale(dropout_p, dropout_mask)
+    f64 = torch.float64
+    q, k, v = q.to(f64), _repeat_kv(k.to(f64), h), _repeat_kv(v.to(f64), h)
+    rows = torch.arange(sq, device=q.device)
+    offset = _offsets(b, sq, sk, query_padding_mask, key_padding_mask, q.device)
+
+    # The sink is a key with no value: starting from (m, l) = (sink, 1) folds it in before any block.
+    if learnable_sink is not None:
+        m = learnable_sink.to(f64).view(1, h, 1).expand(b, h, sq).clone()
+        l_i = torch.ones(b, h, sq, dtype=f64, device=q.device)
+    else:
+        m = torch.full((b, h, sq), -math.inf, dtype=f64, device=q.device)
+        l_i = torch.zeros(b, h, sq, dtype=f64, device=q.device)
+    acc = torch.zeros(b, h, sq, dv, dtype=f64, device=q.device)
+
+    for j0 in range(0, sk, block_n):
+        cols = torch.arange(j0, min(j0 + block_n, sk), device=q.device)
+        s = torch.einsum("bthd,bshd->bhts", q, k[:, j0 : j0 + block_n]) * scale  # (b, h, sq, n)
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        if alibi_slopes is not None:
+            s = s + _alibi_bias(alibi_slopes, rows, cols, offset, b, h, f64)
+        vis = _visible(
+            rows,
+            cols,
+            offset,
+            causal=causal,
+            window_size=window_size,
+            query_padding_mask=query_padding_mask,
+            key_padding_mask=key_padding_mask,
+        )
+        s = s.masked_fill(~vis, -math.inf)
+        # -- update m and l; a row with nothing seen yet keeps m = -inf, so exponentiate against 0 there
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_ref)
+        p = torch.exp(s - m_ref.unsqueeze(-1))
+        l_i = alpha * l_i + p.sum(dim=-1)
+        if dropout_mask is not None:
+            p = p.masked_fill(~dropout_mask[..., j0 : j0 + block_n], 0.0) * drop_scale
+        # -- rescale the accumulator and add this block: (b, h, sq, n) x (b, n, h, dv) -> (b, h, sq, dv)
+        acc = alpha.unsqueeze(-1) * acc + torch.einsum("bhts,bshd->bhtd", p, v[:, j0 : j0 + block_n])
+        m = m_new
+
+    empty = l_i == 0
+    l_safe = torch.where(empty, torch.ones_like(l_i), l_i)
+    out = (acc / l_safe.unsqueeze(-1)).transpose(1, 2)
+    lse = torch.where(empty, torch.full_like(l_i, math.inf), m + torch.log(l_safe))
+    return out, lse

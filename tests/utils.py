@@ -1,0 +1,111 @@
+"""Shared test helpers: the tolerance rule and random (optionally non-contiguous) inputs."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["assert_close_to_ref", "make_qkv", "max_abs_err"]
+
+
+def max_abs_err(a, b):
+    """Max |a - b| over entries where b is finite, in float64 (0.0 for empty tensors)."""
+    a, b = a.detach().double(), b.detach().double()
+    fin = torch.isfinite(b)
+    if not fin.any():
+        return 0.0
+    return (a[fin] - b[fin]).abs().max().item()
+
+
+def _describe(t):
+    t = t.detach()
+    nan, pinf, ninf = (int(f(t).sum()) for f in (torch.isnan, torch.isposinf, torch.isneginf))
+    return f"nan={nan} +inf={pinf} -inf={ninf}"
+
+
+def assert_close_to_ref(out, out_ref, out_pt, *, factor=2.0, atol_floor=1e-5, name="out"):
+    """The tolerance rule: ``max|out - ref| <= factor * max|out_pt - ref| + atol_floor``.
+
+    ``out_ref`` is the float64 oracle, ``out_pt`` plain PyTorch in the same low precision as ``out``, so the
+    bound scales with the precision actually being tested (factor 2 for outputs, 3 for gradients).
+    Infinite entries of the reference (LSE = +inf rows) must be matched exactly, position and sign.
+    """
+    if out.shape != out_ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference shape {tuple(out_ref.shape)}")
+    o, r, p = out.detach().double().cpu(), out_ref.detach().double().cpu(), out_pt.detach().double().cpu()
+    problems = []
+    if torch.isnan(o).any():
+        problems.append(f"{int(torch.isnan(o).sum())} NaN entries")
+    ref_inf = torch.isinf(r)
+    inf_bad = (ref_inf & (o != r)) | (~ref_inf & torch.isinf(o))
+    if inf_bad.any():
+        idx = inf_bad.nonzero()[:5].tolist()
+        problems.append(f"{int(inf_bad.sum())} entries disagree on +-inf, first at {idx}")
+    fin = torch.isfinite(r) & torch.isfinite(o)
+    diff = torch.zeros_like(r)
+    diff[fin] = (o[fin] - r[fin]).abs()
+    err = diff.max().item() if diff.numel() else 0.0
+    pt_err = max_abs_err(p, r)
+    tol = factor * pt_err + atol_floor
+    if err > tol:
+        bad = (diff > tol).nonzero()[:5]
+        first = ", ".join(
+            f"{tuple(i)}: got {o[tuple(i)].item():.6g} ref {r[tuple(i)].item():.6g}" for i in bad.tolist()
+        )
+        problems.append(
+            f"max err {err:.4g} > tol {tol:.4g} (= {factor} * pt err {pt_err:.4g} + {atol_floor:g}); "
+            f"mean err {diff[fin].mean().item():.4g}; {int((diff > tol).sum())}/{diff.numel()} entries "
+            f"over; first: {first}"
+        )
+    if problems:
+        raise AssertionError(
+            f"{name} {tuple(out.shape)} {out.dtype}: " + "; ".join(problems)
+            + f"\n  out: {_describe(o)}; ref: {_describe(r)}; pt: {_describe(p)}"
+        )
+
+
+def make_qkv(
+    b,
+    sq,
+    sk,
+    h,
+    hk,
+    d,
+    dtype=torch.float32,
+    device="cpu",
+    dv=None,
+    layout="contiguous",
+    *,
+    scale=1.0,
+    requires_grad=False,
+    generator=None,
+):
+    """Random q ``(b, sq, h, d)``, k ``(b, sk, hk, d)``, v ``(b, sk, hk, dv)``.
+
+    layout:
+        ``"contiguous"``: plain tensors.
+        ``"strided"``: non-contiguous views with a contiguous last dim: when the shapes allow it (sq == sk,
+            h == hk, dv == d) slices of one packed ``(b, s, 3, h, d)`` qkv tensor, otherwise views of
+            ``(b, heads, s, dim + 8)`` buffers transposed to ``(b, s, heads, dim)`` and cut to ``dim``.
+
+    ``scale`` multiplies the values (use it for extreme logits).  With ``requires_grad`` the views are
+    part of an autograd graph (non-leaf when strided): differentiate with ``torch.autograd.grad``.
+    """
+    dv = d if dv is None else dv
+
+    def rand(*shape):
+        x = torch.randn(*shape, generator=generator, dtype=torch.float32) * scale
+        x = x.to(device=device, dtype=dtype)
+        return x.requires_grad_(requires_grad)
+
+    if layout == "contiguous":
+        return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, dv)
+    if layout != "strided":
+        raise ValueError(f"layout={layout!r}; expected 'contiguous' or 'strided'")
+    if sq == sk and h == hk and dv == d:
+        qkv = rand(b, sq, 3, h, d)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def strided(s, heads, dim):
+        return rand(b, heads, s, dim + 8).transpose(1, 2)[..., :dim]
+
+    return strided(sq, h, d), strided(sk, hk, d), strided(sk, hk, dv)
