@@ -1,0 +1,100 @@
+"""Argument checks with actionable messages: each names the argument, the value received and what is expected."""
+
+import math
+import numbers
+
+import torch
+
+MAX_HEADDIM = 256
+_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of layout {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {t.dim()} ({_describe(t)})")
+    allowed = _GPU_DTYPES if t.is_cuda else _CPU_DTYPES
+    if t.dtype not in allowed:
+        hint = " (float64 is not supported on GPU; use bfloat16 or float16)" if t.dtype == torch.float64 else ""
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in allowed)}{hint}"
+        )
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty ({_describe(t)}); every dimension of {layout} must be >= 1")
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}; "
+            f"call .contiguous() on it"
+        )
+
+
+def check_qkv(q, k, v) -> None:
+    """q (b, sq, h, d), k/v (b, sk, h_k, d): same batch, head dim, dtype and device; h a multiple of h_k."""
+    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must share one device")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}; they must match")
+        if t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} has headdim {t.shape[-1]} but q has {q.shape[-1]}; they must match")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"v has seqlen_k {v.shape[1]} and nheads_k {v.shape[2]} but k has {k.shape[1]} and {k.shape[2]}; "
+            f"k and v must match in both"
+        )
+    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    if h % hk != 0:
+        raise ValueError(
+            f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)"
+        )
+    if d > MAX_HEADDIM:
+        raise ValueError(f"q has headdim {d}; headdim must be at most {MAX_HEADDIM}")
+
+
+def check_scale(softmax_scale) -> None:
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+
+
+def check_window(window_size) -> tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = window_size
+    for side, w in (("left", left), ("right", right)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(
+                f"window_size {side} must be an int >= -1 (-1 means unbounded), got {w!r} in {window_size!r}"
+            )
+    return int(left), int(right)
+
+
+def check_dropout(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+
+
+def check_softcap(softcap) -> None:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or softcap < 0:
+        raise ValueError(f"softcap must be a float >= 0 (0 disables it), got {softcap!r}")
+
+
+def check_packed(name: str, t, ndim: int, axis: int, count: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of layout {layout}, got {type(t).__name__}")
+    if t.dim() != ndim or t.shape[axis] != count:
+        raise ValueError(f"{name} must have layout {layout}, got shape {tuple(t.shape)}")

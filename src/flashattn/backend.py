@@ -1,0 +1,39 @@
+"""Which implementation runs a call: the Triton kernels or the chunked pure-PyTorch algorithm.
+
+`triton` serves CUDA tensors, and CPU tensors when the process runs under TRITON_INTERPRET=1 (how CI tests the
+kernels); `torch` serves every other CPU tensor. FLASHATTN_BACKEND=triton|torch forces one; it is read at call
+time.
+"""
+
+import os
+
+import torch
+
+BACKENDS = ("triton", "torch")
+
+
+def backend_name(t: torch.Tensor) -> str:
+    forced = os.environ.get("FLASHATTN_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"FLASHATTN_BACKEND is {forced!r}; expected one of {', '.join(BACKENDS)}")
+        if forced == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"FLASHATTN_BACKEND=triton but the tensors are on {t.device}: the Triton kernels need a CUDA "
+                f"device, or TRITON_INTERPRET=1 set before the process starts to interpret them on the CPU"
+            )
+        return forced
+    if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return "triton"
+    return "torch"
+
+
+def backend_module(t: torch.Tensor):
+    """The module whose attention_forward / attention_backward serve tensors like `t`."""
+    if backend_name(t) == "triton":
+        from flashattn.ops import attention
+
+        return attention
+    from flashattn import torch_backend
+
+    return torch_backend
