@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything the GPU has to show, in one device call. Writes logs and JSON under $OUT.
+#   bash scripts/device_check.sh tune     correctness check, sanitizers, config sweep
+#   bash scripts/device_check.sh full     gpu tests, benchmark suites (train, memory), io measurement
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+stage=${1:-full}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+if [ "$stage" = tune ]; then
+  python3 -m flashattn check 2>&1 | tee "$OUT/check.log"
+  timeout 240 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py 2>&1 | tail -5 | tee "$OUT/memcheck.log"
+  python3 scripts/tune.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
+fi
+
+if [ "$stage" = full ]; then
+  python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest_gpu.log"
+  python3 -m flashattn bench --suite train ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_train.log"
+  python3 -m flashattn bench --suite memory 2>&1 | tee "$OUT/bench_memory.log"
+  tar -C benchmarks/results -czf "$OUT/results.tgz" .
+fi

@@ -1,0 +1,5 @@
+import sys
+
+from flashattn.cli import main
+
+sys.exit(main())
