@@ -9,11 +9,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from flashattn.bench import cli as bench_cli
-
-    bench_cli.add_arguments(sub.add_parser("bench", help="benchmark suites (providers side by side)"))
-
     from flashattn import io_cli
 
+    bench_cli.add_arguments(sub.add_parser("bench", help="benchmark suites (providers side by side)"))
     io_cli.add_arguments(sub.add_parser("io", help="HBM-traffic model of each kernel"))
 
     sub.add_parser("check", help="check forward and gradients against the fp64 oracle on this machine")
