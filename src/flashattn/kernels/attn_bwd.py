@@ -13,7 +13,7 @@ import triton.language as tl
 
 from flashattn.kernels.common import causal_bounds, causal_bounds_t, load_tile, store_tile
 
-LOG2E: tl.constexpr = 1.4426950408889634  # the saved LSE is natural-log; the kernels work in base 2
+LOG2E = tl.constexpr(1.4426950408889634)  # the saved LSE is natural-log; the kernels work in base 2
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from flashattn.kernels.common import causal_bounds, load_tile, store_tile
 
-LN2: tl.constexpr = 0.6931471805599453  # the kernel works in base 2; LSE leaves it as a natural log
+LN2 = tl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
 
 
 @triton.jit
