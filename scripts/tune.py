@@ -15,13 +15,17 @@ from triton.testing import do_bench
 
 from flashattn.ops.attention import attention_backward, attention_forward
 
-FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
-DKDV = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2)]
-DQ = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)]
+CANDIDATES = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3)],
+    "dkdv_atomic": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+}
 BIG_D = {  # d = 256: registers and shared memory bound the tiles
     "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
     "dkdv": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)],
     "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
+    "dkdv_atomic": [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
 }
 
 
@@ -38,10 +42,12 @@ def main():
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--kernels", default="fwd,dkdv,dq,dkdv_atomic")
     args = ap.parse_args()
     rows = []
     for d in (int(x) for x in args.headdims.split(",")):
-        cands = BIG_D if d == 256 else {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+        cands = {name: c for name, c in (BIG_D if d == 256 else CANDIDATES).items()
+                 if name in args.kernels.split(",")}
         for n in (int(x) for x in args.seqlens.split(",")):
             b, h = 16384 // n, 2048 // d
             q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -50,7 +56,9 @@ def main():
                 out, lse = attention_forward(q, k, v, softmax_scale=d**-0.5, causal=causal)
                 for kernel, configs in cands.items():
                     for cfg in configs:
-                        os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}"
+                        # the split backward (dkdv + dq) is timed with the atomic path off
+                        other = "" if kernel in ("fwd", "dkdv_atomic") else ";dkdv_atomic=off"
+                        os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}{other}"
                         if kernel == "fwd":
                             fn = lambda: attention_forward(q, k, v, softmax_scale=d**-0.5, causal=causal)  # noqa: E731
                             work = fl
