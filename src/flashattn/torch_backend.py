@@ -95,16 +95,20 @@ class _Tiles:
             vis &= j >= diag - self.left
         return vis
 
-    def scores(self, qs, kc, shape5, i0, i1, j0, j1):
-        """Scaled, softcapped, ALiBi-biased, masked scores ``(b, hk, g, m, n)`` and tanh (softcap only).
+    def scores(self, qs, kc, shape5, i0, i1, j0, j1, keep_tanh=False):
+        """Scaled, softcapped, ALiBi-biased, masked scores ``(b, hk, g, m, n)``, and with ``keep_tanh`` the
+        softcap's tanh (the backward needs it for the derivative; None without softcap).
 
         ``qs`` is the query chunk already multiplied by softmax_scale, ``(b, hk, g*m, d)``.
         """
         s = torch.matmul(qs, kc.transpose(-1, -2)).view(shape5)  # (b, hk, g*m, d) x (b, hk, d, n)
         t = None
         if self.softcap > 0:
-            t = s.div_(self.softcap).tanh_()
-            s = t * self.softcap
+            if keep_tanh:
+                t = s.div_(self.softcap).tanh_()
+                s = t * self.softcap
+            else:
+                s.div_(self.softcap).tanh_().mul_(self.softcap)
         if self.slopes is not None:
             rows = torch.arange(i0, i1, device=s.device).view(-1, 1) + self.offset
             dist = (rows - torch.arange(j0, j1, device=s.device).view(1, -1)).abs().to(s.dtype)
@@ -211,7 +215,7 @@ def attention_backward(
         group=group, cdtype=cdtype,
     )
     q5, do5, o5 = _heads_first(q, group), _heads_first(dout, group), _heads_first(out, group)
-    lse4 = lse.view(b, hk, group, sq) if lse.is_contiguous() else lse.reshape(b, hk, group, sq)
+    lse4 = lse.unflatten(1, (hk, group))
     kf = _copy_as(k.permute(0, 2, 1, 3), cdtype)
     vf = _copy_as(v.permute(0, 2, 1, 3), cdtype)
     dq = torch.zeros(b, sq, h, d, dtype=q.dtype, device=q.device)
@@ -237,7 +241,7 @@ def attention_backward(
             j1 = min(j0 + c, hi)
             n = j1 - j0
             kc, vc = kf[:, :, j0:j1], vf[:, :, j0:j1]
-            s, t = tiles.scores(qs, kc, (b, hk, group, m, n), i0, i1, j0, j1)
+            s, t = tiles.scores(qs, kc, (b, hk, group, m, n), i0, i1, j0, j1, keep_tanh=True)
             p = s.sub_(lse_c).exp_()  # (b, hk, g, m, n)
             p2 = p.view(b, hk, group * m, n)
             # dV += P^T dO, summed over the group and the chunk rows: (b, hk, n, g*m) x (b, hk, g*m, dv)
