@@ -42,10 +42,12 @@ def sweep_data(shape: AttnShape, machine: Machine = H200) -> dict[str, Any]:
             ("standard[naive] fwd+bwd", standard_attention(at, machine=machine)),
         ):
             points.setdefault(label, []).append(
-                dict(seqlen=n, intensity=est.intensity, flops=est.flops, bytes=est.total_bytes,
-                     peak_extra_bytes=est.peak_extra_bytes)
+                dict(seqlen=n, intensity=est.intensity, intensity_no_l2=est.flops / est.total_bytes_no_l2,
+                     flops=est.flops, bytes=est.total_bytes, peak_extra_bytes=est.peak_extra_bytes)
             )
-    return {"law": law, "roofline": points,
+    where = (f"b={shape.batch}, h={shape.nheads}, h_k={shape.nheads_k}, d={d}"
+             + (", causal" if shape.causal else ""))
+    return {"law": law, "roofline": points, "shape": where,
             "machine": dict(name=machine.name, flops=machine.matmul_flops, bandwidth=machine.bandwidth)}
 
 
@@ -77,17 +79,28 @@ def write_plots(data: dict[str, Any], out: Path) -> list[Path]:
     machine = data["machine"]
     peak, bw = machine["flops"], machine["bandwidth"]
     fig, ax = plt.subplots(figsize=(7, 5))
-    intensities = [p["intensity"] for pts in data["roofline"].values() for p in pts]
+    intensities = [p[key] for pts in data["roofline"].values() for p in pts
+                   for key in ("intensity", "intensity_no_l2")]
     lo, hi = min(intensities) / 2, max(intensities) * 2
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.loglog(xs, [min(peak, bw * x) / 1e12 for x in xs], "k-", lw=2,
+    roof = lambda x: min(peak, bw * x) / 1e12  # noqa: E731
+    ax.loglog(xs, [roof(x) for x in xs], "k-", lw=2,
               label=f"{machine['name']}: {peak / 1e12:.0f} TFLOP/s, {bw / 1e12:.2f} TB/s")
     for label, pts in data["roofline"].items():
         x = [p["intensity"] for p in pts]
-        ax.loglog(x, [min(peak, bw * i) / 1e12 for i in x], "o-", ms=4, label=label)
-        ax.annotate(f"N={pts[-1]['seqlen']}", (x[-1], min(peak, bw * x[-1]) / 1e12), fontsize=7)
-    ax.set(xlabel="arithmetic intensity (executed FLOP / DRAM byte, L2-aware)",
-           ylabel="attainable TFLOP/s", title="Roofline of each kernel (model), N = 512 .. 16384")
+        (line,) = ax.loglog(x, [roof(i) for i in x], "o-", ms=4, label=label)
+        x_no_l2 = [p["intensity_no_l2"] for p in pts]
+        if x_no_l2 != x:
+            # hollow: the same kernel if L2 served no re-read, which is where tiling alone puts it
+            ax.loglog(x_no_l2, [roof(i) for i in x_no_l2], "o--", ms=4, mfc="none", color=line.get_color())
+        # label the ends of a series that moves with N; one label where the intensity does not depend on N
+        ends = (pts[0], pts[-1]) if pts[-1]["intensity"] > 1.5 * pts[0]["intensity"] else (pts[-1],)
+        for p in ends:
+            ax.annotate(f"N={p['seqlen']}", (p["intensity"], roof(p["intensity"])), fontsize=6,
+                        xytext=(2, -9), textcoords="offset points")
+    ax.set(xlabel="arithmetic intensity (executed FLOP / DRAM byte; hollow: no L2 reuse)",
+           ylabel="attainable TFLOP/s",
+           title=f"Roofline of each kernel (model), N = 512 .. 16384\n{data['shape']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "roofline.png"))
@@ -97,7 +110,7 @@ def write_plots(data: dict[str, Any], out: Path) -> list[Path]:
         pts = data["roofline"][label]
         ax.loglog([p["seqlen"] for p in pts], [p["peak_extra_bytes"] / 2**30 for p in pts], "o-", label=label)
     ax.set(xlabel="sequence length N", ylabel="peak extra memory (GiB)",
-           title="Peak extra memory, forward + backward")
+           title=f"Peak extra memory, forward + backward\n{data['shape']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     written.append(_save(fig, out / "peak_memory.png"))

@@ -1,0 +1,459 @@
+#!/usr/bin/env python3
+"""Measure DRAM traffic of our kernels and of standard attention with Nsight Compute; compare with the model.
+
+For each shape and case this runs, under `ncu --profile-from-start off`, a child process of this same
+script that warms up, then brackets exactly one call with cudaProfilerStart/Stop: our forward, our backward
+(launchers from flashattn.ops.attention, else flash_attn_func + autograd), our decode
+(flashattn.flash_attn_with_kvcache, when it exists), the `naive` provider's standard attention, and SDPA's
+FlashAttention-2 as a yardstick. The per-kernel dram__bytes_read/write are summed per call and set against
+flashattn.iomodel: the L2-aware estimate (the +-20% target) and the no-L2 upper bound. Results: ncu_io.json,
+ncu_io.md and the raw CSVs under --out. Each case is one process (~10-20 s); the default set is 36 cases, so
+on a machine with a 10-minute command limit run it in parts (--cases ours, then naive,sdpa_flash).
+
+On the GPU machine, from the repository root:
+    PYTHONPATH=src python scripts/ncu_io.py --quick --out "$OUT"        # GPT-2 medium only, ~1 min
+    PYTHONPATH=src python scripts/ncu_io.py --out "$OUT"                # every default shape
+    PYTHONPATH=src python scripts/ncu_io.py --shape b=8,h=16,n=8192,d=128,causal=1 --cases ours,naive
+    PYTHONPATH=src python scripts/ncu_io.py --decode-shape b=16,h=32,hk=8,sq=1,sk=16384,d=128
+    PYTHONPATH=src python scripts/ncu_io.py --dry-run                   # print the ncu command lines only
+Reading the counters needs profiling permission (root, or NVreg_RestrictProfilingToAdminUsers=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
+IMPLS = ("ours", "naive", "sdpa_flash")
+TRAIN_SHAPES = (
+    "b=64,h=16,n=1024,d=64",  # GPT-2 medium: the anchors measured naive 84.0 GB, sdpa_flash 4.41 GB (fwd+bwd)
+    "b=64,h=16,n=1024,d=64,causal=1",
+    "b=4,h=16,n=4096,d=128,causal=1",
+    "b=1,h=16,n=16384,d=128,causal=1",
+    "b=4,h=32,hk=8,n=4096,d=128",  # GQA
+)
+DECODE_SHAPES = ("b=16,h=32,hk=8,sq=1,sk=16384,d=128", "b=1,h=32,hk=8,sq=1,sk=65536,d=128")
+TARGET = 0.20  # measured DRAM bytes within +-20% of the L2-aware estimate
+
+
+# ---------------------------------------------------------------- shapes and the model
+
+def parse_shape(spec: str) -> dict:
+    """`b=64,h=16,hk=8,n=1024,sq=..,sk=..,d=64,causal=1,dtype=bf16` -> dict (n sets both sequence lengths)."""
+    out: dict = {"b": 1, "h": 1, "d": 64, "causal": False, "dtype": "bf16"}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key == "n":
+            out["sq"] = out["sk"] = int(value)
+        elif key == "causal":
+            out["causal"] = value.strip().lower() in ("1", "true", "yes")
+        elif key == "dtype":
+            out["dtype"] = value.strip()
+        elif key in ("b", "h", "hk", "sq", "sk", "d"):
+            out[key] = int(value)
+        else:
+            raise ValueError(f"shape key {key!r} in {spec!r}: expected b, h, hk, n, sq, sk, d, causal, dtype")
+    if "sq" not in out:
+        raise ValueError(f"shape {spec!r} needs n= or sq= (and sk=)")
+    out.setdefault("sk", out["sq"])
+    out.setdefault("hk", out["h"])
+    return out
+
+
+def attn_shape(spec: dict):
+    from flashattn.iomodel import AttnShape, dtype_bytes
+
+    return AttnShape(batch=spec["b"], nheads=spec["h"], nheads_k=spec["hk"], seqlen_q=spec["sq"],
+                     seqlen_k=spec["sk"], headdim=spec["d"], dtype_bytes=dtype_bytes(spec["dtype"]),
+                     causal=spec["causal"])
+
+
+def model_for(spec: dict, impl: str, pass_: str):
+    """The iomodel estimate a measurement is compared with (None for the SDPA yardstick)."""
+    from flashattn.iomodel import backward_io, decode_io, forward_io, standard_attention
+
+    shape = attn_shape(spec)
+    if impl == "ours":
+        return {"fwd": forward_io, "bwd": backward_io, "decode": decode_io}[pass_](shape)
+    if impl == "naive":
+        return standard_attention(shape, "fwd" if pass_ == "decode" else pass_, recipe="naive")
+    return None
+
+
+# ---------------------------------------------------------------- parsing ncu's CSV
+
+_BYTE_UNITS = {"byte": 1, "bytes": 1, "b": 1, "kbyte": 1e3, "kb": 1e3, "mbyte": 1e6, "mb": 1e6, "gbyte": 1e9,
+               "gb": 1e9, "tbyte": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_TIME_UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9,
+               "s": 1e9}
+_FIELDS = {"dram__bytes_read.sum": "dram_read_bytes", "dram__bytes_write.sum": "dram_write_bytes",
+           "gpu__time_duration.sum": "time_ns"}
+
+
+def _number(text: str) -> float | None:
+    text = text.strip().strip('"')
+    if not text or text.lower() in ("n/a", "nan"):
+        return None
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")  # thousands separators
+    elif "," in text and "." not in text:
+        text = text.replace(",", ".")  # a decimal comma (non-C locale)
+    return float(text)
+
+
+def _scaled(metric: str, value: float | None, unit: str) -> float | None:
+    if value is None:
+        return None
+    table = _TIME_UNITS if metric.startswith("gpu__time") else _BYTE_UNITS
+    unit = unit.strip().lower()
+    if unit and unit not in table:
+        raise ValueError(f"unit {unit!r} of {metric} is not known; expected one of {sorted(table)}")
+    return value * table.get(unit, 1)
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """Per-kernel metrics from `ncu --csv` output: [{id, kernel, dram_read_bytes, dram_write_bytes, time_ns}].
+
+    Accepts the long format (a row per kernel and metric: "Metric Name", "Metric Unit", "Metric Value") and
+    the wide `--page raw` format (a column per metric, units in the row after the header). Lines before the
+    header (==PROF== messages, the child's own output) are skipped; values come back in bytes and nanoseconds.
+    """
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.DictReader(line for line in lines[start:] if line.startswith('"')))
+    kernels: dict[int, dict] = {}
+
+    def entry(row: dict) -> dict:
+        kid = int(row["ID"])
+        return kernels.setdefault(kid, {"id": kid, "kernel": row.get("Kernel Name", ""),
+                                        **{field: None for field in _FIELDS.values()}})
+
+    long_format = "Metric Name" in (rows[0] if rows else {})
+    units = {}
+    for row in rows:
+        if not (row.get("ID") or "").strip().isdigit():
+            units = units or row  # the wide format's units row
+            continue
+        if long_format:
+            metric = row["Metric Name"]
+            if metric in _FIELDS:
+                value = _number(row["Metric Value"])
+                entry(row)[_FIELDS[metric]] = _scaled(metric, value, row["Metric Unit"])
+        else:
+            for metric, field in _FIELDS.items():
+                if metric in row:
+                    entry(row)[field] = _scaled(metric, _number(row[metric]), units.get(metric, ""))
+    return [kernels[k] for k in sorted(kernels)]
+
+
+def summarize(kernels: list[dict]) -> dict:
+    """Sum one call's kernels."""
+    total = {field: sum(k[field] or 0 for k in kernels) for field in _FIELDS.values()}
+    return {"kernels": len(kernels), **total}
+
+
+# ---------------------------------------------------------------- the profiled child
+
+def _setup(spec: dict, impl: str, pass_: str):
+    """(prepare, call): `call` is exactly what gets profiled; `prepare` runs before it, outside the range."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["dtype"]]
+    b, h, hk, sq, sk, d, causal = (spec[key] for key in ("b", "h", "hk", "sq", "sk", "d", "causal"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    q, k, v, dout = randn(b, sq, h, d), randn(b, sk, hk, d), randn(b, sk, hk, d), randn(b, sq, h, d)
+    scale = d**-0.5
+    nothing = lambda: None  # noqa: E731
+    if impl == "ours":
+        if pass_ == "decode":
+            from flashattn import flash_attn_with_kvcache  # ImportError: not built yet (the parent skips)
+
+            seqlens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+            return nothing, lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal)
+        try:
+            from flashattn.ops.attention import attention_backward, attention_forward
+        except ImportError:
+            return _autograd_setup(spec, pass_, q, k, v, dout)
+        if pass_ == "fwd":
+            return nothing, lambda: attention_forward(q, k, v, softmax_scale=scale, causal=causal)
+        out, lse = attention_forward(q, k, v, softmax_scale=scale, causal=causal)
+        return nothing, lambda: attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
+                                                   causal=causal)
+
+    # naive and SDPA take contiguous (b, h, s, d) leaves, as the benchmark providers do
+    leaves = [x.transpose(1, 2).contiguous().requires_grad_(pass_ == "bwd") for x in (q, k, v)]
+    dout = dout.transpose(1, 2).contiguous()
+    if impl == "naive":
+        from flashattn.bench.providers.naive import causal_drop_mask, naive_attention
+
+        drop = causal_drop_mask(sq, sk, q.device) if causal else None
+        fwd = lambda: naive_attention(*leaves, causal=causal, softmax_scale=scale, drop=drop)  # noqa: E731
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel(SDPBackend.FLASH_ATTENTION).__enter__()  # for the child's lifetime
+        fwd = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            *leaves, is_causal=causal, scale=scale, enable_gqa=h != hk)
+    if pass_ in ("fwd", "decode"):
+        return nothing, fwd
+    state = {}
+    return (lambda: state.update(out=fwd()),
+            lambda: torch.autograd.grad(state["out"], leaves, dout))
+
+
+def _autograd_setup(spec, pass_, q, k, v, dout):
+    import torch
+
+    from flashattn import flash_attn_func
+
+    causal = spec["causal"]
+    if pass_ == "fwd":
+        return (lambda: None), (lambda: flash_attn_func(q, k, v, causal=causal))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    state = {}
+    return (lambda: state.update(out=flash_attn_func(*leaves, causal=causal)),
+            lambda: torch.autograd.grad(state["out"], leaves, dout))
+
+
+def child(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        prepare, call = _setup(parse_shape(args.shape), args.impl, args.pass_)
+    except ImportError as err:
+        print(f"ncu_io child: unavailable: {err}", file=sys.stderr)
+        return 3
+    for _ in range(args.warmup):  # compile, pick configs, fill the allocator's cache
+        prepare()
+        call()
+    prepare()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+# ---------------------------------------------------------------- the parent: run, compare, report
+
+def find_ncu(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    found = shutil.which("ncu")
+    if found:
+        return found
+    candidates = [Path("/usr/local/cuda/bin/ncu"), *sorted(Path("/opt/nvidia").glob("nsight-compute*/ncu"))]
+    return next((str(p) for p in candidates if p.exists()), None)
+
+
+def build_ncu_command(ncu: str, shape: str, impl: str, pass_: str, *, warmup: int = 2,
+                      python: str = sys.executable, script: str = str(Path(__file__).resolve())) -> list[str]:
+    return [
+        ncu, "--clock-control", "none", "--profile-from-start", "off",
+        "--metrics", ",".join(METRICS), "--csv", "--print-units", "base",
+        python, script, "--child", "--shape", shape, "--impl", impl, "--pass", pass_, "--warmup", str(warmup),
+    ]
+
+
+def cases(train_shapes, decode_shapes, impls) -> list[tuple[str, str, str]]:
+    out = [(s, impl, p) for s in train_shapes for impl in impls for p in ("fwd", "bwd")]
+    out += [(s, impl, "decode") for s in decode_shapes for impl in impls]
+    return out
+
+
+def measure(ncu: str, shape: str, impl: str, pass_: str, raw_dir: Path, timeout: float) -> dict:
+    cmd = build_ncu_command(ncu, shape, impl, pass_)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    name = f"{impl}-{pass_}-{re.sub(r'[^0-9a-z]+', '_', shape)}"
+    (raw_dir / f"{name}.csv").write_text(proc.stdout)
+    if proc.stderr:
+        (raw_dir / f"{name}.stderr").write_text(proc.stderr)
+    kernels = parse_ncu_csv(proc.stdout)
+    if proc.returncode or not kernels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        status = "unavailable" if "unavailable" in proc.stderr else "error"
+        return {status: " | ".join(tail) or f"exit {proc.returncode}, no kernels profiled"}
+    return {"kernels": kernels, "measured": summarize(kernels), "seconds": round(time.time() - started, 1)}
+
+
+def compare(measured: dict, model) -> dict:
+    if model is None:
+        return {}
+    total = measured["dram_read_bytes"] + measured["dram_write_bytes"]
+    out = {"model": model.to_dict(), "ratio": total / model.total_bytes,
+           "ratio_no_l2": total / model.total_bytes_no_l2}
+    out["within_target"] = abs(out["ratio"] - 1) <= TARGET
+    return out
+
+
+def _sum_passes(results: list[dict]) -> list[dict]:
+    """fwd + bwd rows per (shape, impl), measured and modelled, so training steps compare with the anchors."""
+    by_key: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in results:
+        if r["pass"] in ("fwd", "bwd") and "measured" in r:
+            by_key.setdefault((r["shape"], r["impl"]), {})[r["pass"]] = r
+    rows = []
+    for (shape, impl), passes in by_key.items():
+        if set(passes) != {"fwd", "bwd"}:
+            continue
+        measured = {key: passes["fwd"]["measured"][key] + passes["bwd"]["measured"][key]
+                    for key in passes["fwd"]["measured"]}
+        row = {"shape": shape, "impl": impl, "pass": "fwd+bwd", "measured": measured}
+        models = [passes[p].get("model") for p in ("fwd", "bwd")]
+        if all(models):
+            model_total = sum(m["total_bytes"] for m in models)
+            model_no_l2 = sum(m["total_bytes_no_l2"] for m in models)
+            total = measured["dram_read_bytes"] + measured["dram_write_bytes"]
+            row.update(model_total=model_total, model_no_l2=model_no_l2, ratio=total / model_total,
+                       ratio_no_l2=total / model_no_l2, within_target=abs(total / model_total - 1) <= TARGET)
+        rows.append(row)
+    return rows
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    gb = 1e9
+    lines = [
+        "# DRAM traffic: Nsight Compute vs flashattn.iomodel",
+        "",
+        f"{meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, ncu `{' '.join(meta['ncu_flags'])}`; "
+        f"one call per row, summed over its kernels. Model: L2-aware estimate (target +-{TARGET:.0%}) and "
+        "the no-L2 upper bound; `naive` is modelled by the standard-attention recipe, `sdpa_flash` is a "
+        "yardstick.",
+        "",
+        "| shape | impl | pass | kernels | read GB | write GB | total GB | model GB | meas/model | no-L2 GB "
+        "| meas/no-L2 | time ms | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results + _sum_passes(results):
+        if "measured" not in r:
+            reason = r.get("unavailable") or r.get("error") or "?"
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['pass']} |" + " – |" * 9 + f" {reason} |")
+            continue
+        m = r["measured"]
+        total = m["dram_read_bytes"] + m["dram_write_bytes"]
+        model_total = r.get("model_total", r.get("model", {}).get("total_bytes"))
+        model_no_l2 = r.get("model_no_l2", r.get("model", {}).get("total_bytes_no_l2"))
+        cells = [
+            r["shape"], r["impl"], r["pass"], str(m["kernels"]), f"{m['dram_read_bytes'] / gb:.3f}",
+            f"{m['dram_write_bytes'] / gb:.3f}", f"{total / gb:.3f}",
+            f"{model_total / gb:.3f}" if model_total else "–",
+            f"{r['ratio']:.2f}" if "ratio" in r else "–",
+            f"{model_no_l2 / gb:.3f}" if model_no_l2 else "–",
+            f"{r['ratio_no_l2']:.2f}" if "ratio_no_l2" in r else "–",
+            f"{m['time_ns'] / 1e6:.3f}",
+            ("ok" if r["within_target"] else "off") if "within_target" in r else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _meta() -> dict:
+    meta: dict = {"ncu_flags": build_ncu_command("ncu", "", "", "")[1:10], "date": time.strftime("%Y-%m-%d")}
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            meta["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return meta
+
+
+def parent(args: argparse.Namespace) -> int:
+    if args.shape or args.decode_shape:
+        train, decode = args.shape or [], args.decode_shape or []
+    else:
+        train, decode = (TRAIN_SHAPES[:1], []) if args.quick else (TRAIN_SHAPES, DECODE_SHAPES)
+    todo = cases(train, decode, args.cases)
+    ncu = find_ncu(args.ncu)
+    if args.dry_run:
+        for shape, impl, pass_ in todo:
+            print(" ".join(build_ncu_command(ncu or "ncu", shape, impl, pass_)))
+        return 0
+    if ncu is None:
+        print("ncu_io: Nsight Compute (ncu) not found; pass --ncu /path/to/ncu", file=sys.stderr)
+        return 2
+    default = ROOT / "benchmarks/results/io" / f"ncu-{time.strftime('%Y%m%d')}"
+    out = Path(args.out or os.environ.get("OUT") or default)
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    results = []
+    for shape, impl, pass_ in todo:
+        row = {"shape": shape, "impl": impl, "pass": pass_,
+               **measure(ncu, shape, impl, pass_, raw, args.timeout)}
+        if "measured" in row:
+            row.update(compare(row["measured"], model_for(parse_shape(shape), impl, pass_)))
+        results.append(row)
+        status = next((key for key in ("error", "unavailable") if key in row), "")
+        ratio = f"meas/model {row['ratio']:.2f}" if "ratio" in row else ""
+        print(f"{shape:40s} {impl:10s} {pass_:6s} {status or 'ok':11s} {ratio} {row.get(status, '')}",
+              flush=True)
+    meta = _meta()
+    (out / "ncu_io.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                 "fwd+bwd": _sum_passes(results)}, indent=2))
+    (out / "ncu_io.md").write_text(markdown(results, meta))
+    print(f"wrote {out / 'ncu_io.md'} and {out / 'ncu_io.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", action="append",
+                        help="a training shape (forward and backward are profiled): "
+                        "b=..,h=..,hk=..,n=.. (or sq=,sk=),d=..,causal=0|1; repeatable")
+    parser.add_argument("--decode-shape", action="append", help="a decode shape (sq=1,sk=..); repeatable. "
+                        "Without --shape/--decode-shape: a default set of both")
+    parser.add_argument("--cases", type=lambda s: s.split(","), default=list(IMPLS),
+                        help=f"comma-separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--quick", action="store_true", help="GPT-2 medium only (the anchors' shape)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default $OUT, else "
+                        "benchmarks/results/io/ncu-DATE)")
+    parser.add_argument("--ncu", default=None, help="path to ncu (default: PATH, /usr/local/cuda/bin)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per profiled case")
+    parser.add_argument("--dry-run", action="store_true", help="print the ncu command lines and exit")
+    # the child mode ncu wraps
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.shape = args.shape[0]
+        return child(args)
+    unknown = set(args.cases) - set(IMPLS)
+    if unknown:
+        parser.error(f"--cases {','.join(sorted(unknown))} not in {','.join(IMPLS)}")
+    return parent(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
