@@ -59,7 +59,7 @@ def attn_fwd_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPEC: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # the last query tiles carry the most keys under causal masking: launch them first
     num_m = tl.cdiv(seqlen_q, BLOCK_M)
@@ -84,7 +84,7 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # -- tiles every row of this block sees entirely: no predicate
-    for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d,
             seqlen_k, diag, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PREC,

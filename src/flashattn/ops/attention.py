@@ -66,7 +66,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
         *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(out),
         h, sq, sk, softmax_scale * LOG2E,
         GROUP=h // hk, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), WARP_SPEC=bool(cfg.warp_specialize),
+        CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

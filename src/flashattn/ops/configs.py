@@ -18,7 +18,6 @@ class TileConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    warp_specialize: int = 0  # forward only: Triton's automatic warp specialization of the main loop
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
