@@ -387,3 +387,23 @@ def test_ncu_command_and_comparison(ncu_io):
     assert result["ratio"] == pytest.approx(1.1) and result["within_target"]
     with pytest.raises(ValueError, match="expected b, h"):
         ncu_io.parse_shape("batch=4,n=128")
+
+
+def test_ncu_parent_writes_reports(ncu_io, tmp_path, capsys):
+    # A stand-in for ncu that prints a fixed report: exercises running, parsing, comparing and writing.
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!{sys.executable}\nprint({NCU_LONG!r})\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    assert ncu_io.main(["--ncu", str(fake), "--quick", "--cases", "ours", "--out", str(out)]) == 0
+    data = json.loads((out / "ncu_io.json").read_text())
+    fwd, bwd = data["results"]
+    assert (fwd["pass"], bwd["pass"]) == ("fwd", "bwd")
+    total = 402653184 + 138412032 + 268.44e6 + 4194.30e3
+    assert fwd["measured"]["dram_read_bytes"] + fwd["measured"]["dram_write_bytes"] == pytest.approx(total)
+    assert fwd["ratio"] == pytest.approx(total / fwd["model"]["total_bytes"])
+    (step,) = data["fwd+bwd"]
+    assert step["model_total"] == fwd["model"]["total_bytes"] + bwd["model"]["total_bytes"]
+    table = (out / "ncu_io.md").read_text()
+    assert "| b=64,h=16,n=1024,d=64 | ours | fwd | 2 |" in table and "| fwd+bwd |" in table
+    assert (out / "raw" / "ours-fwd-b_64_h_16_n_1024_d_64.csv").exists()

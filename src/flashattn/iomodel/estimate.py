@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 GB = 1e9  # traffic is reported in decimal GB, as Nsight Compute and the anchors do
@@ -198,11 +198,11 @@ class IOEstimate:
         return max(self.flops / peak_flops, moved / bandwidth)
 
     def bound(self, machine: Machine = H200) -> str:
-        """"memory" or "compute": which side of the machine's ridge point the estimate falls on."""
+        """Which side of the machine's ridge point the estimate falls on: "memory" or "compute"."""
         return "compute" if self.intensity >= machine.matmul_flops / machine.bandwidth else "memory"
 
     def to_dict(self, machine: Machine = H200) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "parts"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "parts"}
         out.update(
             total_bytes=self.total_bytes,
             total_bytes_no_l2=self.total_bytes_no_l2,
