@@ -16,16 +16,17 @@ from triton.testing import do_bench
 from flashattn.ops.attention import attention_backward, attention_forward
 
 CANDIDATES = {
-    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3)],
-    "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3)],
-    "dkdv_atomic": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+            (128, 32, 4, 3)],
+    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3),
+             (32, 64, 4, 3)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+           (128, 128, 8, 3)],
 }
 BIG_D = {  # d = 256: registers and shared memory bound the tiles
     "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
     "dkdv": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)],
     "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
-    "dkdv_atomic": [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
 }
 
 
@@ -42,7 +43,7 @@ def main():
     ap.add_argument("--out", default="tune.json")
     ap.add_argument("--headdims", default="64,128,256")
     ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--kernels", default="fwd,dkdv,dq,dkdv_atomic")
+    ap.add_argument("--kernels", default="fwd,dkdv,dq")
     args = ap.parse_args()
     rows = []
     for d in (int(x) for x in args.headdims.split(",")):
@@ -56,9 +57,7 @@ def main():
                 out, lse = attention_forward(q, k, v, softmax_scale=d**-0.5, causal=causal)
                 for kernel, configs in cands.items():
                     for cfg in configs:
-                        # the split backward (dkdv + dq) is timed with the atomic path off
-                        other = "" if kernel in ("fwd", "dkdv_atomic") else ";dkdv_atomic=off"
-                        os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}{other}"
+                        os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}"
                         if kernel == "fwd":
                             fn = lambda: attention_forward(q, k, v, softmax_scale=d**-0.5, causal=causal)  # noqa: E731
                             work = fl

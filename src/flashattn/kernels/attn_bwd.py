@@ -6,9 +6,9 @@
   attn_bwd_dq_kernel          one program per (query tile, batch·head): dQ += dS K
 with dS = P ∘ (dP − D) and dP = dO Vᵀ. The softmax scale multiplies dK and dQ once, at the end.
 
-Deterministic path: the three launches, no atomics, every gradient element written by one program (dQ costs
-a second pass that recomputes S and dP: 7 matmuls in all). Atomic path (ATOMIC_DQ): the dK/dV program also
-adds its dS K share into a float32 dQ accumulator (5 matmuls; the order of the adds varies run to run).
+No atomics: every gradient element is written by one program, so gradients are bitwise reproducible. dQ costs
+a second pass that recomputes S and dP (7 matmuls in all, against 5 with atomic dQ), and is still faster than
+the atomic variant on the H200 (benchmarks/NOTES.md).
 """
 
 import triton
@@ -42,10 +42,10 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qm, stride_dom, stride_dqm,
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
     start_m, offs_n, offs_d, seqlen_q, diag, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
@@ -61,29 +61,23 @@ def _dkdv_tile(
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) x (BLOCK_M, d)
-    if ATOMIC_DQ:
-        # keys past seqlen_k read as 0, so their share of dS K is 0
-        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
-        tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq,
-                      mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC,
+    Q, K, V, DO, LSE, Delta, DK, DV,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_dqb, stride_dqm, stride_dqh,
     nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -105,21 +99,18 @@ def attn_bwd_dkdv_kernel(
         off_h = off_hk * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
-        dq_base = DQ_ACC + off_b * stride_dqb + off_h * stride_dqh
         row_base = (off_b * nheads + off_h) * seqlen_q
         # -- query tiles straddling the diagonal
         for start_m in range(m_begin, m_full, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, dq_base, stride_qm, stride_dom,
-                stride_dqm, start_m, offs_n, offs_d, seqlen_q, diag, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                ATOMIC_DQ, DOT_PREC,
+                dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
+                start_m, offs_n, offs_d, seqlen_q, diag, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, True, DOT_PREC,
             )
         # -- query tiles that see the whole key tile
         for start_m in range(m_full, m_end, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, dq_base, stride_qm, stride_dom,
-                stride_dqm, start_m, offs_n, offs_d, seqlen_q, diag, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, False,
-                ATOMIC_DQ, DOT_PREC,
+                dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
+                start_m, offs_n, offs_d, seqlen_q, diag, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, False, DOT_PREC,
             )
     store_tile(DK + off_b * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,
                seqlen_k, HEAD_DIM)

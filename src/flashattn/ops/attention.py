@@ -76,9 +76,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                        softcap=0.0, alibi_slopes=None, deterministic=False):
     """Returns dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group).
 
-    deterministic=True takes the path without atomics (bitwise reproducible); otherwise dQ is accumulated with
-    float32 atomics inside the dK/dV kernel when the tile table says that is faster for this head dim.
+    Deterministic whatever `deterministic` says: no atomics, every gradient element is written by one program.
     """
+    del deterministic
     _unsupported(window_size, softcap, alibi_slopes)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -86,6 +86,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         dout = dout.contiguous()
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         _check_offsets(name, t)
+    dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, sk, hk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, sk, hk, d), dtype=v.dtype, device=v.device)
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -98,24 +99,15 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         out, dout, delta, *_row_strides(out), *_row_strides(dout), h, sq,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
     )
-    atomic_cfg = None if deterministic else tile_config("dkdv_atomic", block_d, q.device)
-    if atomic_cfg is not None:
-        dq_acc = torch.zeros((b, sq, h, d), dtype=torch.float32, device=q.device)
-        cfg = atomic_cfg
-    else:
-        dq_acc = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-        cfg = tile_config("dkdv", block_d, q.device)
+    cfg = tile_config("dkdv", block_d, q.device)
     attn_bwd_dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc,
+        q, k, v, dout, lse, delta, dk, dv,
         *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(dout),
-        *_row_strides(dk), *_row_strides(dv), *_row_strides(dq_acc),
+        *_row_strides(dk), *_row_strides(dv),
         h, hk, sq, sk, qk_scale, softmax_scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_cfg is not None, **common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if atomic_cfg is not None:
-        return (dq_acc * softmax_scale).to(q.dtype), dk, dv
-    dq = dq_acc
     cfg = tile_config("dq", block_d, q.device)
     attn_bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
         q, k, v, dout, lse, delta, dq,

@@ -38,39 +38,29 @@ _H200 = {
     ("dq", 256): TileConfig(128, 32, 8, 2),
 }
 
-# padded head dim -> config of the backward with atomic dQ, where it beats the deterministic pair of kernels
-_H200_ATOMIC: dict[int, TileConfig] = {}
-
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
     "dkdv": TileConfig(16, 32, 4, 1),
-    "dkdv_atomic": TileConfig(16, 32, 4, 1),
     "dq": TileConfig(32, 16, 4, 1),
 }
 
 
-def _overrides() -> dict[str, TileConfig | None]:
+def _overrides() -> dict[str, TileConfig]:
     text = os.environ.get("FLASHATTN_CONFIG", "")
     out = {}
     for part in filter(None, text.split(";")):
         name, _, spec = part.partition("=")
-        out[name.strip()] = None if spec.strip() == "off" else TileConfig.parse(spec)
+        out[name.strip()] = TileConfig.parse(spec)
     return out
 
 
-def tile_config(kernel: str, block_d: int, device: torch.device) -> TileConfig | None:
-    """The config for `kernel` ('fwd' | 'dkdv' | 'dq' | 'dkdv_atomic') at padded head dim `block_d`.
-
-    None for 'dkdv_atomic' where the atomic-dQ backward is not the faster one (FLASHATTN_CONFIG="dkdv_atomic=off"
-    disables it everywhere).
-    """
+def tile_config(kernel: str, block_d: int, device: torch.device) -> TileConfig:
+    """The config for `kernel` ('fwd' | 'dkdv' | 'dq') at padded head dim `block_d`."""
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
     if device.type != "cuda":
         return _INTERPRETER[kernel]
-    if kernel == "dkdv_atomic":
-        return _H200_ATOMIC.get(block_d)
     keys = sorted(d for (k, d) in _H200 if k == kernel)
     key = max([d for d in keys if d <= block_d], default=keys[0])
     return _H200[(kernel, key)]
