@@ -6,6 +6,7 @@ their table entry, so the backward's two kernels are tuned one at a time (their 
 """
 
 import argparse
+import functools
 import json
 import os
 
@@ -58,12 +59,12 @@ def main():
                 for kernel, configs in cands.items():
                     for cfg in configs:
                         os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}"
+                        kw = dict(softmax_scale=d**-0.5, causal=causal)
                         if kernel == "fwd":
-                            fn = lambda: attention_forward(q, k, v, softmax_scale=d**-0.5, causal=causal)  # noqa: E731
+                            fn = functools.partial(attention_forward, q, k, v, **kw)
                             work = fl
                         else:
-                            fn = lambda: attention_backward(do, q, k, v, out, lse, softmax_scale=d**-0.5,  # noqa: E731
-                                                            causal=causal)
+                            fn = functools.partial(attention_backward, do, q, k, v, out, lse, **kw)
                             work = 2.5 * fl
                         try:
                             ms = _time(fn)

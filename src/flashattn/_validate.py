@@ -1,4 +1,4 @@
-"""Argument checks with actionable messages: each names the argument, the value received and what is expected."""
+"""Argument checks whose messages name the argument, the value received and what is expected."""
 
 import math
 import numbers
@@ -21,7 +21,8 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {t.dim()} ({_describe(t)})")
     allowed = _GPU_DTYPES if t.is_cuda else _CPU_DTYPES
     if t.dtype not in allowed:
-        hint = " (float64 is not supported on GPU; use bfloat16 or float16)" if t.dtype == torch.float64 else ""
+        f64 = t.dtype == torch.float64
+        hint = " (float64 is not supported on GPU; use bfloat16 or float16)" if f64 else ""
         raise TypeError(
             f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in allowed)}{hint}"
         )
@@ -41,9 +42,9 @@ def check_qkv(q, k, v) -> None:
     check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must share one device")
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k, v must share a device")
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}; they must match")
         if t.shape[-1] != q.shape[-1]:

@@ -1,7 +1,8 @@
 """The attention ops registered with torch.library (namespace `flashattn::`), with their autograd.
 
 Registered as custom ops with fake (meta) implementations, so torch.compile(fullgraph=True) traces through
-forward and backward without a graph break. The op bodies dispatch to the Triton launchers or the torch backend.
+forward and backward without a graph break. The op bodies dispatch to the Triton launchers or the torch
+backend.
 """
 
 import torch
@@ -32,8 +33,8 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_
 
 @torch.library.custom_op("flashattn::attn_bwd", mutates_args=())
 def attn_bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
-    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+    causal: bool,    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return backend_module(q).attention_backward(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,

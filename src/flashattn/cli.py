@@ -8,8 +8,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from flashattn.bench import cli as bench_cli
     from flashattn import io_cli
+    from flashattn.bench import cli as bench_cli
 
     bench_cli.add_arguments(sub.add_parser("bench", help="benchmark suites (providers side by side)"))
     io_cli.add_arguments(sub.add_parser("io", help="HBM-traffic model of each kernel"))

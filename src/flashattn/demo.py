@@ -79,7 +79,9 @@ def check() -> int:
     """Forward and gradients against the oracle over odd shapes; exit status 1 on any failure."""
     dev = _device()
     dtypes = [torch.bfloat16, torch.float16] if dev.type == "cuda" else [torch.float32]
-    shapes = [(2, 113, 113, 4, 2, 64), (1, 17, 1023, 2, 1, 40), (1, 255, 67, 4, 4, 128), (2, 64, 64, 2, 2, 256)]
+    # (b, sq, sk, h, hk, d): odd lengths, sq != sk both ways, GQA/MQA, non-power-of-two and large head dims
+    shapes = [(2, 113, 113, 4, 2, 64), (1, 17, 1023, 2, 1, 40), (1, 255, 67, 4, 4, 128),
+              (2, 64, 64, 2, 2, 256)]
     failures = 0
     for dtype in dtypes:
         for b, sq, sk, h, hk, d in shapes:
@@ -95,10 +97,11 @@ def check() -> int:
                 refg = torch.autograd.grad(ref, (q, k, v), dout.double())
                 ptg = torch.autograd.grad(pt, (q, k, v), dout)
                 errs = [((out - ref).abs().max(), (pt - ref).abs().max(), 2)]
-                errs += [((g - r).abs().max(), (p - r).abs().max(), 3) for g, r, p in zip(grads, refg, ptg)]
+                errs += [((g - r).abs().max(), (p - r).abs().max(), 3) for g, r, p in zip(grads, refg, ptg, strict=True)]
                 ok = all(e <= f * e_pt + 1e-5 for e, e_pt, f in errs)
                 failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {str(dtype):15s} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} "
+                verdict = 'ok  ' if ok else 'FAIL'
+                print(f"{verdict} {str(dtype):15s} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} "
                       f"causal={causal}: out err {errs[0][0]:.1e} (pytorch {errs[0][1]:.1e})")
     print(f"{failures} failures")
     return 1 if failures else 0

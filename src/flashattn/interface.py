@@ -1,4 +1,4 @@
-"""Public attention functions, drop-in compatible with flash_attn 2.x (same names, argument order and defaults).
+"""Public attention functions, drop-in compatible with flash_attn 2.x (names, argument order, defaults).
 
 Layout: (batch, seqlen, nheads, headdim). Causal masking is aligned to the bottom-right corner of the score
 matrix: query i sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:

@@ -1,4 +1,4 @@
-"""Backward attention kernels. P is recomputed tile by tile from Q, K and the saved LSE; nothing N×N is stored.
+"""Backward attention kernels: P is recomputed tile by tile from Q, K and the saved LSE, nothing N×N stored.
 
   attn_bwd_preprocess_kernel  D_i = rowsum(dO_i ∘ O_i)
   attn_bwd_dkdv_kernel        one program per (key tile, batch·kv head): dV += Pᵀ dO, dK += dSᵀ Q over the
@@ -51,7 +51,7 @@ def _dkdv_tile(
     q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
     # rows past seqlen_q get LSE = +inf, so their P is exactly 0 without a predicate
     lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M) -> (BLOCK_N, BLOCK_M)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     if MASKED:
         p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + diag, p_t, 0.0)
@@ -110,11 +110,13 @@ def attn_bwd_dkdv_kernel(
         for start_m in range(m_full, m_end, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
-                start_m, offs_n, offs_d, seqlen_q, diag, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, False, DOT_PREC,
+                start_m, offs_n, offs_d, seqlen_q, diag, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, False,
+                DOT_PREC,
             )
     store_tile(DK + off_b * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,
                seqlen_k, HEAD_DIM)
-    store_tile(DV + off_b * stride_dvb + off_hk * stride_dvh, dv, offs_n, offs_d, stride_dvn, seqlen_k, HEAD_DIM)
+    store_tile(DV + off_b * stride_dvb + off_hk * stride_dvh, dv, offs_n, offs_d, stride_dvn, seqlen_k,
+               HEAD_DIM)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Launchers for the Triton attention kernels: allocate outputs, check strides, pick tiles and grid.
 
-Pure functions (tensors in, tensors out, no autograd), so tests, benchmarks and the CLI can call them directly.
+Pure functions (tensors in, tensors out, no autograd): tests, benchmarks and the CLI call them directly.
 Shapes: q (b, sq, h, d), k/v (b, sk, h_k, d); any strides with a contiguous last dim.
 """
 
@@ -50,7 +50,7 @@ def _unsupported(window_size, softcap, alibi_slopes) -> None:
 
 def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None):
-    """Returns out (b, sq, h, d) in q's dtype and lse (b, h, sq) float32 natural log (+inf: row saw no key)."""
+    """out (b, sq, h, d) in q's dtype and lse (b, h, sq) float32 natural log (+inf: row saw no key)."""
     _unsupported(window_size, softcap, alibi_slopes)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]

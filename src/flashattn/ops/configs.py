@@ -1,6 +1,6 @@
 """Tile shapes, warps and pipeline depths for the attention kernels.
 
-A shipped table for the H200 (measured with `scripts/tune.py`, see benchmarks/NOTES.md) so users pay no autotune
+A shipped table for the H200 (measured with `scripts/tune.py`, benchmarks/NOTES.md) so users pay no autotune
 time; other GPUs take the generic Hopper/Ampere-safe row. Under TRITON_INTERPRET=1 the tiles are small and
 unequal (BLOCK_M != BLOCK_N) so that CPU tests cross tile, tail and diagonal-band boundaries at small sizes.
 `FLASHATTN_CONFIG="fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"` overrides any entry (tuning and benchmarks).
