@@ -1,0 +1,227 @@
+"""Correctness check run before any timing: a provider that is wrong is reported, not timed.
+
+The oracle is fp64 and dense, so for large shapes it runs on a slice that is still exact:
+- batch element 0 and the first query heads covering whole GQA groups (kv heads are never split);
+- all query rows when that is cheap, else a block of the first and a block of the last rows. A block of rows
+  [r0, r1) depends only on the keys it can see, [0, r1 + sk - sq) when causal (bottom-right), so the oracle
+  gets exactly those keys;
+- gradients come from a backward with dout zero outside the checked rows and heads: then the provider's dk/dv
+  hold exactly the contributions of the checked rows (summed over blocks), and everything else must be zero.
+The yardstick is the naive provider's own low-precision error on the same slice: a provider passes when its
+max |error| is within 2x (output) / 3x (gradients) of that plus a floor of two units of rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .case import Case
+from .providers.base import first_tensor
+from .providers.naive import naive_attention
+
+FWD_FACTOR = 2.0
+GRAD_FACTOR = 3.0
+# an fp64 score matrix of the check may take this much; the oracle's autograd keeps a few of them
+CHECK_BUDGET_BYTES = 256 * 2**20
+MIN_BLOCK_ROWS = 64
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class CheckSlice:
+    heads_q: int
+    heads_k: int
+    row_blocks: tuple[tuple[int, int], ...]
+
+    def describe(self, case: Case) -> str:
+        heads = f"heads 0-{self.heads_q - 1}"
+        if self.heads_k != self.heads_q:
+            heads += f" (kv heads 0-{self.heads_k - 1})"
+        if self.row_blocks == ((0, case.seqlen_q),):
+            rows = f"all {case.seqlen_q} q rows"
+        else:
+            blocks = " & ".join(f"{a}-{b - 1}" for a, b in self.row_blocks)
+            rows = f"q rows {blocks} of {case.seqlen_q} (with all the keys they see)"
+        return f"batch 0, {heads}, {rows}; grads from dout zero elsewhere"
+
+    def key_end(self, case: Case, row_end: int) -> int:
+        if not case.causal:
+            return case.seqlen_k
+        return max(0, min(case.seqlen_k, row_end + case.seqlen_k - case.seqlen_q))
+
+
+def choose_slice(case: Case, budget_bytes: int = CHECK_BUDGET_BYTES) -> CheckSlice:
+    group = case.nheads // case.nheads_k
+    heads_k = min(case.nheads_k, -(-2 // group))  # whole groups, at least two query heads when there are two
+    heads_q = heads_k * group
+    rows = max(MIN_BLOCK_ROWS, budget_bytes // (heads_q * case.seqlen_k * 8))
+    if rows >= case.seqlen_q:
+        return CheckSlice(heads_q, heads_k, ((0, case.seqlen_q),))
+    half = max(1, rows // 2)
+    return CheckSlice(heads_q, heads_k, ((0, half), (case.seqlen_q - half, case.seqlen_q)))
+
+
+def _reference_fn():
+    """(fn(q, k, v, causal) -> out in (b, s, h, d) float64, its name)."""
+    try:
+        from flashattn.reference import attention_ref
+    except ImportError:
+        # until the package's reference lands: naive attention in float64 is the same dense oracle
+        def fallback(q, k, v, causal):
+            out = naive_attention(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal)
+            return out.transpose(1, 2)
+
+        return fallback, "bench naive_attention in float64 (flashattn.reference not importable)"
+
+    def ref(q, k, v, causal):
+        return first_tensor(attention_ref(q, k, v, causal=causal, upcast=True)).to(torch.float64)
+
+    return ref, "flashattn.reference.attention_ref(upcast=True) on float64 inputs"
+
+
+def reference_name() -> str:
+    return _reference_fn()[1]
+
+
+def _naive_bshd(q, k, v, causal):
+    return naive_attention(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal).transpose(1, 2)
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+@dataclass
+class Verdict:
+    fwd_error: str | None
+    bwd_error: str | None
+    out_err: float | None
+    out_rel: float | None
+    grad_err: float | None = None
+    grad_rel: float | None = None
+
+    def error_for(self, mode: str) -> str | None:
+        return self.fwd_error if mode == "fwd" else self.fwd_error or self.bwd_error
+
+    def err_for(self, mode: str) -> tuple[float | None, float | None]:
+        if mode == "fwd" or self.grad_err is None:
+            return self.out_err, self.out_rel
+        if mode == "bwd":
+            return self.grad_err, self.grad_rel
+        return max(self.out_err or 0.0, self.grad_err), max(self.out_rel or 0.0, self.grad_rel or 0.0)
+
+
+class Oracle:
+    """Reference output/gradients and tolerances for one case, computed once and shared by every provider."""
+
+    def __init__(
+        self, case: Case, q, k, v, dout_check, *, grads: bool, budget_bytes: int = CHECK_BUDGET_BYTES
+    ):
+        self.case = case
+        self.slice = choose_slice(case, budget_bytes)
+        self.checked_on = self.slice.describe(case)
+        self.grads = grads
+        ref_fn, self.reference = _reference_fn()
+        dtype = q.dtype
+        ref_out, ref_grads = self._run(ref_fn, q, k, v, dout_check, torch.float64)
+        base_out, base_grads = self._run(_naive_bshd, q, k, v, dout_check, dtype)
+        self.ref_out = ref_out
+        self.ref_grads = ref_grads
+        self.out_tol = self._tol(FWD_FACTOR, base_out, ref_out, dtype)
+        self.grad_tols = [
+            self._tol(GRAD_FACTOR, b, r, dtype) for b, r in zip(base_grads, ref_grads, strict=True)
+        ]
+
+    @staticmethod
+    def _tol(factor: float, base: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
+        return factor * _max_abs(base.double() - ref) + 2 * _eps(dtype) * _max_abs(ref)
+
+    def _run(self, fn, q, k, v, dout, dtype):
+        """Output rows of every block (concatenated) and, if asked, dq rows / dk / dv summed over blocks."""
+        s, case = self.slice, self.case
+        sub = [x[:1, :, : (s.heads_q if i in (0, 3) else s.heads_k)] for i, x in enumerate((q, k, v, dout))]
+        outs, dqs = [], []
+        dk = torch.zeros(sub[1].shape, dtype=torch.float64, device=q.device)
+        dv = torch.zeros_like(dk)
+        for r0, r1 in s.row_blocks:
+            kend = s.key_end(case, r1)
+            if kend == 0:
+                # causal with sk < sq: these rows see no key, so output and dq are 0
+                outs.append(torch.zeros(sub[0][:, r0:r1].shape, dtype=torch.float64, device=q.device))
+                dqs.append(torch.zeros_like(outs[-1]))
+                continue
+            qb = sub[0][:, r0:r1].to(dtype).requires_grad_(self.grads)
+            kb = sub[1][:, :kend].to(dtype).requires_grad_(self.grads)
+            vb = sub[2][:, :kend].to(dtype).requires_grad_(self.grads)
+            with torch.enable_grad():
+                ob = fn(qb, kb, vb, case.causal)
+            outs.append(ob.detach().double())
+            if self.grads:
+                gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), sub[3][:, r0:r1].to(ob.dtype))
+                dqs.append(gq.double())
+                dk[:, :kend] += gk.double()
+                dv[:, :kend] += gv.double()
+        grads = [torch.cat(dqs, dim=1), dk, dv] if self.grads else []
+        return torch.cat(outs, dim=1), grads
+
+    def _take_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, a:b] for a, b in self.slice.row_blocks], dim=1)
+
+    def check(self, out: torch.Tensor, grads: list[torch.Tensor] | None) -> Verdict:
+        """out and grads in (b, s, h, d), as the provider returned them for dout = the oracle's dout_check."""
+        s = self.slice
+        out = out.detach()
+        grads = None if grads is None else [g.detach() for g in grads]
+        where = f"on {self.checked_on}"
+        if not torch.isfinite(out).all():
+            return Verdict("wrong result: non-finite values in the output", None, float("nan"), None)
+        got = self._take_rows(out[:1, :, : s.heads_q]).double()
+        out_err = _max_abs(got - self.ref_out)
+        out_rel = out_err / max(_max_abs(self.ref_out), 1e-30)
+        fwd_error = None
+        if not out_err <= self.out_tol:
+            fwd_error = f"wrong result: output max|err| {out_err:.3g} > tolerance {self.out_tol:.3g} {where}"
+        verdict = Verdict(fwd_error, None, out_err, out_rel)
+        if grads is None or not self.grads:
+            return verdict
+        errs, rels, problems = [], [], []
+        for name, g, ref, tol in zip(GRAD_NAMES, grads, self.ref_grads, self.grad_tols, strict=True):
+            if not torch.isfinite(g).all():
+                problems.append(f"{name} has non-finite values")
+                continue
+            heads = s.heads_q if name == "dq" else s.heads_k
+            mine = g[:1, :, :heads]
+            if name == "dq":
+                mine = self._take_rows(mine)
+            err = _max_abs(mine.double() - ref)
+            errs.append(err)
+            rels.append(err / max(_max_abs(ref), 1e-30))
+            if not err <= tol:
+                problems.append(f"{name} max|err| {err:.3g} > tolerance {tol:.3g}")
+            leak = g.clone()
+            if name == "dq":
+                for a, b in s.row_blocks:
+                    leak[:1, a:b, :heads] = 0
+            else:
+                leak[:1, :, :heads] = 0
+            if not _max_abs(leak) <= tol:
+                problems.append(f"{name} is {_max_abs(leak):.3g} where dout is zero (expected 0)")
+        verdict.grad_err = max(errs) if errs else None
+        verdict.grad_rel = max(rels) if rels else None
+        if problems:
+            verdict.bwd_error = "wrong result: " + "; ".join(problems) + f" {where}"
+        return verdict
+
+
+def make_dout_check(dout: torch.Tensor, case: Case, slc: CheckSlice) -> torch.Tensor:
+    """dout restricted to the checked rows and heads of batch element 0, zero elsewhere."""
+    masked = torch.zeros_like(dout)
+    for a, b in slc.row_blocks:
+        masked[:1, a:b, : slc.heads_q] = dout[:1, a:b, : slc.heads_q]
+    return masked

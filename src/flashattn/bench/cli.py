@@ -1,0 +1,221 @@
+"""`flashattn bench`: the one tool behind every performance claim of the project.
+
+flashattn.cli calls `add_arguments(subparser)` and `run(args)`; `python -m flashattn.bench` works on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .case import MODES, canonical_dtype
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(
+            int(x.lower().removesuffix("k")) * (1024 if x.lower().endswith("k") else 1)
+            for x in text.split(",")
+            if x
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1024,2k; got {text!r}"
+        ) from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import providers, suites
+
+    what = parser.add_argument_group("what to run")
+    what.add_argument(
+        "--suite", choices=sorted(suites.all_suites()), help="default: train on a GPU, cpu without one"
+    )
+    what.add_argument(
+        "--providers",
+        type=_names,
+        metavar="A,B,...",
+        help=f"default: the suite's; known: {', '.join(sorted(providers.all_providers()))}",
+    )
+    what.add_argument("--modes", type=_names, metavar="fwd,bwd,fwd+bwd", help="default: the suite's")
+    what.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
+    what.add_argument("--quick", action="store_true", help="a reduced grid and fewer timing repeats")
+    what.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+
+    shape = parser.add_argument_group("shape overrides (replace the suite's grid)")
+    shape.add_argument("--dtype", type=canonical_dtype, help="bf16, fp16 or fp32")
+    shape.add_argument("--seqlens", type=_ints, metavar="N,...", help="e.g. 1024,2k,4096")
+    shape.add_argument("--headdims", type=_ints, metavar="D,...", help="e.g. 64,128")
+    batch = shape.add_mutually_exclusive_group()
+    batch.add_argument("--batch", type=int, help="fixed batch size")
+    batch.add_argument("--tokens", type=int, help="batch = tokens // seqlen (at least 1)")
+    heads = shape.add_mutually_exclusive_group()
+    heads.add_argument("--nheads", type=int, help="fixed number of query heads")
+    heads.add_argument("--hidden", type=int, help="nheads = hidden // headdim")
+    shape.add_argument("--nheads-k", type=int, help="key/value heads (GQA); default: nheads")
+    shape.add_argument("--causal", choices=("both", "yes", "no"), help="default: the suite's")
+
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="results folder (default: benchmarks/results/<gpu>-<YYYY-MM-DD>/)",
+    )
+    out.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of an existing <suite>.json in --out that this run does not measure again",
+    )
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    other = parser.add_argument_group("without running anything")
+    other.add_argument("--list", action="store_true", help="list suites and providers")
+    other.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="re-render markdown and plots from results files (into --out, or beside each file)",
+    )
+    other.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        help="time per shape of two runs and the speedup of B over A",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list()
+    if args.report:
+        return _report(args)
+    if args.compare:
+        return _compare(args)
+    try:
+        return _bench(args)
+    except (KeyError, ValueError) as exc:
+        print(f"flashattn bench: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+
+
+def _list() -> int:
+    from . import providers, suites
+
+    print("suites:")
+    for s in suites.all_suites().values():
+        print(f"  {s.name:<10} {s.description}\n  {'':<10} providers: {', '.join(s.providers)}")
+    print("providers:")
+    for p in providers.all_providers().values():
+        print(f"  {p.name:<15} {p.description}")
+    return 0
+
+
+def _report(args) -> int:
+    from . import report, results
+
+    for path in args.report:
+        doc = results.load(path)
+        written = report.render(doc, args.out or path.parent, plots=not args.no_plots)
+        report.print_tables(doc)
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _compare(args) -> int:
+    from . import report, results
+
+    a, b = (results.load(p) for p in args.compare)
+    text = report.compare_markdown(a, b, args.compare[0].stem, args.compare[1].stem)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "compare.md").write_text(text)
+    return 0
+
+
+def _bench(args) -> int:
+    import torch
+
+    from . import check, env, report, results, suites
+    from .runner import RunConfig, Runner
+    from .timing import TimerConfig
+
+    cuda = torch.cuda.is_available()
+    suite = suites.get(args.suite or ("train" if cuda else "cpu"))
+    if args.device:
+        device = torch.device(args.device)
+    elif suite.device == "cpu" or not cuda:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda")
+    if suite.device == "cuda" and device.type != "cuda" and not args.device:
+        raise ValueError(
+            f"suite {suite.name!r} is sized for a GPU and none is available; run --suite cpu, "
+            "or pass --device cpu with small --seqlens to try it anyway"
+        )
+    causal = {"both": (False, True), "yes": (True,), "no": (False,), None: None}[args.causal]
+    grid = suite.grid(args.quick).override(
+        dtype=args.dtype,
+        seqlens=args.seqlens,
+        headdims=args.headdims,
+        causal=causal,
+        batch=args.batch,
+        tokens=args.tokens,
+        nheads=args.nheads,
+        hidden=args.hidden,
+        nheads_k=args.nheads_k,
+    )
+    names = args.providers or list(suite.providers)
+    known = __import__(f"{__package__}.providers", fromlist=["all_providers"]).all_providers()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    modes = tuple(args.modes or suite.modes)
+    if bad := [m for m in modes if m not in MODES]:
+        raise ValueError(f"unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
+
+    timer = TimerConfig.quick() if args.quick else TimerConfig()
+    out_dir = args.out or env.default_out_dir(device)
+    out_json = out_dir / f"{suite.name}.json"
+    keep = results.load(out_json)["rows"] if args.merge and out_json.exists() else []
+    meta = env.collect_meta(device)
+    meta.update(
+        suite=suite.name,
+        providers=names,
+        modes=list(modes),
+        timer=timer.describe(device),
+        reference=check.reference_name(),
+        quick=args.quick,
+        seed=args.seed,
+    )
+    cfg = RunConfig(
+        suite,
+        suite.build_cases(grid),
+        names,
+        modes,
+        device,
+        timer,
+        meta,
+        out_json,
+        keep,
+        args.seed,
+        args.quiet,
+    )
+    doc = Runner(cfg).run()
+    results.write(out_json, doc)
+    written = [out_json, *report.render(doc, out_dir, plots=not args.no_plots)]
+    report.print_tables(doc)
+    wrong = sorted({r["provider"] for r in doc["rows"] if (r.get("error") or "").startswith("wrong result")})
+    if wrong:
+        print(f"WRONG results (not timed) from: {', '.join(wrong)}; see the error fields")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,39 @@
+"""FLOP counting by the FlashAttention convention, so TFLOP/s compare with the papers and the anchors page."""
+
+from __future__ import annotations
+
+# Backward does five matmuls of the forward's size against the forward's two, but the convention the papers
+# (and the anchors page) use is 2.5x; fwd+bwd is then 3.5x.
+MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
+    """Number of (query, key) pairs that take part in the softmax.
+
+    Causal is bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q). For seqlen_q ==
+    seqlen_k we keep the papers' "half the square" (N²/2, the diagonal counted half) so numbers line up with
+    published tables; otherwise we count the visible pairs exactly, which matters for short queries against a
+    long cache.
+    """
+    if not causal:
+        return float(seqlen_q * seqlen_k)
+    if seqlen_q == seqlen_k:
+        return seqlen_q * seqlen_k / 2
+    if seqlen_k >= seqlen_q:
+        # every row sees the (seqlen_k - seqlen_q) prefix plus a triangle 1..seqlen_q
+        return float(seqlen_q * (seqlen_k - seqlen_q) + seqlen_q * (seqlen_q + 1) // 2)
+    # the first seqlen_q - seqlen_k rows see nothing; the rest form a triangle 1..seqlen_k
+    return float(seqlen_k * (seqlen_k + 1) // 2)
+
+
+def attention_flops(
+    batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool, mode: str = "fwd"
+) -> float:
+    """Forward = 4·b·h·pairs·d (QKᵀ and PV, 2 flops per multiply-add); bwd 2.5x, fwd+bwd 3.5x."""
+    return 4.0 * batch * nheads * visible_pairs(seqlen_q, seqlen_k, causal) * headdim * MODE_FACTOR[mode]
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    if ms is None or ms <= 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12

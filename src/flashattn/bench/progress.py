@@ -1,0 +1,42 @@
+"""Progress while a suite runs: a rich bar on a terminal, plain lines otherwise (logs, CI, remote runs)."""
+
+from __future__ import annotations
+
+import sys
+
+
+class Progress:
+    def __init__(self, total: int, title: str, *, quiet: bool = False):
+        self.total, self.done, self.quiet = total, 0, quiet
+        self._bar = None
+        if quiet:
+            return
+        if sys.stdout.isatty():
+            try:
+                from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+                from rich.progress import Progress as RichProgress
+            except ImportError:
+                pass
+            else:
+                self._bar = RichProgress(
+                    TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+                )
+                self._task = self._bar.add_task(title, total=total)
+                self._bar.start()
+                return
+        print(f"{title}: {total} provider x case runs", flush=True)
+
+    def step(self, line: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        text = f"[{self.done:>{len(str(self.total))}}/{self.total}] {line}"
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+            self._bar.advance(self._task)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,54 @@
+"""`flashattn` (this project, through its public API) and `torch-backend` (its pure-PyTorch backend)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from ..case import Case
+from .base import Prepared, Provider, first_tensor, make_leaves
+
+
+def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    import flashattn
+
+    leaves = make_leaves(q, k, v, "bshd")
+    qb, kb, vb = leaves
+    return Prepared(
+        fwd=lambda: first_tensor(flashattn.flash_attn_func(qb, kb, vb, causal=case.causal)), leaves=leaves
+    )
+
+
+@contextlib.contextmanager
+def _backend_env(name: str) -> Iterator[None]:
+    old = os.environ.get("FLASHATTN_BACKEND")
+    os.environ["FLASHATTN_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FLASHATTN_BACKEND"]
+        else:
+            os.environ["FLASHATTN_BACKEND"] = old
+
+
+def _setup_torch_backend(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    # fail here, with the import's own message, if the backend is missing, rather than timing another backend
+    import flashattn.torch_backend  # noqa: F401
+
+    prepared = _setup_public(case, q, k, v)
+    prepared.context = lambda: _backend_env("torch")
+    return prepared
+
+
+PROVIDERS = [
+    Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
+    Provider(
+        "torch-backend",
+        _setup_torch_backend,
+        "this project's chunked pure-PyTorch backend (flash_attn_func under FLASHATTN_BACKEND=torch)",
+    ),
+]

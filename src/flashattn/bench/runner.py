@@ -1,0 +1,226 @@
+"""Runs a suite: for each case, every provider is set up, checked against the oracle, then timed per mode."""
+
+from __future__ import annotations
+
+import gc
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from . import providers as provider_registry
+from . import results
+from .case import Case, torch_dtype
+from .check import CHECK_BUDGET_BYTES, Oracle, make_dout_check
+from .flops import attention_flops, tflops
+from .progress import Progress
+from .providers.base import Prepared, from_bshd, to_bshd
+from .suites import Suite
+from .timing import TimerConfig, median_ms, peak_extra_bytes, time_first_call
+
+
+def describe_error(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        m = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(exc))
+        return "OOM" + (f" (tried to allocate {m[1]})" if m else "")
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+@dataclass
+class RunConfig:
+    suite: Suite
+    cases: list[Case]
+    providers: list[str]
+    modes: tuple[str, ...]
+    device: torch.device
+    timer: TimerConfig = field(default_factory=TimerConfig)
+    meta: dict = field(default_factory=dict)
+    out_json: Path | None = None  # rewritten after every provider, so a killed run keeps what it measured
+    keep_rows: list[dict] = field(default_factory=list)  # rows of an earlier run this one is merged into
+    seed: int = 0
+    quiet: bool = False
+    check_budget_bytes: int = CHECK_BUDGET_BYTES
+
+
+@dataclass
+class _Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    dout_check: torch.Tensor | None = None
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.rows: list[dict] = []
+        # (provider, dtype, headdim, causal) -> (work, label) of the case whose forward ran out of memory
+        self._oom: dict[tuple, tuple[int, str]] = {}
+
+    @property
+    def needs_grads(self) -> bool:
+        return any(m != "fwd" for m in self.cfg.modes)
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        progress = Progress(len(cfg.cases) * len(cfg.providers), f"suite {cfg.suite.name}", quiet=cfg.quiet)
+        try:
+            for case in cfg.cases:
+                self._run_case(case, progress)
+        finally:
+            progress.close()
+        return self.document()
+
+    def document(self) -> dict:
+        rows = results.merge_rows(self.cfg.keep_rows, self.rows, self.cfg.suite.key_fields)
+        return {"meta": self.cfg.meta, "rows": rows}
+
+    def _save(self) -> None:
+        if self.cfg.out_json is not None:
+            results.write(self.cfg.out_json, self.document())
+
+    def _make_inputs(self, case: Case) -> _Inputs:
+        gen = torch.Generator(device=self.cfg.device).manual_seed(self.cfg.seed)
+        dtype, dev = torch_dtype(case.dtype), self.cfg.device
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, device=dev, dtype=dtype)
+
+        b, sq, sk, h, hk, d = (
+            case.batch,
+            case.seqlen_q,
+            case.seqlen_k,
+            case.nheads,
+            case.nheads_k,
+            case.headdim,
+        )
+        return _Inputs(randn(b, sq, h, d), randn(b, sk, hk, d), randn(b, sk, hk, d), randn(b, sq, h, d))
+
+    def _run_case(self, case: Case, progress: Progress) -> None:
+        inputs = self._make_inputs(case)
+        oracle: Oracle | None = None
+        oracle_error: str | None = None
+        for name in self.cfg.providers:
+            rows = {m: results.new_row(self.cfg.suite.name, name, m, case) for m in self.cfg.modes}
+            skip = self._skip_reason(case, name)
+            if skip is None and oracle is None and oracle_error is None:
+                try:
+                    oracle = Oracle(
+                        case,
+                        inputs.q,
+                        inputs.k,
+                        inputs.v,
+                        inputs.dout,
+                        grads=self.needs_grads,
+                        budget_bytes=self.cfg.check_budget_bytes,
+                    )
+                    inputs.dout_check = make_dout_check(inputs.dout, case, oracle.slice)
+                except Exception as exc:  # noqa: BLE001 - the reason goes into every row of this case
+                    oracle_error = f"could not check: the oracle failed with {describe_error(exc)}"
+            if skip is not None or oracle_error is not None:
+                for row in rows.values():
+                    row["error"] = skip or oracle_error
+            else:
+                self._run_provider(case, name, inputs, oracle, rows)
+            self.rows.extend(rows.values())
+            self._save()
+            progress.step(f"{name:<15} {case.label()} | " + " | ".join(_summary(r) for r in rows.values()))
+            self._release()
+
+    def _skip_reason(self, case: Case, name: str) -> str | None:
+        reason = self.cfg.suite.skip(case, name)
+        if reason:
+            return reason
+        oom = self._oom.get((name, case.dtype, case.headdim, case.causal))
+        if oom is not None and case.work >= oom[0]:
+            return f"skipped: out of memory already at a smaller size ({oom[1]})"
+        return None
+
+    def _release(self) -> None:
+        if self.cfg.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def _run_provider(self, case: Case, name: str, inputs: _Inputs, oracle: Oracle, rows: dict) -> None:
+        def fail_all(message: str) -> None:
+            for row in rows.values():
+                row["error"] = message
+
+        try:
+            prepared = provider_registry.get(name).setup(case, inputs.q, inputs.k, inputs.v)
+        except Exception as exc:  # noqa: BLE001 - a provider that cannot run is a result, not a crash
+            fail_all(describe_error(exc))
+            return
+        try:
+            with prepared.context():
+                self._check_and_time(case, name, prepared, inputs, oracle, rows)
+        except Exception as exc:  # noqa: BLE001
+            fail_all(describe_error(exc))
+
+    def _check_and_time(
+        self, case: Case, name: str, prep: Prepared, inputs: _Inputs, oracle: Oracle, rows: dict
+    ) -> None:
+        dev, layout = self.cfg.device, prep.layout
+        try:
+            out, fwd_s = time_first_call(prep.fwd, dev)
+        except torch.OutOfMemoryError:
+            self._oom[(name, case.dtype, case.headdim, case.causal)] = (case.work, case.label())
+            raise
+        grads, bwd_s, bwd_error = None, None, None
+        if self.needs_grads:
+            dout_check = from_bshd(inputs.dout_check, layout)
+            try:
+                grads, bwd_s = time_first_call(
+                    partial(torch.autograd.grad, out, prep.leaves, dout_check), dev
+                )
+            except Exception as exc:  # noqa: BLE001 - forward rows still count when only backward fails
+                bwd_error = describe_error(exc)
+        verdict = oracle.check(
+            to_bshd(out, layout), None if grads is None else [to_bshd(g, layout) for g in grads]
+        )
+        del out, grads
+        first = {"fwd": fwd_s, "bwd": bwd_s, "fwd+bwd": None if bwd_s is None else fwd_s + bwd_s}
+        for mode, row in rows.items():
+            row["checked_on"] = oracle.checked_on
+            row["max_abs_err"], row["rel_err"] = verdict.err_for(mode)
+            row["first_call_s"] = first[mode]
+            row["error"] = verdict.error_for(mode) or (bwd_error if mode != "fwd" else None)
+            if row["error"] is None:
+                self._measure(case, mode, prep, inputs, row)
+
+    def _measure(self, case: Case, mode: str, prep: Prepared, inputs: _Inputs, row: dict) -> None:
+        dev = self.cfg.device
+        try:
+            fn = _timed_call(mode, prep, from_bshd(inputs.dout, prep.layout))
+            row["peak_mem_bytes"] = peak_extra_bytes(fn, dev)
+            row["ms"] = median_ms(fn, dev, self.cfg.timer)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = describe_error(exc)
+            return
+        flops = attention_flops(
+            case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim, case.causal, mode
+        )
+        row["tflops"] = tflops(flops, row["ms"])
+
+
+def _timed_call(mode: str, prep: Prepared, dout: torch.Tensor) -> Callable[[], object]:
+    if mode == "fwd":
+        return prep.fwd
+    if mode == "bwd":
+        # the forward runs once here, outside the timed region; retain_graph lets every timed call reuse it
+        out = prep.fwd()
+        return lambda: torch.autograd.grad(out, prep.leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(prep.fwd(), prep.leaves, dout)
+
+
+def _summary(row: dict) -> str:
+    if row["error"]:
+        return f"{row['mode']} {row['error'][:70]}"
+    rate = f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
+    return f"{row['mode']} {row['ms']:.3g} ms{rate}"
