@@ -34,7 +34,8 @@ def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_
 @torch.library.custom_op("flashattn::attn_bwd", mutates_args=())
 def attn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-    causal: bool,    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+    causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return backend_module(q).attention_backward(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,

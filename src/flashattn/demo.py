@@ -97,7 +97,8 @@ def check() -> int:
                 refg = torch.autograd.grad(ref, (q, k, v), dout.double())
                 ptg = torch.autograd.grad(pt, (q, k, v), dout)
                 errs = [((out - ref).abs().max(), (pt - ref).abs().max(), 2)]
-                errs += [((g - r).abs().max(), (p - r).abs().max(), 3) for g, r, p in zip(grads, refg, ptg, strict=True)]
+                for g, r, p in zip(grads, refg, ptg, strict=True):
+                    errs.append(((g - r).abs().max(), (p - r).abs().max(), 3))
                 ok = all(e <= f * e_pt + 1e-5 for e, e_pt, f in errs)
                 failures += not ok
                 verdict = 'ok  ' if ok else 'FAIL'
