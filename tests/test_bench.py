@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_cpu_suite_end_to_end(tmp_path, capsys):
     md = (tmp_path / "cpu.md").read_text()
     assert "## fwd: ms" in md and "| naive | sdpa-math | flashattn |" in md
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert ("cpu-fwd-ms.png" in pngs) == HAS_MPL
+    assert ("cpu-fwd-tflops.png" in pngs) == HAS_MPL
     assert "suite cpu" in capsys.readouterr().out
 
 
@@ -299,3 +300,28 @@ def test_slug():
     assert slug("NVIDIA H200") == "h200"
     assert slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
     assert slug("cpu") == "cpu"
+
+
+def test_reports_degrade_without_rich_or_matplotlib(tmp_path, monkeypatch, capsys):
+    for name in ("matplotlib", "matplotlib.figure", "rich", "rich.console", "rich.table"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.warns(UserWarning, match="matplotlib"):
+        written = report.render(_gpu_doc(), tmp_path)
+    assert [p.name for p in written] == ["train.md"]
+    report.print_tables(_gpu_doc())
+    out = capsys.readouterr().out
+    assert "fwd: TFLOP/s" in out and "flashattn / flex: 1.25x geomean" in out
+
+
+def test_report_combines_parts_of_a_sweep(tmp_path):
+    doc = _gpu_doc()
+    part1 = {"meta": doc["meta"], "rows": [r for r in doc["rows"] if r["headdim"] == 64]}
+    part2 = {"meta": doc["meta"], "rows": [r for r in doc["rows"] if r["headdim"] == 128]}
+    results.write(tmp_path / "p1" / "train.json", part1)
+    results.write(tmp_path / "p2" / "train.json", part2)
+    out = tmp_path / "all"
+    args = _parse("--report", str(tmp_path / "p1" / "train.json"), str(tmp_path / "p2" / "train.json"))
+    args.out, args.no_plots = out, True
+    assert cli.run(args) == 0
+    combined = results.load(out / "train.json")
+    assert len(combined["rows"]) == len(doc["rows"]) and len(combined["meta"]["parts"]) == 2

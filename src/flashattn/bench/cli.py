@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         nargs="+",
         metavar="JSON",
-        help="re-render markdown and plots from results files (into --out, or beside each file)",
+        help="re-render markdown and plots from results files beside each; with --out, combine them into one",
     )
     other.add_argument(
         "--compare",
@@ -96,11 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
-    if args.report:
-        return _report(args)
-    if args.compare:
-        return _compare(args)
     try:
+        if args.report:
+            return _report(args)
+        if args.compare:
+            return _compare(args)
         return _bench(args)
     except (KeyError, ValueError) as exc:
         print(f"flashattn bench: {exc.args[0] if exc.args else exc}", file=sys.stderr)
@@ -120,11 +120,27 @@ def _list() -> int:
 
 
 def _report(args) -> int:
-    from . import report, results
+    from . import report, results, suites
 
-    for path in args.report:
-        doc = results.load(path)
-        written = report.render(doc, args.out or path.parent, plots=not args.no_plots)
+    docs = [results.load(p) for p in args.report]
+    if args.out and len(docs) > 1:
+        # parts of one sweep run separately (each GPU call has a time limit) become one results file
+        names = {d["meta"].get("suite") for d in docs}
+        if len(names) != 1:
+            raise ValueError(
+                f"--report with --out combines runs of one suite; got suites {sorted(map(str, names))}"
+            )
+        key_fields = suites.lookup(str(next(iter(names)))).key_fields
+        rows: list[dict] = []
+        for d in docs:
+            rows = results.merge_rows(rows, d["rows"], key_fields)
+        meta = dict(docs[-1]["meta"], parts=[d["meta"] for d in docs])
+        docs, outs = [{"meta": meta, "rows": rows}], [args.out]
+        results.write(args.out / f"{meta.get('suite', 'bench')}.json", docs[0])
+    else:
+        outs = [args.out or p.parent for p in args.report]
+    for doc, out in zip(docs, outs, strict=True):
+        written = report.render(doc, out, plots=not args.no_plots)
         report.print_tables(doc)
         print("wrote " + ", ".join(str(p) for p in written))
     return 0
