@@ -29,7 +29,8 @@ def _compiled_flex():
         for name in ("fail_on_cache_limit_hit", "fail_on_recompile_limit_hit"):
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, True)
-        _compiled = torch.compile(flex_attention)
+        # static shapes: each shape gets its own specialised kernel, as a training run with fixed shapes would
+        _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
 
 
