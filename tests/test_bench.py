@@ -12,7 +12,7 @@ import torch
 
 from flashattn.bench import cli, providers, report, results, suites
 from flashattn.bench.case import Case
-from flashattn.bench.check import Oracle, choose_slice, make_dout_check
+from flashattn.bench.check import Oracle, choose_slice
 from flashattn.bench.env import slug
 from flashattn.bench.flops import attention_flops, visible_pairs
 from flashattn.bench.providers.base import Prepared, Provider, make_leaves
@@ -118,8 +118,9 @@ def test_merge_keeps_rows_not_measured_again(tmp_path):
     common = ("--suite", "cpu", "--quick", "--out", str(tmp_path), "--providers", "naive", "--modes", "fwd")
     assert cli.run(_parse(*common, "--seqlens", "32", "--quiet", "--no-plots")) == 0
     assert cli.run(_parse(*common, "--seqlens", "48", "--quiet", "--no-plots", "--merge")) == 0
-    rows = results.load(tmp_path / "cpu.json")["rows"]
-    assert sorted({r["seqlen_q"] for r in rows}) == [32, 48]
+    doc = results.load(tmp_path / "cpu.json")
+    assert sorted({r["seqlen_q"] for r in doc["rows"]}) == [32, 48]
+    assert len(doc["meta"]["earlier_runs"]) == 1
 
 
 # -- correctness gating and failures
@@ -214,7 +215,7 @@ def test_oracle_catches_errors_outside_the_checked_heads():
     )
     q, k, v, dout = (torch.randn(2, 24, 4, 8) for _ in range(4))
     oracle = Oracle(case, q, k, v, dout, grads=True)
-    dout_check = make_dout_check(dout, case, oracle.slice)
+    dout_check = oracle.masked_dout(dout)
     leaves = [x.requires_grad_() for x in make_leaves(q, k, v, "bhsd")]
     out = naive_attention(*leaves)
     grads = [g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, dout_check.transpose(1, 2))]

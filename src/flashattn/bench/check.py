@@ -120,17 +120,16 @@ class Verdict:
 class Oracle:
     """Reference output/gradients and tolerances for one case, computed once and shared by every provider."""
 
-    def __init__(
-        self, case: Case, q, k, v, dout_check, *, grads: bool, budget_bytes: int = CHECK_BUDGET_BYTES
-    ):
+    def __init__(self, case: Case, q, k, v, dout, *, grads: bool, budget_bytes: int = CHECK_BUDGET_BYTES):
         self.case = case
         self.slice = choose_slice(case, budget_bytes)
         self.checked_on = self.slice.describe(case)
         self.grads = grads
         ref_fn, self.reference = _reference_fn()
         dtype = q.dtype
-        ref_out, ref_grads = self._run(ref_fn, q, k, v, dout_check, torch.float64)
-        base_out, base_grads = self._run(_naive_bshd, q, k, v, dout_check, dtype)
+        # only the checked rows and heads of dout are read: the same values masked_dout keeps
+        ref_out, ref_grads = self._run(ref_fn, q, k, v, dout, torch.float64)
+        base_out, base_grads = self._run(_naive_bshd, q, k, v, dout, dtype)
         self.ref_out = ref_out
         self.ref_grads = ref_grads
         self.out_tol = self._tol(FWD_FACTOR, base_out, ref_out, dtype)
@@ -170,11 +169,18 @@ class Oracle:
         grads = [torch.cat(dqs, dim=1), dk, dv] if self.grads else []
         return torch.cat(outs, dim=1), grads
 
+    def masked_dout(self, dout: torch.Tensor) -> torch.Tensor:
+        """dout restricted to the checked rows and heads of batch element 0, zero elsewhere."""
+        masked = torch.zeros_like(dout)
+        for a, b in self.slice.row_blocks:
+            masked[:1, a:b, : self.slice.heads_q] = dout[:1, a:b, : self.slice.heads_q]
+        return masked
+
     def _take_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[:, a:b] for a, b in self.slice.row_blocks], dim=1)
 
     def check(self, out: torch.Tensor, grads: list[torch.Tensor] | None) -> Verdict:
-        """out and grads in (b, s, h, d), as the provider returned them for dout = the oracle's dout_check."""
+        """out and grads in (b, s, h, d), as the provider returned them for masked_dout(dout)."""
         s = self.slice
         out = out.detach()
         grads = None if grads is None else [g.detach() for g in grads]
@@ -217,11 +223,3 @@ class Oracle:
         if problems:
             verdict.bwd_error = "wrong result: " + "; ".join(problems) + f" {where}"
         return verdict
-
-
-def make_dout_check(dout: torch.Tensor, case: Case, slc: CheckSlice) -> torch.Tensor:
-    """dout restricted to the checked rows and heads of batch element 0, zero elsewhere."""
-    masked = torch.zeros_like(dout)
-    for a, b in slc.row_blocks:
-        masked[:1, a:b, : slc.heads_q] = dout[:1, a:b, : slc.heads_q]
-    return masked

@@ -161,7 +161,7 @@ def _compare(args) -> int:
 def _bench(args) -> int:
     import torch
 
-    from . import check, env, report, results, suites
+    from . import check, env, providers, report, results, suites
     from .runner import RunConfig, Runner
     from .timing import TimerConfig
 
@@ -191,7 +191,7 @@ def _bench(args) -> int:
         nheads_k=args.nheads_k,
     )
     names = args.providers or list(suite.providers)
-    known = __import__(f"{__package__}.providers", fromlist=["all_providers"]).all_providers()
+    known = providers.all_providers()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown provider(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -202,7 +202,7 @@ def _bench(args) -> int:
     timer = TimerConfig.quick() if args.quick else TimerConfig()
     out_dir = args.out or env.default_out_dir(device)
     out_json = out_dir / f"{suite.name}.json"
-    keep = results.load(out_json)["rows"] if args.merge and out_json.exists() else []
+    earlier = results.load(out_json) if args.merge and out_json.exists() else None
     meta = env.collect_meta(device)
     meta.update(
         suite=suite.name,
@@ -213,18 +213,24 @@ def _bench(args) -> int:
         quick=args.quick,
         seed=args.seed,
     )
+    if earlier is not None:
+        old = earlier["meta"]
+        meta["earlier_runs"] = [
+            *old.get("earlier_runs", []),
+            {k: old.get(k) for k in ("command", "datetime", "git_sha", "gpu")},
+        ]
     cfg = RunConfig(
-        suite,
-        suite.build_cases(grid),
-        names,
-        modes,
-        device,
-        timer,
-        meta,
-        out_json,
-        keep,
-        args.seed,
-        args.quiet,
+        suite=suite,
+        cases=suite.build_cases(grid),
+        providers=names,
+        modes=modes,
+        device=device,
+        timer=timer,
+        meta=meta,
+        out_json=out_json,
+        keep_rows=earlier["rows"] if earlier else [],
+        seed=args.seed,
+        quiet=args.quiet,
     )
     doc = Runner(cfg).run()
     results.write(out_json, doc)

@@ -14,7 +14,7 @@ import torch
 from . import providers as provider_registry
 from . import results
 from .case import Case, torch_dtype
-from .check import CHECK_BUDGET_BYTES, Oracle, make_dout_check
+from .check import CHECK_BUDGET_BYTES, Oracle
 from .flops import attention_flops, tflops
 from .progress import Progress
 from .providers.base import Prepared, from_bshd, to_bshd
@@ -92,15 +92,9 @@ class Runner:
         def randn(*shape):
             return torch.randn(*shape, generator=gen, device=dev, dtype=dtype)
 
-        b, sq, sk, h, hk, d = (
-            case.batch,
-            case.seqlen_q,
-            case.seqlen_k,
-            case.nheads,
-            case.nheads_k,
-            case.headdim,
-        )
-        return _Inputs(randn(b, sq, h, d), randn(b, sk, hk, d), randn(b, sk, hk, d), randn(b, sq, h, d))
+        q_shape = (case.batch, case.seqlen_q, case.nheads, case.headdim)
+        kv_shape = (case.batch, case.seqlen_k, case.nheads_k, case.headdim)
+        return _Inputs(randn(*q_shape), randn(*kv_shape), randn(*kv_shape), randn(*q_shape))
 
     def _run_case(self, case: Case, progress: Progress) -> None:
         inputs = self._make_inputs(case)
@@ -120,7 +114,7 @@ class Runner:
                         grads=self.needs_grads,
                         budget_bytes=self.cfg.check_budget_bytes,
                     )
-                    inputs.dout_check = make_dout_check(inputs.dout, case, oracle.slice)
+                    inputs.dout_check = oracle.masked_dout(inputs.dout)
                 except Exception as exc:  # noqa: BLE001 - the reason goes into every row of this case
                     oracle_error = f"could not check: the oracle failed with {describe_error(exc)}"
             if skip is not None or oracle_error is not None:
