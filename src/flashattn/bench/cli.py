@@ -209,7 +209,7 @@ def _bench(args) -> int:
         providers=names,
         modes=list(modes),
         timer=timer.describe(device),
-        reference=check.reference_name(),
+        reference=check.REFERENCE,
         quick=args.quick,
         seed=args.seed,
     )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-# Backward does five matmuls of the forward's size against the forward's two, but the convention the papers
-# (and the anchors page) use is 2.5x; fwd+bwd is then 3.5x.
+# Backward does five matmuls of the forward's size (QKᵀ again, dV, dP, dQ, dK) against the forward's two:
+# 2.5x, the papers' and the anchors page's convention.
 MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
