@@ -1,6 +1,18 @@
 """flashattn: exact, IO-aware softmax attention with Triton kernels and the flash_attn 2.x API."""
 
 from flashattn.interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashattn.interface_varlen import (
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
 __version__ = "0.1.0"

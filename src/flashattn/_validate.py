@@ -35,32 +35,71 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
         )
 
 
-def check_qkv(q, k, v) -> None:
-    """q (b, sq, h, d), k/v (b, sk, h_k, d): same batch, head dim, dtype and device; h a multiple of h_k."""
-    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+def check_qkv(q, k, v, varlen: bool = False) -> None:
+    """q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv) (varlen: without the batch dimension): same
+    dtype and device, matching batch, lengths and head dims; h a multiple of h_k."""
+    ndim = 3 if varlen else 4
+    b = "" if varlen else "batch, "
+    check_tensor("q", q, ndim, f"({b}{'total_q' if varlen else 'seqlen_q'}, nheads, headdim)")
+    check_tensor("k", k, ndim, f"({b}{'total_k' if varlen else 'seqlen_k'}, nheads_k, headdim)")
+    check_tensor("v", v, ndim, f"({b}{'total_k' if varlen else 'seqlen_k'}, nheads_k, headdim_v)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k, v must share a device")
-        if t.shape[0] != q.shape[0]:
+        if not varlen and t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}; they must match")
-        if t.shape[-1] != q.shape[-1]:
-            raise ValueError(f"{name} has headdim {t.shape[-1]} but q has {q.shape[-1]}; they must match")
-    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has headdim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
+    if v.shape[:-1] != k.shape[:-1]:
         raise ValueError(
-            f"v has seqlen_k {v.shape[1]} and nheads_k {v.shape[2]} but k has {k.shape[1]} and {k.shape[2]}; "
-            f"k and v must match in both"
+            f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match in every dimension but "
+            f"the last (v may have its own head dim)"
         )
-    h, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    h, hk = q.shape[-2], k.shape[-2]
     if h % hk != 0:
+        raise ValueError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)")
+    for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if d > MAX_HEADDIM:
+            raise ValueError(f"{name} has headdim {d}; headdim must be at most {MAX_HEADDIM}")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q) -> None:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 tensor of shape (batch + 1,), got {type(cu).__name__}")
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(
+                f"{name} must be an int32 tensor of shape (batch + 1,) with batch >= 1, got dtype {cu.dtype} "
+                f"and shape {tuple(cu.shape)}"
+            )
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; they must share a device")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
-            f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)"
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0] - 1} sequences but cu_seqlens_k has "
+            f"{cu_seqlens_k.shape[0] - 1}; they must describe the same batch"
         )
-    if d > MAX_HEADDIM:
-        raise ValueError(f"q has headdim {d}; headdim must be at most {MAX_HEADDIM}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+            raise ValueError(f"{name} must be an int >= 0 (the longest sequence), got {m!r}")
+
+
+def check_per_head(name: str, t, nheads: int, batch: int | None, device, allow_batch: bool) -> None:
+    """alibi_slopes (nheads,) or (batch, nheads) / learnable_sink (nheads,): float32 on q's device."""
+    if t is None:
+        return
+    shapes = f"({nheads},)" + (f" or ({batch}, {nheads})" if allow_batch else "")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of shape {shapes}, got {type(t).__name__}")
+    ok_shape = tuple(t.shape) == (nheads,) or (allow_batch and tuple(t.shape) == (batch, nheads))
+    if t.dtype != torch.float32 or not ok_shape:
+        raise ValueError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; they must share a device")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
 
 
 def check_scale(softmax_scale) -> None:

@@ -2,7 +2,12 @@
 
 Registered as custom ops with fake (meta) implementations, so torch.compile(fullgraph=True) traces through
 forward and backward without a graph break. The op bodies dispatch to the Triton launchers or the torch
-backend.
+backend. One op pair serves the padded and the varlen layouts (cu_seqlens given).
+
+Dropout's (seed, offset) are drawn inside the forward op from torch's generator for the device (the CUDA
+generator's Philox seed and offset, advanced by the counters used, as torch's own dropout does), returned as
+`rng_state` and saved for the backward, which regenerates the same mask. torch.manual_seed makes runs
+repeatable, and torch.utils.checkpoint's RNG-state replay reproduces the mask.
 """
 
 import torch
@@ -11,66 +16,107 @@ from torch import Tensor
 from flashattn.backend import backend_module
 
 
-@torch.library.custom_op("flashattn::attn_fwd", mutates_args=())
-def attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-    softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
-) -> tuple[Tensor, Tensor]:
-    # deterministic only concerns the backward; it is an input here so that autograd can hand it on
-    return backend_module(q).attention_forward(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes,
+def _draw_rng_state(device: torch.device, counters: int) -> Tensor:
+    if device.type == "cuda":
+        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        seed, offset = gen.initial_seed(), gen.get_offset()
+        gen.set_offset(offset + (counters + 3) // 4 * 4)  # CUDA Philox offsets advance in steps of 4
+    else:
+        seed, offset = (int(x) for x in torch.randint(0, 2**62, (2,)))
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+def _options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+             window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink):
+    seed, offset = (int(x) for x in rng_state.tolist()) if dropout_p > 0 else (0, 0)
+    return dict(
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_seed=seed, rng_offset=offset,
+        learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
 
 
+@torch.library.custom_op("flashattn::attn_fwd", mutates_args=())
+def attn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
+    learnable_sink: Tensor | None, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # deterministic only concerns the backward; it is an input here so that autograd can hand it on
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    if dropout_p > 0:
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        rng_state = _draw_rng_state(q.device, batch * q.shape[-2] * max_seqlen_q * max_seqlen_k)
+    out, lse = backend_module(q).attention_forward(q, k, v, **_options(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink))
+    return out, lse, rng_state
+
+
 @attn_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic):
-    b, sq, h, _ = q.shape
-    out = q.new_empty((b, sq, h, v.shape[-1]))
-    lse = q.new_empty((b, h, sq), dtype=torch.float32)
-    return out, lse
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, alibi_slopes, dropout_p, learnable_sink, deterministic):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is None:
+        b, sq, h, _ = q.shape
+        lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse, torch.empty(2, dtype=torch.int64)
 
 
 @torch.library.custom_op("flashattn::attn_bwd", mutates_args=())
 def attn_bwd(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-    causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None,
-    deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return backend_module(q).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
-    )
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: Tensor | None, dropout_p: float, learnable_sink: Tensor | None, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dsink = backend_module(q).attention_backward(dout, q, k, v, out, lse, **_options(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink), deterministic=deterministic)
+    # a custom op returns tensors only: an empty dsink stands for "no sink"
+    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-      deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      causal, window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink, deterministic):
+    n_sink = learnable_sink.shape[0] if learnable_sink is not None else 0
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(n_sink, dtype=torch.float32))
+
+
+_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+         "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p")
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.alibi_slopes = alibi_slopes
-    ctx.args = (softmax_scale, causal, window_left, window_right, softcap)
+    q, k, v, *rest = inputs
+    *args, learnable_sink, deterministic = rest
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, learnable_sink)
+    ctx.args = args
     ctx.deterministic = deterministic
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, drng):
     # like flash_attn, the LSE output is not differentiated
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, *ctx.args, ctx.alibi_slopes, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    q, k, v, out, lse, rng_state, sink = ctx.saved_tensors
+    dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, rng_state, *ctx.args, sink, ctx.deterministic)
+    dsink = dsink.to(sink.dtype) if sink is not None else None
+    return (dq, dk, dv) + (None,) * len(_ARGS) + (dsink, None)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
-              alibi_slopes=None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
-    """(out, lse) with autograd through the registered op."""
-    return attn_fwd(q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-                    float(softcap), alibi_slopes, bool(deterministic))
+def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
+              alibi_slopes=None, dropout_p: float = 0.0, learnable_sink=None, deterministic: bool = False,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """(out, lse, rng_state) with autograd through the registered op."""
+    return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                    float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+                    alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))

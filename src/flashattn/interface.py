@@ -1,34 +1,60 @@
 """Public attention functions, drop-in compatible with flash_attn 2.x (names, argument order, defaults).
 
-Layout: (batch, seqlen, nheads, headdim). Causal masking is aligned to the bottom-right corner of the score
-matrix: query i sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
+Layout: (batch, seqlen, nheads, headdim); varlen: (total_tokens, nheads, headdim) with int32 cu_seqlens.
+Causal masking is aligned to the bottom-right corner of the score matrix: query i sees key j iff
+j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
 
     1 1 1 1 0
     1 1 1 1 1
 
 and for seqlen_q = 5, seqlen_k = 2 the first three query rows see no key at all: their output is 0, their
-gradients are 0 and their softmax_lse is +inf (never NaN).
+gradients are 0 and their softmax_lse is +inf (never NaN). A sliding window (left, right) lets query i see the
+keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] (-1: unbounded on that side), intersected
+with the causal mask when causal=True.
+
+Beyond flash_attn 2.x, every function takes two keyword arguments current models need:
+  learnable_sink: (nheads,) float32, default None. Attention sinks: each head's softmax gets one more logit
+      that takes probability mass but contributes no value; its gradient is returned.
+  v with its own head dim (e.g. d_qk = 192, d_v = 128): out has v's head dim.
 """
 
 from flashattn import _validate
 from flashattn.autograd import attention
+from flashattn.dropout import dropout_keep_mask
 from flashattn.ops.attention import default_scale
 
-_ISSUE7 = "comes with issue 7 (training features) and is not implemented yet"
 
-
-def _check_features(dropout_p, window_size, softcap, alibi_slopes) -> None:
+def _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch):
+    _validate.check_scale(softmax_scale)
     _validate.check_dropout(dropout_p)
     _validate.check_window(window_size)
     _validate.check_softcap(softcap)
+    h = q.shape[-2]
+    _validate.check_per_head("alibi_slopes", alibi_slopes, h, batch, q.device, allow_batch=True)
+    _validate.check_per_head("learnable_sink", learnable_sink, h, None, q.device, allow_batch=False)
+
+
+def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+         return_attn_probs, learnable_sink, batch, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+         max_seqlen_k=None):
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if cu_seqlens_q is None:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    out, lse, rng_state = attention(
+        q, k, v, softmax_scale=scale, causal=causal, window_size=tuple(window_size), softcap=float(softcap),
+        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), learnable_sink=learnable_sink,
+        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+    if not return_attn_probs:
+        return out
+    s_dmask = None
     if dropout_p > 0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout {_ISSUE7}; pass dropout_p=0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)}: sliding-window attention {_ISSUE7}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping {_ISSUE7}")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"alibi_slopes: ALiBi {_ISSUE7}")
+        # the kept entries of the dropout mask the kernels drew (b, h, max_seqlen_q, max_seqlen_k)
+        seed, offset = (int(x) for x in rng_state.tolist())
+        s_dmask = dropout_keep_mask(seed, offset, batch, q.shape[-2], max_seqlen_q, max_seqlen_k, dropout_p,
+                                    device=q.device)
+    return out, lse, s_dmask
 
 
 def flash_attn_func(
@@ -43,6 +69,8 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """Exact softmax attention, computed tile by tile without materialising the score matrix.
 
@@ -51,32 +79,33 @@ def flash_attn_func(
             contiguous last dimension. headdim any value in 1..256.
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device. nheads must be a multiple of nheads_k
             (GQA; nheads_k = 1 is MQA): query head i reads kv head i // (nheads // nheads_k).
-        v: (batch, seqlen_k, nheads_k, headdim).
-        dropout_p: float, default 0.0. Dropout on the attention probabilities (training only; not yet
-            implemented: > 0 raises NotImplementedError).
-        softmax_scale: float, default 1 / sqrt(headdim). Scale of QK^T before the softmax.
+        v: (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim (1..256).
+        dropout_p: float in [0, 1), default 0.0. Dropout on the attention probabilities (pass 0.0 at
+            evaluation). The mask is drawn from torch's RNG (torch.manual_seed makes it repeatable) and
+            regenerated in the backward, never stored.
+        softmax_scale: float > 0, default 1 / sqrt(headdim). Scale of QK^T before the softmax.
         causal: bool, default False. Bottom-right-aligned causal mask (see the module docstring).
-        window_size: (left, right), default (-1, -1) = unbounded. Sliding window (not yet implemented).
-        softcap: float, default 0.0 = off. Score softcapping c·tanh(s/c) (not yet implemented).
-        alibi_slopes: (nheads,) or (batch, nheads) float32, default None (not yet implemented).
+        window_size: (left, right) ints, default (-1, -1) = unbounded. Sliding window local attention.
+        softcap: float >= 0, default 0.0 = off. Scores become softcap·tanh(score / softcap) (after scaling,
+            before masking).
+        alibi_slopes: (nheads,) or (batch, nheads) float32, default None. Adds -slope·|i + seqlen_k -
+            seqlen_q - j| to the score of query i and key j (after softcap).
         deterministic: bool, default False. Bitwise-reproducible gradients. The kernels use no atomics, so the
             backward is deterministic either way, at no cost.
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask (for testing).
+        learnable_sink: (nheads,) float32, keyword only, default None. See the module docstring.
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), q's dtype.
+        out: (batch, seqlen_q, nheads, headdim_v), q's dtype.
         softmax_lse (if return_attn_probs): (batch, nheads, seqlen_q) float32, natural-log log-sum-exp of each
-            row's scaled scores; +inf for rows that see no key.
-        S_dmask (if return_attn_probs): None (the dropout pattern exists only when dropout_p > 0).
+            row's scores (without dropout; including the sink); +inf for rows that see no key.
+        S_dmask (if return_attn_probs): None without dropout; with dropout the keep mask the kernels drew,
+            bool (batch, nheads, seqlen_q, seqlen_k), so tests can rebuild the dropped probabilities.
     """
     _validate.check_qkv(q, k, v)
-    _validate.check_scale(softmax_scale)
-    _check_features(dropout_p, window_size, softcap, alibi_slopes)
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = attention(q, k, v, scale, bool(causal), window_size, softcap, alibi_slopes, deterministic)
-    if return_attn_probs:
-        return out, lse, None
-    return out
+    _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, q.shape[0])
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_attn_probs, learnable_sink, q.shape[0])
 
 
 def flash_attn_qkvpacked_func(
@@ -89,6 +118,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_func on a packed projection.
 
@@ -101,7 +132,7 @@ def flash_attn_qkvpacked_func(
     _validate.check_packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(
@@ -115,6 +146,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """flash_attn_func with k and v packed together.
 
@@ -127,4 +160,4 @@ def flash_attn_kvpacked_func(
     _validate.check_packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, learnable_sink=learnable_sink)

@@ -1,16 +1,19 @@
 """Forward attention kernel: one program per (query tile, batch·head), K/V tiles streamed through SRAM.
 
-Invariants of the online softmax (base 2, the scale folded into ``qk_scale``):
-  m_i  running row max of the scaled scores seen so far,
-  l_i  sum of exp2(s - m_i) over those scores,
-  acc  sum of exp2(s - m_i) · v.
-Only O = acc / l_i and LSE = (m_i + log2 l_i)·ln 2 reach HBM.
+Invariants of the online softmax (base 2, the scale folded into the scores):
+  m_i  running row max of the scores seen so far,
+  l_i  sum of exp2(s - m_i) over those scores (dropout does not touch it: the LSE is of the undropped row),
+  acc  sum of exp2(s - m_i)·keep·v.
+Only O = acc / l_i / (1 - p) and LSE = (m_i + log2 l_i)·ln 2 reach HBM. Features are constexpr flags; a
+disabled one compiles to nothing.
 """
 
 import triton
 import triton.language as tl
 
-from flashattn.kernels.common import causal_bounds, load_tile, store_tile
+from flashattn.kernels.common import (
+    LOG2E, dropout_keep, key_range, load_tile, seq_bounds, store_tile, tile_scores,
+)
 
 LN2 = tl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
 
@@ -18,88 +21,134 @@ LN2 = tl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves
 @triton.jit
 def _fwd_tile(
     acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-    start_n, offs_m, offs_d, seqlen_k, diag, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    start_n, offs_m, offs_d, offs_dv, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
+    rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N) -> (BLOCK_M, BLOCK_N)
-    if MASKED:
-        # only the diagonal band and the key tail pay for the predicate
-        keep = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
-        qk = tl.where(keep, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+        s, _ = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
+                           cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_sub[:, None])
+        p = tl.math.exp2(s - m_sub[:, None])
     else:
+        # plain tiles: the max of the raw products, scaled once per row (scale > 0)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = m_new
         p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
     # -- rescale the running state to the new max
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(v_base, offs_n, offs_d, stride_vn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
+    if HAS_DROPOUT:
+        keep = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
+                            dropout_p)
+        p = tl.where(keep, p, 0.0)
+    v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, dv)
     return acc, l_i, m_new
 
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINK,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    nheads, seqlen_q, seqlen_k, qk_scale,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    # the last query tiles carry the most keys under causal masking: launch them first
-    num_m = tl.cdiv(seqlen_q, BLOCK_M)
-    start_m = (num_m - 1 - tl.program_id(0)) * BLOCK_M
     off_bh = tl.program_id(1)
-    off_b = (off_bh // nheads).to(tl.int64)
-    off_h = (off_bh % nheads).to(tl.int64)
-    off_hk = off_h // GROUP
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, IS_VARLEN)
+    # the last query tiles carry the most keys under causal masking: launch them first
+    start_m = (tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+    off_hk64 = off_h64 // GROUP
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + off_b64 * stride_qb + q_start.to(tl.int64) * stride_qm + off_h64 * stride_qh
+    k_base = K + off_b64 * stride_kb + k_start.to(tl.int64) * stride_kn + off_hk64 * stride_kh
+    v_base = V + off_b64 * stride_vb + k_start.to(tl.int64) * stride_vn + off_hk64 * stride_vh
     q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
 
-    # query i sees key j iff j <= i + diag (bottom-right aligned causal)
-    diag = seqlen_k - seqlen_q
-    n_full, n_end = causal_bounds(start_m, seqlen_k, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
+    rng_row_base = off_bh.to(tl.int64) * max_seqlen_q
 
+    diag = seqlen_k - seqlen_q
+    n_start, n_lo, n_hi, n_end = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N,
+                                           WINDOW_LEFT, WINDOW_RIGHT)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # -- tiles every row of this block sees entirely: no predicate
-    for start_n in range(0, n_full, BLOCK_N):
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # -- tiles cut by the window's left edge
+    for start_n in range(n_start, tl.minimum(n_lo, n_end), BLOCK_N):
         acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d,
-            seqlen_k, diag, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PREC,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
+            rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
         )
-    # -- the diagonal band and the key tail
-    for start_n in range(n_full, n_end, BLOCK_N):
+    # -- tiles every row of this block sees entirely: no predicate
+    for start_n in range(n_lo, n_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d,
-            seqlen_k, diag, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PREC,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
+            rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+        )
+    # -- the diagonal band / right window edge and the key tail
+    for start_n in range(tl.maximum(n_hi, n_lo), n_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
+            rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
         )
 
-    # -- epilogue: rows that saw no key get out = 0 and lse = +inf (flash_attn's convention)
+    # -- epilogue
+    if HAS_SINK:
+        # the sink is one more logit in every row's denominator, with no value
+        sink = tl.load(SINK + off_h) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention); with a sink lse = sink
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
-    tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    store_tile(O + off_b * stride_ob + off_h * stride_oh, out, offs_m, offs_d, stride_om, seqlen_q, HEAD_DIM)
+    if HAS_DROPOUT:
+        l_safe = l_safe * (1.0 - dropout_p)  # kept probabilities are scaled by 1/(1 - p)
+    out = acc / l_safe[:, None]
+    lse_base = LSE + off_b64 * stride_lse_b + off_h64 * stride_lse_h + q_start
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
+    o_base = O + off_b64 * stride_ob + q_start.to(tl.int64) * stride_om + off_h64 * stride_oh
+    store_tile(o_base, out, offs_m, offs_dv, stride_om, seqlen_q, HEAD_DIM_V)

@@ -1,7 +1,14 @@
-"""Small @triton.jit helpers shared by the forward and backward kernels."""
+"""@triton.jit helpers shared by the forward and backward kernels: tile I/O, visible ranges, scores, dropout.
+
+Visibility (design.md): query i sees key j iff j < seqlen_k and, with diag = seqlen_k - seqlen_q,
+  j >= i + diag - left   when the window has a left bound (WINDOW_LEFT),
+  j <= i + diag + right  when it has a right bound (WINDOW_RIGHT; causal is right = 0).
+"""
 
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2): scores live in base 2 inside the kernels
 
 
 @triton.jit
@@ -30,42 +37,104 @@ def store_tile(base, tile, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.c
 
 
 @triton.jit
-def causal_bounds(start_m, seqlen_k, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr):
-    """Key range of the query rows [start_m, start_m + BLOCK_M), split at a BLOCK_N multiple.
-
-    Returns (n_full, n_end): tiles in [0, n_full) are visible to every row of the block and hold no key past
-    seqlen_k, so they need no predicate; tiles in [n_full, n_end) need one. Query i sees key j iff
-    j <= i + diag (diag = seqlen_k - seqlen_q).
-    """
-    n_tail = (seqlen_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), seqlen_k)
-        # keys the first row sees, rounded down to whole tiles (clamped before dividing: // truncates)
-        n_full = tl.minimum((tl.maximum(start_m + diag + 1, 0) // BLOCK_N) * BLOCK_N, n_tail)
+def seq_bounds(cu_seqlens, off_b, seqlen, IS_VARLEN: tl.constexpr):
+    """(start row in the packed tensor, length) of sequence off_b."""
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + off_b)
+        seqlen = tl.load(cu_seqlens + off_b + 1) - start
     else:
-        n_end = seqlen_k
-        n_full = n_tail
-    return n_full, n_end
+        start = tl.zeros([], dtype=tl.int32)
+    return start, seqlen
 
 
 @triton.jit
-def causal_bounds_t(start_n, seqlen_q, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr):
-    """Query range that sees the keys [start_n, start_n + BLOCK_N), for the dK/dV pass.
+def key_range(start_m, seqlen_k, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """Key tiles of the query rows [start_m, start_m + BLOCK_M), as BLOCK_N multiples n_start <= n_lo, n_hi.
 
-    Returns (m_begin, m_full): query tiles in [m_begin, m_full) (BLOCK_M multiples) straddle the diagonal and
-    need the causal predicate; tiles from m_full to seqlen_q see every key of the block. Rows past seqlen_q
-    are made harmless by their LSE of +inf, not by a predicate.
+    [n_start, n_lo) and [max(n_hi, n_lo), n_end) need the element predicate (left window edge; right edge,
+    diagonal and key tail); every row of the block sees every key of the tiles in [n_lo, n_hi).
     """
-    if CAUSAL:
-        # the first row that sees key start_n is start_n - diag
-        m_begin = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
-        # every row from start_n + BLOCK_N - 1 - diag on sees the whole key block
-        first_full = tl.maximum(start_n + BLOCK_N - 1 - diag, 0)
-        m_full = tl.minimum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M)
-        m_begin = tl.minimum(m_begin, m_full)
+    n_tail = (seqlen_k // BLOCK_N) * BLOCK_N
+    if WINDOW_RIGHT:
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diag + right, 0), seqlen_k)
+        # keys the first row sees, in whole tiles (clamped before dividing: // truncates toward 0)
+        n_hi = tl.minimum((tl.maximum(start_m + diag + right + 1, 0) // BLOCK_N) * BLOCK_N, n_tail)
     else:
-        m_begin = 0
-        m_full = 0
-    return m_begin, m_full
+        n_end = seqlen_k
+        n_hi = n_tail
+    if WINDOW_LEFT:
+        n_start = (tl.maximum(start_m + diag - left, 0) // BLOCK_N) * BLOCK_N
+        # the last row's first key, rounded up to a tile
+        n_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diag - left, 0), BLOCK_N) * BLOCK_N
+        n_lo = tl.maximum(n_lo, n_start)
+    else:
+        n_start = 0
+        n_lo = 0
+    return n_start, n_lo, n_hi, n_end
+
+
+@triton.jit
+def query_range(start_n, seqlen_q, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """Query tiles that see the keys [start_n, start_n + BLOCK_N), for the dK/dV pass (BLOCK_M multiples).
+
+    [m_start, m_lo) and [max(m_hi, m_lo), m_end) need the predicate; [m_lo, m_hi) see the whole key tile.
+    Rows past seqlen_q are made harmless by their LSE of +inf, not by a predicate.
+    """
+    m_tail = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if WINDOW_RIGHT:
+        # row i sees key j only if i >= j - diag - right
+        m_start = (tl.maximum(start_n - diag - right, 0) // BLOCK_M) * BLOCK_M
+        m_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag - right, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_start = 0
+        m_lo = 0
+    if WINDOW_LEFT:
+        # row i sees key j only if i <= j - diag + left
+        m_end = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - diag + left, 0), BLOCK_M) * BLOCK_M, m_tail)
+        m_hi = (tl.maximum(start_n - diag + left + 1, 0) // BLOCK_M) * BLOCK_M
+    else:
+        m_end = m_tail
+        m_hi = m_tail
+    m_start = tl.minimum(m_start, m_end)
+    m_lo = tl.minimum(tl.maximum(m_lo, m_start), m_end)
+    return m_start, m_lo, m_hi, m_end
+
+
+@triton.jit
+def tile_scores(qk, qi, kj, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
+                MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 scores of a tile of raw q·k products, and tanh(·) of the softcap (for its derivative).
+
+    qi, kj: query and key indices broadcastable to qk's shape (either orientation, so the dK/dV pass can work
+    on transposed tiles). Masked entries are -inf. softcap: s = c·tanh(scale·qk / c), cap_in = scale / c,
+    cap_out = c / ln 2. ALiBi subtracts slope·|i + diag - j| (slope already in base 2).
+    """
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): one exp2, saturates to ±1 without NaN
+        t = 1.0 - 2.0 / (tl.math.exp2(qk * (cap_in * 2.0 * LOG2E)) + 1.0)
+        s = t * cap_out
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(qi + diag - kj).to(tl.float32)
+    if MASKED:
+        keep = kj < seqlen_k
+        if WINDOW_RIGHT:
+            keep = keep & (kj <= qi + diag + right)
+        if WINDOW_LEFT:
+            keep = keep & (kj >= qi + diag - left)
+        s = tl.where(keep, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, offset, row_base, qi, kj, max_seqlen_k, dropout_p):
+    """Keep mask of dropout: element (b, h, i, j) is kept iff rand(seed, counter) >= p, with
+    counter = offset + ((b·nheads + h)·max_seqlen_q + i)·max_seqlen_k + j (row_base = (b·nheads + h)·max_seqlen_q).
+    flashattn.dropout reproduces it bit for bit in torch."""
+    counter = offset + (row_base + qi.to(tl.int64)) * max_seqlen_k + kj.to(tl.int64)
+    return tl.rand(seed, counter) >= dropout_p

@@ -1,10 +1,13 @@
 """Launchers for the Triton attention kernels: allocate outputs, check strides, pick tiles and grid.
 
 Pure functions (tensors in, tensors out, no autograd): tests, benchmarks and the CLI call them directly.
-Shapes: q (b, sq, h, d), k/v (b, sk, h_k, d); any strides with a contiguous last dim.
+Padded layout: q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), lse (b, h, sq).
+Varlen layout (cu_seqlens_q/k given): q (total_q, h, d), k/v (total_k, h_k, ·), lse (h, total_q).
+Any strides with a contiguous last dim.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,107 +20,157 @@ LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax sca
 _INT32_MAX = 2**31 - 1
 
 
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
 def _block_d(d: int) -> int:
     # tl.dot needs K >= 16; non-powers of two are padded and masked
     return max(16, triton.next_power_of_2(d))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (tf32 would be a 1e-3 error that no fp32 user expects)
-    return "ieee" if dtype == torch.float32 else "tf32"
+@dataclass(frozen=True)
+class _Problem:
+    """Everything the three kernels share, derived once from the arguments."""
+
+    varlen: bool
+    batch: int
+    nheads: int
+    nheads_k: int
+    seqlen_q: int  # padded length, or max_seqlen_q for varlen
+    seqlen_k: int
+    d: int
+    dv: int
+    scalars: tuple  # qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset
+    flags: dict
+
+    def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, row, head) strides of a q/k/v/o-like tensor in this layout."""
+        if self.varlen:
+            return 0, t.stride(0), t.stride(1)
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
 
 
-def _check_offsets(name: str, t: torch.Tensor) -> None:
-    # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch and head offsets are 64-bit
-    if t.shape[1] * t.stride(1) > _INT32_MAX:
-        raise ValueError(
-            f"{name} has seqlen {t.shape[1]} with row stride {t.stride(1)}: in-sequence offsets exceed 2^31 "
-            f"elements; split the sequence or use a layout with a smaller row stride"
-        )
+def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+             rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> _Problem:
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+        h, d = q.shape[1], q.shape[2]
+        hk = k.shape[1]
+        sq, sk = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        batch, sq, h, d = q.shape
+        sk, hk = k.shape[1], k.shape[2]
+    for name, t, n in (("q", q, sq), ("k", k, sk), ("v", v, sk)):
+        # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch/head/start offsets are 64-bit
+        row_stride = t.stride(0) if varlen else t.stride(1)
+        if n * row_stride > _INT32_MAX:
+            raise ValueError(
+                f"{name} has seqlen {n} with row stride {row_stride}: in-sequence offsets exceed 2^31 elements; "
+                f"split the sequence or use a layout with a smaller row stride"
+            )
+    left, right = window_size
+    if causal:
+        right = 0
+    scalars = (
+        softmax_scale * LOG2E,
+        softmax_scale / softcap if softcap > 0 else 0.0,
+        softcap * LOG2E,
+        left, right, float(dropout_p), int(rng_seed), int(rng_offset),
+    )
+    flags = dict(
+        GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=_block_d(d), BLOCK_DV=_block_d(v.shape[-1]),
+        IS_VARLEN=varlen, WINDOW_LEFT=left >= 0, WINDOW_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
+        # fp32 inputs get true fp32 products (tf32 would be a 1e-3 error that no fp32 user expects)
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return _Problem(varlen, batch, h, hk, sq, sk, d, v.shape[-1], scalars, flags)
 
 
-def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _unsupported(window_size, softcap, alibi_slopes) -> None:
-    if tuple(window_size) != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
-        raise NotImplementedError(
-            "window_size, softcap and alibi_slopes are not implemented yet in the Triton kernels "
-            "(they come with issue 7, training features)"
-        )
+def _alibi_args(alibi_slopes, dummy):
+    if alibi_slopes is None:
+        return dummy, 0
+    return alibi_slopes, (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
 
 
 def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None):
-    """out (b, sq, h, d) in q's dtype and lse (b, h, sq) float32 natural log (+inf: row saw no key)."""
-    _unsupported(window_size, softcap, alibi_slopes)
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_offsets(name, t)
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    block_d = _block_d(d)
-    cfg = tile_config("fwd", block_d, q.device)
-    grid = (triton.cdiv(sq, cfg.block_m), b * h)
+                      alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key)."""
+    pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
+    lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    alibi, stride_alibi = _alibi_args(alibi_slopes, q)
+    cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device)
+    grid = (triton.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
     attn_fwd_kernel[grid](
         q, k, v, out, lse,
-        *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(out),
-        h, sq, sk, softmax_scale * LOG2E,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+        cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
+        learnable_sink if learnable_sink is not None else q,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
+        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, **pb.flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, deterministic=False):
-    """Returns dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group).
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
+                       learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, deterministic=False):
+    """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
 
     Deterministic whatever `deterministic` says: no atomics, every gradient element is written by one program.
     """
     del deterministic
-    _unsupported(window_size, softcap, alibi_slopes)
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
-        _check_offsets(name, t)
-    dq = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((b, sk, hk, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, sk, hk, d), dtype=v.dtype, device=v.device)
-    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    block_d = _block_d(d)
-    qk_scale = softmax_scale * LOG2E
-    common = dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = torch.empty_like(lse)
+    cu_q = cu_seqlens_q if pb.varlen else q
+    cu_k = cu_seqlens_k if pb.varlen else q
+    alibi, stride_alibi = _alibi_args(alibi_slopes, q)
+    lse_strides = pb.lse_strides(lse)
+    flags = pb.flags
+    block_d = max(flags["BLOCK_D"], flags["BLOCK_DV"])
 
     pre_m = 64 if q.device.type == "cuda" else 32
-    attn_bwd_preprocess_kernel[(triton.cdiv(sq, pre_m), b * h)](
-        out, dout, delta, *_row_strides(out), *_row_strides(dout), h, sq,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+    attn_bwd_preprocess_kernel[(triton.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
+        out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
+        HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
     )
+    common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
     cfg = tile_config("dkdv", block_d, q.device)
-    attn_bwd_dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(dout),
-        *_row_strides(dk), *_row_strides(dv),
-        h, hk, sq, sk, qk_scale, softmax_scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
+    attn_bwd_dkdv_kernel[(triton.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
+        *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    has_sink = learnable_sink is not None
+    # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
+    dsink_rows = torch.zeros_like(lse) if has_sink else lse
     cfg = tile_config("dq", block_d, q.device)
-    attn_bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
-        q, k, v, dout, lse, delta, dq,
-        *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(dout), *_row_strides(dq),
-        h, sq, sk, qk_scale, softmax_scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common,
+    attn_bwd_dq_kernel[(triton.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq),
+        *lse_strides, stride_alibi, pb.nheads, *common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=has_sink, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dq, dk, dv
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
+    # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis
+    dsink = dsink_rows.sum(1 if pb.varlen else (0, 2)) if has_sink else None
+    return dq, dk, dv, dsink

@@ -1,0 +1,123 @@
+"""Varlen (packed sequences) attention, drop-in compatible with flash_attn 2.x's *_varlen_* functions.
+
+Sequences of different lengths are concatenated along the token axis; int32 cu_seqlens (batch + 1,) hold the
+cumulative lengths, so sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]). Every mask (causal, window,
+ALiBi distance) is applied per sequence with its own lengths; zero-length sequences are legal. See
+flashattn.interface for the causal alignment and the extra keyword arguments.
+"""
+
+from flashattn import _validate
+from flashattn.interface import _check_options, _run
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    learnable_sink=None,
+):
+    """Attention over packed sequences.
+
+    Arguments:
+        q: (total_q, nheads, headdim), float16 / bfloat16 (float32 accepted), contiguous last dimension.
+        k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v).
+        cu_seqlens_q: (batch + 1,) int32, cumulative query lengths starting at 0, on q's device.
+        cu_seqlens_k: (batch + 1,) int32, cumulative key lengths.
+        max_seqlen_q: int, at least the longest query sequence (sizes the grid and the dropout counters).
+        max_seqlen_k: int, at least the longest key sequence.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, learnable_sink:
+            as flash_attn_func; alibi_slopes may be (batch, nheads).
+        return_attn_probs: bool, default False. Also return softmax_lse and S_dmask.
+        block_table: paged KV for varlen prefill; not implemented yet (issue 4).
+
+    Returns:
+        out: (total_q, nheads, headdim_v).
+        softmax_lse (if return_attn_probs): (nheads, total_q) float32 natural log, +inf for rows that see no
+            key (flash_attn's varlen layout).
+        S_dmask (if return_attn_probs): None without dropout; else bool (batch, nheads, max_seqlen_q,
+            max_seqlen_k), sequence b's mask in [b, :, :len_q, :len_k].
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV for varlen prefill) comes with issue 4 (inference)")
+    _validate.check_qkv(q, k, v, varlen=True)
+    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_attn_probs, learnable_sink, batch, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                int(max_seqlen_k))
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    learnable_sink=None,
+):
+    """flash_attn_varlen_func on a packed projection.
+
+    Arguments:
+        qkv: (total, 3, nheads, headdim), read in place.
+        cu_seqlens: (batch + 1,) int32; max_seqlen: int. Other arguments as flash_attn_varlen_func.
+    Returns: as flash_attn_varlen_func.
+    """
+    _validate.check_packed("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, learnable_sink=learnable_sink)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    learnable_sink=None,
+):
+    """flash_attn_varlen_func with k and v packed together.
+
+    Arguments:
+        q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim), read in place.
+        Other arguments as flash_attn_varlen_func.
+    Returns: as flash_attn_varlen_func.
+    """
+    _validate.check_packed("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, learnable_sink=learnable_sink)

@@ -1,0 +1,57 @@
+"""Launcher and plain-torch twin of the partial-attention merge (kernels/combine.py).
+
+Layouts: partial outputs stacked as (n, b, sq, h, d), partial LSEs as (n, b, h, sq), any strides with a
+contiguous last dim of the outputs. Returns out (b, sq, h, d) in `out_dtype` and lse (b, h, sq) float32.
+An LSE of -inf or +inf marks an empty partial; a row with no non-empty partial gets out 0 and lse +inf.
+"""
+
+import math
+
+import torch
+import triton
+
+from flashattn.kernels.combine import combine_kernel
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def merge_partials(o_parts, lse_parts, *, out_dtype=None, out=None, lse=None):
+    """Triton merge. `out` / `lse` may be given to write into (the decode launcher's final buffers)."""
+    n, b, sq, h, d = o_parts.shape
+    if out is None:
+        out = torch.empty((b, sq, h, d), dtype=out_dtype or o_parts.dtype, device=o_parts.device)
+    if lse is None:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=o_parts.device)
+    block_d = _block_d(d)
+    # 16 rows x d: one program covers half of a 32-head decode row set, reading contiguous bytes
+    block_r = 16
+    grid = (triton.cdiv(sq * h, block_r), b)
+    combine_kernel[grid](
+        o_parts, lse_parts, out, lse,
+        *o_parts.stride()[:4], *lse_parts.stride(),
+        *out.stride()[:3], *lse.stride(),
+        h, sq, n,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def merge_partials_torch(o_parts, lse_parts, *, out_dtype=None):
+    """The same merge in plain torch (fp32, or fp64 for fp64 inputs)."""
+    cdtype = torch.float64 if o_parts.dtype == torch.float64 else torch.float32
+    lse_p = lse_parts.to(cdtype)
+    lse_p = torch.where(torch.isposinf(lse_p), torch.full_like(lse_p, -math.inf), lse_p)  # +inf = empty
+    m = lse_p.amax(dim=0)  # (b, h, sq)
+    m_sub = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse_p - m_sub)  # (n, b, h, sq); 0 for empty partials
+    w_sum = w.sum(dim=0)
+    seen = w_sum > 0
+    w_safe = torch.where(seen, w_sum, torch.ones_like(w_sum))
+    wt = (w / w_safe).permute(0, 1, 3, 2).unsqueeze(-1)  # (n, b, sq, h, 1)
+    o = torch.where(wt > 0, o_parts.to(cdtype) * wt, torch.zeros((), dtype=cdtype, device=o_parts.device))
+    out = o.sum(dim=0).to(out_dtype or o_parts.dtype)
+    lse = torch.where(seen, m_sub + torch.log(w_safe), torch.full_like(m_sub, math.inf))
+    return out, lse.to(torch.float32) if cdtype == torch.float32 else lse
