@@ -54,8 +54,8 @@ def check_qkv(q, k, v, varlen: bool = False) -> None:
         raise ValueError(f"k has headdim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
     if v.shape[:-1] != k.shape[:-1]:
         raise ValueError(
-            f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match in every dimension but "
-            f"the last (v may have its own head dim)"
+            f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match in every dimension "
+            f"but the last (v may have its own head dim)"
         )
     h, hk = q.shape[-2], k.shape[-2]
     if h % hk != 0:

@@ -18,7 +18,8 @@ from flashattn.backend import backend_module
 
 def _draw_rng_state(device: torch.device, counters: int) -> Tensor:
     if device.type == "cuda":
-        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
         seed, offset = gen.initial_seed(), gen.get_offset()
         gen.set_offset(offset + (counters + 3) // 4 * 4)  # CUDA Philox offsets advance in steps of 4
     else:
@@ -76,14 +77,16 @@ def attn_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dsink = backend_module(q).attention_backward(dout, q, k, v, out, lse, **_options(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-        window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink), deterministic=deterministic)
+        window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink),
+        deterministic=deterministic)
     # a custom op returns tensors only: an empty dsink stands for "no sink"
     return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      causal, window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink, deterministic):
+def _(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink,
+      deterministic):
     n_sink = learnable_sink.shape[0] if learnable_sink is not None else 0
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(n_sink, dtype=torch.float32))
@@ -118,5 +121,5 @@ def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """(out, lse, rng_state) with autograd through the registered op."""
     return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                    float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
-                    alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))
+                    float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
+                    float(softcap), alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))

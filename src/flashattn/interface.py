@@ -9,8 +9,8 @@ j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
 
 and for seqlen_q = 5, seqlen_k = 2 the first three query rows see no key at all: their output is 0, their
 gradients are 0 and their softmax_lse is +inf (never NaN). A sliding window (left, right) lets query i see the
-keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] (-1: unbounded on that side), intersected
-with the causal mask when causal=True.
+keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] (-1: unbounded on that side),
+intersected with the causal mask when causal=True.
 
 Beyond flash_attn 2.x, every function takes two keyword arguments current models need:
   learnable_sink: (nheads,) float32, default None. Attention sinks: each head's softmax gets one more logit
@@ -103,7 +103,8 @@ def flash_attn_func(
             bool (batch, nheads, seqlen_q, seqlen_k), so tests can rebuild the dropped probabilities.
     """
     _validate.check_qkv(q, k, v)
-    _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, q.shape[0])
+    batch = q.shape[0]
+    _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch)
     return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink, q.shape[0])
 

@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from flashattn.kernels.common import (
-    LOG2E, dropout_keep, key_range, load_tile, query_range, seq_bounds, store_tile, tile_scores,
+    LOG2E,
+    dropout_keep,
+    key_range,
+    load_tile,
+    query_range,
+    seq_bounds,
+    store_tile,
+    tile_scores,
 )
 
 
@@ -42,7 +49,8 @@ def attn_bwd_preprocess_kernel(
     do = load_tile(DO + off_b64 * stride_dob + row0 * stride_dom + off_h * stride_doh, offs_m, offs_d,
                    stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(Delta + off_b64 * stride_lse_b + off_h * stride_lse_h + row0 + offs_m, delta, mask=offs_m < seqlen_q)
+    delta_base = Delta + off_b64 * stride_lse_b + off_h * stride_lse_h + row0
+    tl.store(delta_base + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -61,14 +69,15 @@ def _dkdv_tile(
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI:
         s_t, t_t = tile_scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_k, diag, left, right, qk_scale,
-                               cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+                               cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI)
         p_t = tl.math.exp2(s_t - lse[None, :])
     else:
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     do = load_tile(do_base, offs_m, offs_dv, stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     if HAS_DROPOUT:
-        keep_t = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[None, :], offs_n[:, None], max_seqlen_k,
-                              dropout_p)
+        keep_t = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[None, :], offs_n[:, None],
+                              max_seqlen_k, dropout_p)
         pz_t = tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
         pz_t = p_t
@@ -116,10 +125,10 @@ def attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = load_tile(K + off_b64 * stride_kb + k_row0 * stride_kn + off_hk * stride_kh, offs_n, offs_d, stride_kn,
-                  seqlen_k, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(V + off_b64 * stride_vb + k_row0 * stride_vn + off_hk * stride_vh, offs_n, offs_dv, stride_vn,
-                  seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
+    k = load_tile(K + off_b64 * stride_kb + k_row0 * stride_kn + off_hk * stride_kh, offs_n, offs_d,
+                  stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(V + off_b64 * stride_vb + k_row0 * stride_vn + off_hk * stride_vh, offs_n, offs_dv,
+                  stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -190,8 +199,8 @@ def _dq_tile(
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (BLOCK_M, dv) x (dv, BLOCK_N)
     if HAS_DROPOUT:
-        keep = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
-                            dropout_p)
+        keep = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[:, None], offs_n[None, :],
+                            max_seqlen_k, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_SINK:
         # D = Σ_j P dP in fp32, for the sink gradient: rowsum(dO∘O) would carry O's rounding to 16 bits
@@ -237,8 +246,8 @@ def attn_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = load_tile(Q + off_b64 * stride_qb + q_row0 * stride_qm + off_h64 * stride_qh, offs_m, offs_d, stride_qm,
-                  seqlen_q, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(Q + off_b64 * stride_qb + q_row0 * stride_qm + off_h64 * stride_qh, offs_m, offs_d,
+                  stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
     do = load_tile(DO + off_b64 * stride_dob + q_row0 * stride_dom + off_h64 * stride_doh, offs_m, offs_dv,
                    stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     row_base = off_b64 * stride_lse_b + off_h64 * stride_lse_h + q_row0

@@ -12,7 +12,13 @@ import triton
 import triton.language as tl
 
 from flashattn.kernels.common import (
-    LOG2E, dropout_keep, key_range, load_tile, seq_bounds, store_tile, tile_scores,
+    LOG2E,
+    dropout_keep,
+    key_range,
+    load_tile,
+    seq_bounds,
+    store_tile,
+    tile_scores,
 )
 
 LN2 = tl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
@@ -46,8 +52,8 @@ def _fwd_tile(
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        keep = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
-                            dropout_p)
+        keep = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[:, None], offs_n[None, :],
+                            max_seqlen_k, dropout_p)
         p = tl.where(keep, p, 0.0)
     v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
     acc = acc * alpha[:, None]

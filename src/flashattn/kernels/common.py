@@ -134,7 +134,7 @@ def tile_scores(qk, qi, kj, seqlen_k, diag, left, right, qk_scale, cap_in, cap_o
 @triton.jit
 def dropout_keep(seed, offset, row_base, qi, kj, max_seqlen_k, dropout_p):
     """Keep mask of dropout: element (b, h, i, j) is kept iff rand(seed, counter) >= p, with
-    counter = offset + ((b·nheads + h)·max_seqlen_q + i)·max_seqlen_k + j (row_base = (b·nheads + h)·max_seqlen_q).
-    flashattn.dropout reproduces it bit for bit in torch."""
+    counter = offset + ((b·nheads + h)·max_seqlen_q + i)·max_seqlen_k + j; row_base is
+    (b·nheads + h)·max_seqlen_q. flashattn.dropout reproduces it bit for bit in torch."""
     counter = offset + (row_base + qi.to(tl.int64)) * max_seqlen_k + kj.to(tl.int64)
     return tl.rand(seed, counter) >= dropout_p

@@ -66,12 +66,12 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         batch, sq, h, d = q.shape
         sk, hk = k.shape[1], k.shape[2]
     for name, t, n in (("q", q, sq), ("k", k, sk), ("v", v, sk)):
-        # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch/head/start offsets are 64-bit
+        # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch/head/start ones 64-bit
         row_stride = t.stride(0) if varlen else t.stride(1)
         if n * row_stride > _INT32_MAX:
             raise ValueError(
-                f"{name} has seqlen {n} with row stride {row_stride}: in-sequence offsets exceed 2^31 elements; "
-                f"split the sequence or use a layout with a smaller row stride"
+                f"{name} has seqlen {n} with row stride {row_stride}: in-sequence offsets exceed 2^31 "
+                f"elements; split the sequence or use a layout with a smaller row stride"
             )
     left, right = window_size
     if causal:
@@ -83,7 +83,8 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         left, right, float(dropout_p), int(rng_seed), int(rng_offset),
     )
     flags = dict(
-        GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=_block_d(d), BLOCK_DV=_block_d(v.shape[-1]),
+        GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=_block_d(d),
+        BLOCK_DV=_block_d(v.shape[-1]),
         IS_VARLEN=varlen, WINDOW_LEFT=left >= 0, WINDOW_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
         # fp32 inputs get true fp32 products (tf32 would be a 1e-3 error that no fp32 user expects)
