@@ -11,6 +11,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 if [ "$stage" = tune ]; then
   python3 -c "import sys; from flashattn.demo import check; sys.exit(check())" 2>&1 | tee "$OUT/check.log"
+  python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log"
   timeout 240 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py 2>&1 | tail -5 | tee "$OUT/memcheck.log"
   timeout 400 python3 scripts/tune.py --out "$OUT/tune.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
 fi
