@@ -1,0 +1,168 @@
+"""merge_attention_states: exact attention over a union of disjoint key sets from the parts' (out, lse).
+
+The rule (design.md) is the one split-KV decoding, cascade (shared-prefix) attention and ring attention use:
+with m = max_i lse_i and w_i = exp(lse_i - m),
+
+    out = Σ_i w_i out_i / Σ_i w_i,        lse = m + log Σ_i w_i.
+
+An empty part (it saw no key) contributes nothing. Such a part may say so either way: lse = +inf, which is
+what flash_attn_func / flash_attn_with_kvcache return for a row that sees no key (flash_attn's convention),
+or lse = -inf (the natural value, exp(-inf) = 0; split partials use it). A row whose parts are all empty
+gets out 0 and lse +inf, the public convention again, so merged results can be merged further.
+
+Differentiable with respect to every out_i and lse_i (gradients 0 through empty parts).
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from flashattn.backend import backend_name
+
+__all__ = ["merge_attention_states"]
+
+
+def _stacked(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    return torch.stack(outs), torch.stack(lses)
+
+
+@torch.library.custom_op("flashattn::merge_states", mutates_args=())
+def merge_states(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """outs: n × (b, sq, h, d); lses: n × (b, h, sq) float32 -> out (b, sq, h, d), lse (b, h, sq)."""
+    o_parts, l_parts = _stacked(outs, lses)
+    if backend_name(o_parts) == "triton":
+        from flashattn.ops.merge import merge_partials as merge
+    else:
+        from flashattn.ops.merge import merge_partials_torch as merge
+    return merge(o_parts, l_parts, out_dtype=outs[0].dtype)
+
+
+@merge_states.register_fake
+def _(outs, lses):
+    return torch.empty_like(outs[0]), torch.empty_like(lses[0])
+
+
+def _weights(lses: list[Tensor], lse: Tensor) -> Tensor:
+    """(n, b, sq, h, 1) float32: w_i / Σ w = exp(lse_i - lse), 0 for empty parts and rows."""
+    l_parts = torch.stack(lses).float()
+    l_parts = torch.where(torch.isposinf(l_parts), torch.full_like(l_parts, -math.inf), l_parts)
+    lse_sub = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).float()
+    w = torch.exp(l_parts - lse_sub)
+    w = torch.where(torch.isposinf(lse), torch.zeros_like(w), w)  # a row with no key: all parts weigh 0
+    return w.permute(0, 1, 3, 2).unsqueeze(-1)
+
+
+def _setup_context(ctx, inputs, output):
+    outs, lses = inputs
+    out, lse = output
+    ctx.save_for_backward(*outs, *lses, out, lse)
+    ctx.n = len(outs)
+
+
+def _backward(ctx, dout, dlse):
+    saved = ctx.saved_tensors
+    n = ctx.n
+    outs, lses, out, lse = list(saved[:n]), list(saved[n : 2 * n]), saved[2 * n], saved[2 * n + 1]
+    w = _weights(lses, lse)  # (n, b, sq, h, 1)
+    # out = Σ w_i out_i with w_i = exp(lse_i - lse):  d out_i = w_i dout,
+    # d lse_i = w_i (<dout, out_i - out> + dlse)  (∂w_j/∂lse_i = w_j (δ_ij - w_i))
+    dlse_total = torch.zeros_like(w)
+    if dlse is not None:
+        dlse_total = dlse_total + dlse.float().transpose(1, 2).unsqueeze(-1)
+    douts = []
+    if dout is not None:
+        dof = dout.float()
+        o_parts = torch.stack(outs).float()
+        safe = torch.where(w > 0, o_parts - out.float(), torch.zeros_like(o_parts))
+        dlse_total = dlse_total + (dof * safe).sum(-1, keepdim=True)
+        douts = [(w[i] * dof).to(outs[i].dtype) for i in range(n)]
+    else:
+        douts = [torch.zeros_like(o) for o in outs]
+    dl = (w * dlse_total).squeeze(-1).permute(0, 1, 3, 2)  # (n, b, h, sq)
+    dlses = [dl[i].to(lses[i].dtype) for i in range(n)]
+    return douts, dlses
+
+
+merge_states.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_parts(outs: Sequence, lses: Sequence) -> bool:
+    """Validates the parts; returns True for the varlen layout (out (total, h, d), lse (h, total))."""
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"merge_attention_states needs as many outputs as LSEs, at least one; got "
+                         f"{len(outs)} outputs and {len(lses)} LSEs")
+    ref = outs[0]
+    for i, (o, lse) in enumerate(zip(outs, lses, strict=True)):
+        for name, t in ((f"out[{i}]", o), (f"lse[{i}]", lse)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if o.dim() not in (3, 4):
+            raise ValueError(f"out[{i}] has shape {tuple(o.shape)}; expected (batch, seqlen_q, nheads, "
+                             f"headdim) or, varlen, (total_q, nheads, headdim)")
+        if o.shape != ref.shape or o.dtype != ref.dtype or o.device != ref.device:
+            raise ValueError(f"out[{i}] is {tuple(o.shape)} {o.dtype} on {o.device} but out[0] is "
+                             f"{tuple(ref.shape)} {ref.dtype} on {ref.device}; the parts must match")
+        if o.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"out[{i}] has dtype {o.dtype}; expected float16, bfloat16 or float32")
+        if o.stride(-1) != 1:
+            raise ValueError(
+                f"out[{i}] must have a contiguous last dimension, got strides {tuple(o.stride())}"
+            )
+        if lse.dtype != torch.float32:
+            raise TypeError(
+                f"lse[{i}] has dtype {lse.dtype}; expected torch.float32 (softmax_lse as returned)"
+            )
+        if lse.device != o.device:
+            raise ValueError(
+                f"lse[{i}] is on {lse.device} but out[{i}] on {o.device}; they must share a device"
+            )
+        want = (o.shape[0], o.shape[2], o.shape[1]) if o.dim() == 4 else (o.shape[1], o.shape[0])
+        if tuple(lse.shape) != want:
+            layout = "(batch, nheads, seqlen_q)" if o.dim() == 4 else "(nheads, total_q)"
+            raise ValueError(f"lse[{i}] has shape {tuple(lse.shape)}; expected {want} = {layout} for out "
+                             f"of shape {tuple(o.shape)}")
+    return ref.dim() == 3
+
+
+def merge_attention_states(out_a, lse_a, out_b=None, lse_b=None):
+    """Merge attention results over disjoint key sets into the result over their union (exact).
+
+    Two forms:
+        merge_attention_states(out_a, lse_a, out_b, lse_b) -> (out, lse)
+        merge_attention_states([out_0, out_1, ...], [lse_0, lse_1, ...]) -> (out, lse)
+
+    Arguments:
+        out_*: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32, as flash_attn_func
+            returns it; or, for varlen results, (total_q, nheads, headdim). All parts share shape and dtype.
+        lse_*: (batch, nheads, seqlen_q) float32, natural log, as flash_attn_func(return_attn_probs=True)
+            or flash_attn_with_kvcache(return_softmax_lse=True) return it; varlen: (nheads, total_q).
+            +inf or -inf marks a part in which the row saw no key (see the module docstring).
+
+    Returns:
+        out: like out_a, in its dtype (the merge itself runs in float32). 0 for rows no part saw a key for.
+        lse: like lse_a, float32; +inf for rows no part saw a key for.
+
+    Example, cascade attention: a prefix shared by the whole batch attended once, the suffixes per sequence:
+        o_p, l_p, _ = flash_attn_func(q, k_prefix, v_prefix, return_attn_probs=True)
+        o_s, l_s = flash_attn_with_kvcache(q, k_suffix_cache, v_suffix_cache, cache_seqlens=...,
+                                           return_softmax_lse=True)
+        out, lse = merge_attention_states(o_p, l_p, o_s, l_s)
+    """
+    if isinstance(out_a, (list, tuple)):
+        if out_b is not None or lse_b is not None:
+            raise TypeError("merge_attention_states(outs, lses) takes two lists; out_b/lse_b must be None")
+        outs, lses = list(out_a), list(lse_a)
+    else:
+        if out_b is None or lse_b is None:
+            raise TypeError("merge_attention_states needs out_a, lse_a, out_b, lse_b, or two lists")
+        outs, lses = [out_a, out_b], [lse_a, lse_b]
+    varlen = _check_parts(outs, lses)
+    if varlen:
+        outs = [o.unsqueeze(0) for o in outs]
+        lses = [lse.unsqueeze(0) for lse in lses]
+    out, lse = merge_states(outs, lses)
+    if varlen:
+        return out[0], lse[0]
+    return out, lse

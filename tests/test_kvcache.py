@@ -1,0 +1,320 @@
+"""flash_attn_with_kvcache against the fp64 oracle on the gathered, appended cache (CPU: torch backend and the
+Triton kernels under the interpreter; small shapes chosen to cross key tiles, pages and query blocks)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+from utils import assert_close_to_ref
+
+from flashattn.kvcache import flash_attn_with_kvcache
+from flashattn.reference import attention_ref
+
+# --------------------------------------------------------------------------------------------------------
+# independent plain-torch references: rotary (complex-number form), paging, the expected cache after append
+
+
+def rope_ref(x, cos, sin, positions, interleaved):
+    """x (b, s, heads, d) rotated on its first 2·cos.shape[1] dims at positions (b, s), computed in fp64."""
+    rd = 2 * cos.shape[1]
+    angle = torch.atan2(sin.double(), cos.double())[positions].unsqueeze(2)  # (b, s, 1, rd/2)
+    mag = torch.hypot(sin.double(), cos.double())[positions].unsqueeze(2)
+    xr = x.double()[..., :rd]
+    if interleaved:
+        pairs = torch.view_as_complex(xr.unflatten(-1, (rd // 2, 2)).contiguous())
+        turned = torch.view_as_real(pairs * torch.polar(mag, angle)).flatten(-2)
+    else:
+        pairs = torch.complex(xr[..., : rd // 2], xr[..., rd // 2 :])
+        z = pairs * torch.polar(mag, angle)
+        turned = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((turned, x.double()[..., rd:]), dim=-1).to(x.dtype)
+
+
+def to_paged(cache, page_size, generator, extra_pages=3):
+    """A page pool holding (b, cap, hk, d) in shuffled pages, and its block table (b, cap // page_size)."""
+    b, cap, hk, d = cache.shape
+    n = cap // page_size
+    num_pages = b * n + extra_pages
+    order = torch.randperm(num_pages, generator=generator)[: b * n]
+    pool = torch.randn(num_pages, page_size, hk, d, generator=generator).to(cache.dtype)
+    pool[order] = cache.reshape(b * n, page_size, hk, d)
+    return pool, order.view(b, n).to(torch.int32)
+
+
+def from_paged(pool, block_table):
+    return pool[block_table.long()].flatten(1, 2)  # (b, max_pages · page_size, hk, d)
+
+
+def rotary_tables(n, rd, dtype, generator):
+    angle = torch.rand(n, rd // 2, generator=generator, dtype=torch.float64) * 2 * math.pi
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+
+
+@dataclass
+class Case:
+    b: int = 2
+    sq: int = 1
+    h: int = 8
+    hk: int = 2
+    d: int = 32
+    cap: int = 80  # keys each cache row holds (a multiple of page_size when paged)
+    seqlens: list | int | None = field(default_factory=lambda: [37, 70])
+    s_new: int = 1
+    page: int | None = None
+    rotary: int = 0  # rotary_dim, 0 = off
+    interleaved: bool = True
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    leftpad: list | None = None
+    batch_idx: list | None = None
+    b_cache: int | None = None
+    splits: int = 0
+
+
+def run_case(c: Case, dtype, *, check=True, seed=0):
+    """Runs flash_attn_with_kvcache on a fresh cache; checks out, lse and the cache against the references.
+    Returns (out, lse, the cache after the call as (b, cap, hk, d) per batch entry)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    b_cache = c.b_cache or c.b
+    kc0, vc0 = randn(b_cache, c.cap, c.hk, c.d), randn(b_cache, c.cap, c.hk, c.d)
+    q = randn(c.b, c.sq, c.h, c.d)
+    k = randn(c.b, c.s_new, c.hk, c.d) if c.s_new else None
+    v = randn(c.b, c.s_new, c.hk, c.d) if c.s_new else None
+    idx = torch.tensor(c.batch_idx, dtype=torch.int32) if c.batch_idx is not None else None
+    rows = idx.long() if idx is not None else torch.arange(c.b)
+    if isinstance(c.seqlens, list):
+        seqlens = torch.tensor(c.seqlens, dtype=torch.int32)
+        starts = seqlens.long()
+    else:
+        seqlens = c.seqlens
+        starts = torch.full((c.b,), c.cap if c.seqlens is None else c.seqlens, dtype=torch.long)
+    leftpad = torch.tensor(c.leftpad, dtype=torch.int32) if c.leftpad is not None else None
+    cos = sin = None
+    if c.rotary:
+        cos, sin = rotary_tables(c.cap, c.rotary, dtype, g)
+    slopes = torch.rand(c.b, c.h, generator=g) * 0.3 if c.alibi else None
+
+    if c.page is None:
+        kc, vc, bt = kc0.clone(), vc0.clone(), None
+    else:
+        kc, bt = to_paged(kc0, c.page, g)
+        vc = kc.clone()
+        vc[bt.long().flatten()] = vc0.reshape(-1, c.page, c.hk, c.d)
+    out, lse = flash_attn_with_kvcache(
+        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=idx,
+        cache_leftpad=leftpad, block_table=bt, causal=c.causal, window_size=c.window, softcap=c.softcap,
+        rotary_interleaved=c.interleaved, alibi_slopes=slopes, num_splits=c.splits, return_softmax_lse=True,
+    )
+    k_after = kc[rows] if bt is None else from_paged(kc, bt)
+    v_after = vc[rows] if bt is None else from_paged(vc, bt)
+    if not check:
+        return out, lse, k_after
+
+    # -- expected cache: rows[i] of the original with the (rotated) new keys at starts[i] + j
+    k_exp, v_exp = kc0[rows].clone(), vc0[rows].clone()
+    q_ro = q
+    if c.s_new:
+        pos = starts.view(-1, 1) + torch.arange(c.s_new)
+        k_ro = rope_ref(k, cos, sin, pos, c.interleaved) if c.rotary else k
+        for i in range(c.b):
+            k_exp[i, pos[i]] = k_ro[i]
+            v_exp[i, pos[i]] = v[i]
+    if c.rotary:
+        per_row = c.causal or tuple(c.window) != (-1, -1)
+        q_ro = rope_ref(q, cos, sin, starts.view(-1, 1) + torch.arange(c.sq) * per_row, c.interleaved)
+    ktol = 0.0 if not c.rotary else (1e-6 if dtype == torch.float32 else 2e-3)
+    torch.testing.assert_close(k_after, k_exp, rtol=0, atol=ktol, msg="k cache after append")
+    assert torch.equal(v_after, v_exp), "v cache after append"
+
+    # -- the oracle, one sequence at a time on its keys [leftpad, seqlen + s_new)
+    out_ref = torch.zeros(c.b, c.sq, c.h, c.d, dtype=torch.float64)
+    out_pt = torch.zeros(c.b, c.sq, c.h, c.d, dtype=dtype)
+    lse_ref = torch.full((c.b, c.h, c.sq), math.inf, dtype=torch.float64)
+    lse_pt = torch.full((c.b, c.h, c.sq), math.inf)
+    for i in range(c.b):
+        lo = int(leftpad[i]) if leftpad is not None else 0
+        end = int(starts[i]) + c.s_new
+        if end <= lo:
+            continue
+        kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap,
+                  alibi_slopes=None if slopes is None else slopes[i])
+        args = (q_ro[i : i + 1], k_exp[i : i + 1, lo:end], v_exp[i : i + 1, lo:end])
+        o, l_ = attention_ref(*args, **kw)
+        out_ref[i], lse_ref[i] = o[0], l_[0]
+        o, l_ = attention_ref(*args, upcast=False, **kw)
+        out_pt[i], lse_pt[i] = o[0], l_[0]
+    assert_close_to_ref(out, out_ref, out_pt, name="out")
+    assert_close_to_ref(lse, lse_ref, lse_pt, name="lse")
+    return out, lse, k_after
+
+
+CASES = {
+    "decode": Case(),
+    "decode-page16": Case(page=16),
+    "append-across-page64": Case(cap=128, seqlens=[60, 63], s_new=3, sq=3, causal=True, page=64),
+    "page256": Case(cap=256, seqlens=[100, 200], s_new=2, sq=2, page=256),
+    "rotary-gptj-causal": Case(sq=3, s_new=3, rotary=32, causal=True),
+    "rotary-neox-partial-paged": Case(sq=2, s_new=2, rotary=16, interleaved=False, page=16),
+    "spec-verify-causal-sq4": Case(sq=4, s_new=4, seqlens=[10, 45], causal=True, page=16),
+    "empty-cache": Case(seqlens=[0, 0], causal=True),
+    "no-key-row": Case(seqlens=[0, 5], s_new=0),
+    "full-cache": Case(seqlens=[78, 78], s_new=2, causal=True),
+    "full-default-seqlens": Case(seqlens=None, s_new=0, h=4, hk=4),
+    "int-seqlens": Case(seqlens=30, s_new=2, sq=2, causal=True, d=24),
+    "batch-idx": Case(b_cache=4, batch_idx=[3, 1], s_new=2, sq=2, rotary=32, causal=True),
+    "leftpad": Case(leftpad=[5, 0], seqlens=[20, 30], causal=True),
+    "gqa1": Case(h=4, hk=4, seqlens=[33, 17]),
+    "gqa8": Case(h=8, hk=1, page=16),
+    "gqa32": Case(h=32, hk=1, d=16, b=1, seqlens=[50]),
+    "window-causal": Case(sq=3, s_new=3, causal=True, window=(8, 0)),
+    "window-both": Case(sq=2, s_new=2, window=(10, 3), seqlens=[40, 70]),
+    "softcap": Case(softcap=2.0, causal=True, sq=2, s_new=2),
+    "alibi": Case(alibi=True, causal=True, sq=2, s_new=2, page=16),
+    "chunked-prefill": Case(b=1, sq=20, s_new=20, h=4, hk=2, seqlens=[12], causal=True, cap=64, page=16),
+    "splits-3": Case(splits=3),
+}
+
+
+@pytest.mark.dtypes(torch.float32)
+@pytest.mark.parametrize("name", list(CASES))
+def test_kvcache_cases(backend, dtype, name):
+    run_case(CASES[name], dtype)
+
+
+@pytest.mark.dtypes(torch.float16)
+@pytest.mark.parametrize("name", ["decode-page16", "rotary-gptj-causal", "spec-verify-causal-sq4"])
+def test_kvcache_fp16(backend, dtype, name):
+    run_case(CASES[name], dtype)
+
+
+@pytest.mark.parametrize("page", [16, 64, 256])
+def test_paged_equals_contiguous(backend, page):
+    # same capacity and split count, so the kernels visit the same tiles: the results are identical
+    base = Case(cap=256, seqlens=[100, 250], s_new=3, sq=3, causal=True, rotary=16, splits=2)
+    out_c, lse_c, k_c = run_case(base, torch.float32, check=False)
+    out_p, lse_p, k_p = run_case(replace(base, page=page), torch.float32, check=False)
+    assert torch.equal(k_c, k_p)
+    torch.testing.assert_close(out_p, out_c, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse_p, lse_c, rtol=0, atol=1e-6)
+
+
+def test_split_counts_agree(backend):
+    outs = [run_case(replace(CASES["decode"], splits=s), torch.float32, check=False)[0] for s in (1, 2, 5)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=0, atol=1e-6)
+
+
+def test_no_key_rows(backend):
+    out, lse, _ = run_case(CASES["no-key-row"], torch.float32)
+    assert torch.all(out[0] == 0) and torch.all(torch.isposinf(lse[0]))
+
+
+# --------------------------------------------------------------------------------------------------------
+# bad input: the message names the argument, the value and what was expected (torch backend: the checks are
+# shared, no need to interpret kernels)
+
+
+def _base(page=None, b=2, cap=64):
+    """Valid arguments: q (b, 1, 4, 16) against a cache of 2 kv heads holding `cap` keys per sequence."""
+    args = dict(q=torch.randn(b, 1, 4, 16), cache_seqlens=3)
+    if page is None:
+        args.update(k_cache=torch.randn(b, cap, 2, 16), v_cache=torch.randn(b, cap, 2, 16))
+    else:
+        args.update(k_cache=torch.randn(b * cap // page, page, 2, 16),
+                    v_cache=torch.randn(b * cap // page, page, 2, 16),
+                    block_table=torch.arange(b * cap // page, dtype=torch.int32).view(b, -1))
+    return args
+
+
+def _with(page=None, **changes):
+    def make():
+        args = _base(page)
+        for key, value in changes.items():
+            args[key] = value(args) if callable(value) else value
+        return args
+
+    return make
+
+
+def _new(s=1):
+    return torch.randn(2, s, 2, 16)
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _bad_pages(a):
+    bt = a["block_table"].clone()
+    bt[0, 1] = 999
+    return bt
+
+
+def _odd_pages(a):
+    return torch.randn(6, 20, 2, 16)
+
+
+BAD = {
+    "block-table-range": (_with(16, block_table=_bad_pages, cache_seqlens=_i32(20, 5)), ValueError,
+                          r"block_table\[0, 1\] = 999 but the cache has 8 pages"),
+    "seqlens-over-capacity": (_with(k=_new(), v=_new(), cache_seqlens=_i32(64, 3)), ValueError,
+                              r"cache_seqlens\[0\] = 64 with 1 new keys needs 65 cache positions; "
+                              r"expected .* <= 64"),
+    "int-seqlens-over": (_with(cache_seqlens=65), ValueError, r"cache_seqlens=65 .* <= 64"),
+    "seqlens-int64": (_with(cache_seqlens=torch.tensor([3, 3])), TypeError,
+                      r"cache_seqlens has dtype torch.int64; expected torch.int32"),
+    "block-table-int64": (_with(16, block_table=lambda a: a["block_table"].long()), TypeError,
+                          r"block_table has dtype torch.int64; expected torch.int32"),
+    "cache-dtype": (_with(k_cache=lambda a: a["k_cache"].half()), TypeError,
+                    r"k_cache has dtype torch.float16 but q has torch.float32"),
+    "q-float64": (_with(q=lambda a: a["q"].double()), TypeError, r"q has dtype torch.float64"),
+    "page-size-20": (_with(16, k_cache=_odd_pages, v_cache=_odd_pages), ValueError,
+                     r"page_size 20 .* expected a multiple of 16"),
+    "k-without-v": (_with(k=_new()), ValueError, r"k and v must be given together"),
+    "rotary-without-k": (_with(rotary_cos=torch.ones(64, 8), rotary_sin=torch.zeros(64, 8)), ValueError,
+                         r"rotary_cos/rotary_sin are given without k/v"),
+    "rotary-too-short": (_with(k=_new(), v=_new(), rotary_cos=torch.ones(32, 8),
+                               rotary_sin=torch.zeros(32, 8)), ValueError,
+                         r"rotary_cos has 32 rows .* at least the cache capacity 64"),
+    "batch-idx-range": (_with(cache_batch_idx=_i32(0, 2)), ValueError,
+                        r"cache_batch_idx\[1\] = 2; expected a cache row in \[0, 2\)"),
+    "batch-idx-paged": (_with(16, cache_batch_idx=_i32(0, 1)), ValueError,
+                        r"cache_batch_idx is not supported with a paged cache"),
+    "leftpad-range": (_with(cache_leftpad=_i32(4, 0)), ValueError,
+                      r"cache_leftpad\[0\] = 4; expected 0 <= cache_leftpad <= cache_seqlens = 3"),
+    "gqa-heads": (_with(k_cache=torch.randn(2, 64, 3, 16), v_cache=torch.randn(2, 64, 3, 16)), ValueError,
+                  r"k_cache has 3 heads but q has 4; nheads must be a multiple of nheads_k"),
+    "append-without-seqlens": (_with(k=_new(), v=_new(), cache_seqlens=None), ValueError,
+                               r"k/v are given but cache_seqlens is None"),
+    "alibi-dtype": (_with(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError,
+                    r"alibi_slopes must be a float32 tensor"),
+    "window-type": (_with(window_size=(2.5, 0)), ValueError, r"window_size left must be an int >= -1"),
+    "num-splits": (_with(num_splits=-1), ValueError, r"num_splits must be an int >= 0"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input(monkeypatch, name):
+    make, exc, match = BAD[name]
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**make())
+
+
+def test_unused_block_table_entries_are_not_checked(monkeypatch):
+    # vLLM-style tables pad with -1 or garbage past each sequence's last page
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    args = _base(16)
+    args["block_table"][0, 2:] = -1
+    args["block_table"][1, 1:] = 1000
+    args["cache_seqlens"] = _i32(32, 16)
+    flash_attn_with_kvcache(**args)
