@@ -6,6 +6,8 @@ from flashattn.interface_varlen import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from flashattn.kvcache import flash_attn_with_kvcache
+from flashattn.merge import merge_attention_states
 
 __all__ = [
     "flash_attn_func",
@@ -14,5 +16,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "merge_attention_states",
 ]
 __version__ = "0.1.0"
