@@ -4,7 +4,7 @@ import pytest
 import torch
 from utils import assert_close_to_ref, make_qkv
 
-from flashattn.reference import attention_ref, blockwise_attention_ref
+from flashattn.reference import attention_ref, attention_ref_varlen, blockwise_attention_ref
 
 
 def naive_attention(
@@ -187,6 +187,43 @@ def test_padding_equals_per_sequence():
         torch.testing.assert_close(out[i : i + 1, :lq], o1)
         torch.testing.assert_close(lse[i : i + 1, :, :lq], l1)
         assert (out[i, lq:] == 0).all() and torch.isposinf(lse[i, :, lq:]).all()
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_zero_keys(sink):
+    # seqlen_k = 0: every row sees nothing (out 0, lse +inf or the sink), in both references
+    q = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    k = torch.randn(1, 0, 2, 4, dtype=torch.float64)
+    sink_t = torch.tensor([0.5, -1.0], dtype=torch.float64) if sink else None
+    for fn in (attention_ref, blockwise_attention_ref):
+        out, lse = fn(q, k, k[..., :3], learnable_sink=sink_t)
+        assert out.shape == (1, 3, 2, 3) and (out == 0).all()
+        expected = sink_t.view(1, 2, 1).expand(1, 2, 3) if sink else torch.full((1, 2, 3), math.inf)
+        torch.testing.assert_close(lse, expected.double())
+
+
+def test_varlen_equals_padding_masks():
+    lens_q, lens_k, s, h = [9, 0, 4, 6, 1], [7, 3, 9, 0, 1], 9, 4
+    b = len(lens_q)
+    q, k, v = make_qkv(b, s, s, h, 2, 8, torch.float64, dv=5)
+    qmask = torch.arange(s).view(1, -1) < torch.tensor(lens_q).view(-1, 1)
+    kmask = torch.arange(s).view(1, -1) < torch.tensor(lens_k).view(-1, 1)
+    keep = torch.rand(b, h, s, s) > 0.3
+    kw = dict(causal=True, window_size=(3, -1), softcap=2.0, alibi_slopes=torch.rand(b, h),
+              learnable_sink=torch.randn(h), dropout_p=0.3, dropout_mask=keep)
+    out, lse = attention_ref(q, k, v, query_padding_mask=qmask, key_padding_mask=kmask, **kw)
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    # two spare tokens past cu_seqlens_q[-1]: out 0, lse +inf
+    qv = torch.cat([q[qmask], torch.randn(2, h, 8, dtype=torch.float64)])
+    out_v, lse_v = attention_ref_varlen(qv, k[kmask], v[kmask], cu_q, cu_k, **kw)
+    assert out_v.shape == (sum(lens_q) + 2, h, 5) and lse_v.shape == (h, sum(lens_q) + 2)
+    torch.testing.assert_close(out_v[:-2], out[qmask])
+    torch.testing.assert_close(lse_v[:, :-2], lse.transpose(0, 1)[:, qmask])
+    assert (out_v[-2:] == 0).all() and torch.isposinf(lse_v[:, -2:]).all()
+    out_lp, lse_lp = attention_ref_varlen(qv.float(), k[kmask].float(), v[kmask].float(), cu_q, cu_k,
+                                          upcast=False, **kw)
+    assert out_lp.dtype == torch.float32 and lse_lp.dtype == torch.float32
 
 
 def test_gqa_equals_repeated_kv():

@@ -13,12 +13,13 @@ from utils import assert_close_to_ref, make_qkv
 
 import flashattn.torch_backend as tb
 from flashattn.reference import attention_ref
+from flashattn.torch_backend import tiles as tb_tiles
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(tb, "_MIN_CHUNK", 32)
-    monkeypatch.setattr(tb, "_MAX_CHUNK", 32)
+    monkeypatch.setattr(tb_tiles, "_MIN_CHUNK", 32)
+    monkeypatch.setattr(tb_tiles, "_MAX_CHUNK", 32)
 
 
 def _leaf64(t):
@@ -52,7 +53,8 @@ def run_and_check(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
         return out, lse, None
 
     dout = torch.randn_like(out)
-    dq, dk, dv = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
+    dq, dk, dv, dsink = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
+    assert dsink is None
     for g_, x in zip((dq, dk, dv), (q, k, v), strict=True):
         assert g_.dtype == x.dtype and g_.shape == x.shape
     g_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout.double())
@@ -183,7 +185,7 @@ def test_extreme_logits_fp32(seed):
     out, lse, _ = run_and_check(q, k, v, softmax_scale=0.25, grads=False)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     dout = torch.randn_like(out)
-    grads = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.25, causal=False)
+    grads = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.25, causal=False)[:3]
     q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
     out_ref, lse_ref = attention_ref(q64, k64, v64, softmax_scale=0.25)
     g_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout.double())
@@ -220,7 +222,7 @@ def test_float64_is_exact():
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-12, atol=1e-12)
     dout = torch.randn_like(out)
-    grads = tb.attention_backward(dout, q, k, v, out, lse, **kw)
+    grads = tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
     for g_, gr in zip(grads, torch.autograd.grad(out_ref, (q64, k64, v64), dout), strict=True):
         torch.testing.assert_close(g_, gr, rtol=1e-10, atol=1e-12)
 
@@ -284,7 +286,7 @@ def test_chunk_size_budget():
     assert tb.chunk_size(16) == 512
     assert tb.chunk_size(4096) == 128
     for bh in (1, 3, 16, 64):
-        assert bh * tb.chunk_size(bh) ** 2 <= tb._TILE_BUDGET
+        assert bh * tb.chunk_size(bh) ** 2 <= tb_tiles._TILE_BUDGET
 
 
 def test_argument_errors():

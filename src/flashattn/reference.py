@@ -15,7 +15,7 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "blockwise_attention_ref"]
+__all__ = ["attention_ref", "attention_ref_varlen", "blockwise_attention_ref"]
 
 
 def _check_inputs(q, k, v, alibi_slopes, learnable_sink):
@@ -92,7 +92,10 @@ def _safe_softmax(scores, sink):
     Masked entries are -inf.  The row max is detached: softmax and LSE are invariant to it, and a fully
     masked row would otherwise push inf/NaN through the gradient.
     """
-    m = scores.amax(dim=-1, keepdim=True)
+    if scores.shape[-1] == 0:  # no keys at all (seqlen_k = 0): amax has nothing to reduce
+        m = scores.new_full(scores.shape[:-1] + (1,), -math.inf)
+    else:
+        m = scores.amax(dim=-1, keepdim=True)
     if sink is not None:
         m = torch.maximum(m, sink)
     m = m.detach()
@@ -210,6 +213,72 @@ def attention_ref(
         probs = probs.masked_fill(~dropout_mask, 0.0) * drop_scale
     out = torch.einsum("bhts,bshd->bthd", probs, v)
     return (out if upcast else out.to(dtype_out)), lse
+
+
+def attention_ref_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    alibi_slopes=None,
+    dropout_mask=None,
+    **kwargs,
+):
+    """:func:`attention_ref` on the varlen layout, one sequence at a time.
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim[_v])``.
+        cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` token offsets; zero-length sequences are allowed.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` (row b for sequence b).
+        dropout_mask: ``(batch, nheads, >= max len_q, >= max len_k)`` bool, True = keep; sequence b uses
+            ``[b, :, :len_q, :len_k]`` (the layout of :func:`flashattn.dropout.dropout_keep_mask` called
+            with the varlen call's ``max_seqlen_*``).
+        kwargs: the other keyword arguments of :func:`attention_ref` (not the padding masks); every mask
+            is aligned with the sequence's own lengths.
+
+    Returns:
+        ``(out, lse)``: out ``(total_q, nheads, headdim_v)``; lse ``(nheads, total_q)`` (flash_attn's varlen
+        layout).  Tokens past ``cu_seqlens_q[-1]`` get out 0 and lse ``+inf``.  Differentiable.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be 3-D (total, nheads, headdim); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}; both are batch + 1")
+    outs, lses = [], []
+    for bi in range(len(cq) - 1):
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:
+            slopes = alibi_slopes[bi : bi + 1]
+        mask = None
+        if dropout_mask is not None:
+            mask = dropout_mask[bi : bi + 1, :, : cq[bi + 1] - cq[bi], : ck[bi + 1] - ck[bi]]
+        o, lse = attention_ref(
+            q[cq[bi] : cq[bi + 1]].unsqueeze(0),
+            k[ck[bi] : ck[bi + 1]].unsqueeze(0),
+            v[ck[bi] : ck[bi + 1]].unsqueeze(0),
+            alibi_slopes=slopes,
+            dropout_mask=mask,
+            **kwargs,
+        )
+        outs.append(o[0])
+        lses.append(lse[0])
+    rest = q.shape[0] - cq[-1]
+    h, dv = q.shape[1], v.shape[2]
+    upcast = kwargs.get("upcast", True)
+    out_dtype = torch.float64 if upcast else q.dtype
+    lse_dtype = torch.float64 if upcast else torch.float32
+    outs = [q.new_zeros(cq[0], h, dv, dtype=out_dtype)] + outs + [q.new_zeros(rest, h, dv, dtype=out_dtype)]
+    lses = (
+        [q.new_full((h, cq[0]), math.inf, dtype=lse_dtype)] + lses
+        + [q.new_full((h, rest), math.inf, dtype=lse_dtype)]
+    )
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def blockwise_attention_ref(
