@@ -70,7 +70,7 @@ def _dkdv_tile(
     if MASKED or HAS_SOFTCAP or HAS_ALIBI:
         s_t, t_t = tile_scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_k, diag, left, right, qk_scale,
                                cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI)
+                               HAS_ALIBI, False)
         p_t = tl.math.exp2(s_t - lse[None, :])
     else:
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
@@ -193,7 +193,8 @@ def _dq_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI:
         s, t = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
-                           cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+                           cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                           True)
         p = tl.math.exp2(s - lse[:, None])
     else:
         p = tl.math.exp2(qk * qk_scale - lse[:, None])

@@ -38,7 +38,8 @@ def _fwd_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N) -> (BLOCK_M, BLOCK_N)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI:
         s, _ = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
-                           cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+                           cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                           True)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)

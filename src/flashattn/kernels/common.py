@@ -105,7 +105,7 @@ def query_range(start_n, seqlen_q, diag, left, right, BLOCK_M: tl.constexpr, BLO
 @triton.jit
 def tile_scores(qk, qi, kj, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
                 MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, CHECK_KEYS: tl.constexpr):
     """Base-2 scores of a tile of raw q·k products, and tanh(·) of the softcap (for its derivative).
 
     qi, kj: query and key indices broadcastable to qk's shape (either orientation, so the dK/dV pass can work
@@ -122,11 +122,20 @@ def tile_scores(qk, qi, kj, seqlen_k, diag, left, right, qk_scale, cap_in, cap_o
     if HAS_ALIBI:
         s = s - slope * tl.abs(qi + diag - kj).to(tl.float32)
     if MASKED:
-        keep = kj < seqlen_k
+        # keys past seqlen_k read as zero rows; they must not reach the forward's softmax nor dQ (where
+        # exp2(0 - lse) can overflow against a very negative lse), but the dK/dV pass never stores their rows
         if WINDOW_RIGHT:
-            keep = keep & (kj <= qi + diag + right)
-        if WINDOW_LEFT:
-            keep = keep & (kj >= qi + diag - left)
+            keep = kj <= qi + diag + right
+            if WINDOW_LEFT:
+                keep = keep & (kj >= qi + diag - left)
+            if CHECK_KEYS:
+                keep = keep & (kj < seqlen_k)
+        elif WINDOW_LEFT:
+            keep = kj >= qi + diag - left
+            if CHECK_KEYS:
+                keep = keep & (kj < seqlen_k)
+        else:
+            keep = kj < seqlen_k
         s = tl.where(keep, s, float("-inf"))
     return s, t
 
