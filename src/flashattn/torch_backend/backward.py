@@ -2,7 +2,9 @@
 
 With the dropout keep-mask Z (0 or 1/(1-p)) the forward is O = (P∘Z) V, so
 dV = (P∘Z)ᵀ dO, dP = dO Vᵀ, dS = P∘(dP∘Z − D) with D = rowsum(dO∘O) (rowsum(P∘Z∘dP) is exactly D), and
-the sink, a logit with no value, gets d sink_h = −Σ_rows exp(sink_h − lse)·D.
+the sink, a logit with no value, gets d sink_h = −Σ_rows exp(sink_h − lse)·D.  For that sum D is
+accumulated as Σ_j P∘dP∘Z in the compute dtype (as the Triton kernel does): rowsum(dO∘O) would carry O's
+rounding to 16 bits straight into d sink, where nothing cancels it.
 """
 
 from __future__ import annotations
@@ -44,10 +46,7 @@ def backward_group(tiles: Tiles, dout, q, k, v, out, lse, dq, dk, dv, dsink) -> 
         delta = (doc * o5[:, :, :, i0:i1].to(cdtype)).sum(dim=-1, keepdim=True)  # (nb, hk, g, m, 1)
         doc = doc.view(nb, hk, group * m, dv_dim)
         lse_c = lse4[..., i0:i1].to(cdtype).unsqueeze(-1)  # (nb, hk, g, m, 1); +inf rows give P = 0
-        if dsink is not None:
-            # -- sink: probability exp(sink - lse) per row, times -D, summed over sequences and rows
-            p_sink = torch.exp(tiles.sink.unsqueeze(-1) - lse_c)
-            dsink -= (p_sink * delta).sum(dim=(0, 3, 4))
+        pdp = torch.zeros_like(delta) if dsink is not None else None
         dq_acc = torch.zeros(nb, hk, group * m, d, dtype=cdtype, device=q.device)
         for j0 in range(lo, hi, c):
             j1 = min(j0 + c, hi)
@@ -63,6 +62,8 @@ def backward_group(tiles: Tiles, dout, q, k, v, out, lse, dq, dk, dv, dsink) -> 
             dp = torch.matmul(doc, vc.transpose(-1, -2)).view(nb, hk, group, m, n)
             if keep is not None:
                 dp.masked_fill_(~keep, 0.0).mul_(spec.drop_scale)
+            if pdp is not None:
+                pdp += (p * dp).sum(dim=-1, keepdim=True)
             ds = dp.sub_(delta).mul_(p)
             if t is not None:
                 ds.mul_(1 - t * t)  # d/dx c*tanh(x/c) = 1 - tanh^2
@@ -70,6 +71,10 @@ def backward_group(tiles: Tiles, dout, q, k, v, out, lse, dq, dk, dv, dsink) -> 
             # dK += dS^T (Q * scale); dQ += dS K (scaled once after the loop)
             dk_acc[:, :, j0:j1] += torch.matmul(ds2.transpose(-1, -2), qs)
             dq_acc += torch.matmul(ds2, kc)
+        if dsink is not None:
+            # -- sink: probability exp(sink - lse) per row, times -D, summed over sequences and rows
+            p_sink = torch.exp(tiles.sink.unsqueeze(-1) - lse_c)
+            dsink -= (p_sink * pdp).sum(dim=(0, 3, 4))
         dq5[:, i0:i1] = dq_acc.mul_(spec.softmax_scale).view(nb, hk, group, m, d).permute(0, 3, 1, 2, 4)
 
     dk.copy_(dk_acc.permute(0, 2, 1, 3))
