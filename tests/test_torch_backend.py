@@ -281,6 +281,23 @@ def test_memory_is_linear(causal, n):
         assert fwd.flops == dense and bwd.flops == 2.5 * dense  # QK^T, dP, dV, dK, dQ
 
 
+def test_memory_is_linear_with_training_features(monkeypatch):
+    # dropout (the Philox counters and words of one tile), sinks and varlen add no N x N tensor either
+    monkeypatch.setattr(tb_tiles, "_MIN_CHUNK", 64)
+    monkeypatch.setattr(tb_tiles, "_MAX_CHUNK", 64)
+    n, h, d = 512, 2, 16
+    q, k, v = (x[0] for x in make_qkv(1, n, n, h, h, d, torch.float32))
+    cu = torch.tensor([0, 200, n], dtype=torch.int32)
+    kw = dict(softmax_scale=0.25, causal=True, dropout_p=0.3, rng_seed=3, learnable_sink=torch.zeros(h),
+              cu_seqlens_q=cu, cu_seqlens_k=cu)
+    fwd, (out, lse) = _recorded(lambda: tb.attention_forward(q, k, v, **kw))
+    dout = torch.randn_like(out)
+    bwd, _ = _recorded(lambda: tb.attention_backward(dout, q, k, v, out, lse, **kw))
+    bound = max(h * 64 * 64, n * h * d)  # one score tile, or one O(N d) tensor
+    assert fwd.max_numel <= bound and bwd.max_numel <= bound
+    assert bound * 8 <= n * n * h
+
+
 def test_chunk_size_budget():
     assert tb.chunk_size(1) == 1024
     assert tb.chunk_size(16) == 512
