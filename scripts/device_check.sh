@@ -17,8 +17,14 @@ if [ "$stage" = tune ]; then
 fi
 
 if [ "$stage" = full ]; then
-  python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/pytest_gpu.log"
-  python3 -m flashattn bench --suite train ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_train.log"
-  python3 -m flashattn bench --suite memory 2>&1 | tee "$OUT/bench_memory.log"
-  tar -C benchmarks/results -czf "$OUT/results.tgz" .
+  # everything under $OUT/res comes back as one archive (the device returns at most 8 files)
+  mkdir -p "$OUT/res"
+  timeout ${TEST_S:-200} python3 -m pytest -m gpu -q -rs --continue-on-collection-errors tests 2>&1 \
+    | tee "$OUT/res/pytest_gpu.log" | tail -40
+  timeout ${TRAIN_S:-300} python3 -m flashattn bench --suite train --quiet --no-plots ${TRAIN_ARGS:-} \
+    --out "$OUT/res/train" 2>&1 | tail -30
+  timeout ${MEM_S:-70} python3 -m flashattn bench --suite memory --quiet --no-plots --out "$OUT/res/memory" 2>&1 | tail -15
+  timeout ${FEAT_S:-90} python3 -m flashattn bench --suite features --quiet --no-plots --out "$OUT/res/features" 2>&1 \
+    | tail -15
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
