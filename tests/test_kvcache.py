@@ -184,13 +184,14 @@ CASES = {
 }
 
 
-@pytest.mark.dtypes(torch.float32)
+# dtypes given explicitly: every case on both backends in fp32 (sharp tolerances), a few in fp16
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_kvcache_cases(backend, dtype, name):
     run_case(CASES[name], dtype)
 
 
-@pytest.mark.dtypes(torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
 @pytest.mark.parametrize("name", ["decode-page16", "rotary-gptj-causal", "spec-verify-causal-sq4"])
 def test_kvcache_fp16(backend, dtype, name):
     run_case(CASES[name], dtype)

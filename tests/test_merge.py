@@ -27,7 +27,7 @@ def merge_ref(outs, lses):
     return out, torch.where(empty, torch.full_like(lse, math.inf), lse)
 
 
-@pytest.mark.dtypes(torch.float32, torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("splits", [(17,), (5, 30, 41)], ids=["2-way", "4-way"])
 def test_merge_of_key_splits_is_full_attention(backend, dtype, splits):
     b, sq, sk, h, hk, d = 2, 3, 60, 4, 2, 32

@@ -10,7 +10,6 @@ are given and return (out (b, sq, h, d) in q's dtype, lse (b, h, sq) float32, +i
 is the same computation in plain torch (gather, append, rotate, then the chunked torch backend per sequence).
 """
 
-import functools
 import math
 
 import torch
@@ -20,12 +19,11 @@ from flashattn import torch_backend
 from flashattn.kernels.decode import decode_split_kernel
 from flashattn.kernels.rotary import rotary_append_kernel
 from flashattn.ops.configs import TileConfig, _overrides
-from flashattn.ops.merge import merge_partials
+from flashattn.ops.merge import merge_partials, sm_count
 
 LOG2E = 1.4426950408889634
 _UNBOUNDED = 1 << 30  # a window side of -1 becomes this: no branch in the kernel, no int32 overflow
 _MAX_SPLITS = 128
-_INTERPRETER_SMS = 4  # few programs under the interpreter, but still more than one split at test sizes
 
 
 def _block_d(d: int) -> int:
@@ -36,30 +34,34 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_config(block_d: int, device: torch.device) -> TileConfig:
-    """block_m is the cap on packed query rows per program (the real BLOCK_M is the next power of two of
-    group·seqlen_q, at least 16, at most this); block_n the key tile. FLASHATTN_CONFIG="decode=64,128,4,3"
-    overrides it. The H200 rows are a first guess pending a sweep (benchmarks/NOTES.md)."""
-    override = _overrides().get("decode")
+_SMEM_BUDGET = 200 * 1024  # bytes of K/V stage buffers; the H200 gives a block up to 227 KiB
+
+
+def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.device) -> TileConfig:
+    """Tiles of the split kernel. block_m caps the packed query rows per program (the real BLOCK_M is the
+    next power of two of group·seqlen_q, at least 16, at most this); block_n is the key tile.
+
+    A paged cache gets two more pipeline stages: the block-table read feeding each K/V load is pipelined
+    too, and with the contiguous stage count the K/V tiles end up single-buffered (sm_90 TTGIR of Triton 3.6:
+    3 and 4 stages give one K/V buffer, 5 give two). The defaults are a first guess pending a sweep on the
+    H200; FLASHATTN_CONFIG="decode=64,128,4,3;decode_paged=64,128,4,5" overrides them.
+    """
+    override = _overrides().get("decode_paged" if paged else "decode")
     if override is not None:
         return override
     if device.type != "cuda":
         # key tiles of 32 against pages of 16: the CPU tests gather tiles across page boundaries
         return TileConfig(32, 32, 4, 1)
-    if block_d <= 128:
-        return TileConfig(64, 128, 4, 3)
-    return TileConfig(64, 64, 4, 2)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    block_n = 128 if block_d <= 128 else 64
+    if elem_size > 2:
+        block_n //= 2
+    extra = 2 if paged else 0
+    stages = (3 if block_d <= 128 else 2) + extra
+    # stages - 1 - extra buffers of a K and a V tile are in flight
+    while stages > 2 + extra and (stages - 1 - extra) * 2 * block_n * block_d * elem_size > _SMEM_BUDGET:
+        stages -= 1
+    # fp32 tiles spill at 4 warps (ptxas, sm_90a); 8 warps halve the registers each thread holds
+    return TileConfig(64, block_n, 8 if elem_size > 2 else 4, stages)
 
 
 def num_splits_heuristic(programs: int, n_tiles: int, sms: int) -> int:
@@ -132,7 +134,7 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
                        cache_batch_idx, block_table, per_row=window_on, interleaved=rotary_interleaved)
 
     block_d = _block_d(d)
-    cfg = decode_config(block_d, q.device)
+    cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device)
     rows = sq * group
     block_m = min(max(16, triton.next_power_of_2(rows)), max(16, cfg.block_m))
     m_blocks = triton.cdiv(rows, block_m)
@@ -180,7 +182,8 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, WINDOW=window_on, SOFTCAP=softcap > 0,
         ALIBI_ON=alibi_slopes is not None, SPLIT=num_splits > 1, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
+        num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         merge_partials(o_buf, l_buf, out=out, lse=lse)
