@@ -17,9 +17,9 @@ bench: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/flashattn demo $(ARGS)
 
-# CPU suite: Triton kernels under the interpreter, the torch backend, the harness, the IO model
+# CPU suite: Triton kernels under the interpreter, the torch backend, the harness, the IO model.
+# One BLAS thread per xdist worker: two workers already fill the two CI cores.
 test: $(VENV)/.installed
-	# one BLAS thread per xdist worker: two workers already fill the two CI cores
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(VENV)/bin/pytest -m "not gpu" -q -n 2 $(ARGS)
 
 # on a GPU machine (the device): bf16/fp16 at real sizes, torch.compile, 128K tokens
