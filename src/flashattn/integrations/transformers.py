@@ -1,0 +1,184 @@
+"""flashattn as an attention implementation of Hugging Face transformers 5.x.
+
+    from flashattn.integrations.transformers import register
+    name = register()  # "fa_triton"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+`register` adds two entries under the same name: the attention function (`AttentionInterface`) and a mask
+builder (`AttentionMaskInterface`). The mask builder hands the attention function at most a 2-D padding mask
+``(batch, kv_len)`` bool (None when nothing is padded), never the dense 4-D mask sdpa/eager need, so padding
+costs no ``(q_len, kv_len)`` memory: padded batches run on the unpadded tokens through flash_attn_varlen_func
+(`flashattn.modules.padded_attention`), causal and sliding-window masks come from the kernels' own flags.
+
+transformers routes every implementation whose name contains "flash" to its own flash-attn loader, so the
+name must not contain "flash".
+
+What maps, per call, from the model's attention module:
+    query/key/value ``(b, h, s, d)`` -> flash_attn_func's ``(b, s, h, d)`` by a transpose (views, no copy);
+    scaling -> softmax_scale; dropout -> dropout_p; softcap -> softcap; module.is_causal (or the is_causal
+    kwarg) -> causal; sliding_window w -> window_size (w - 1, 0) when causal, (w - 1, w - 1) otherwise, and
+    only when the keys are longer than the window (as transformers' own flash path does); s_aux (attention
+    sinks, gpt-oss) -> learnable_sink; position_ids with restarts and no padding mask (packed sequences) ->
+    one varlen segment per sequence.
+Not expressible with the kernels, so served by transformers' sdpa function (warned once): a prepared 4-D
+mask passed by the caller, ``output_attentions=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from flashattn import modules
+from flashattn.interface import flash_attn_func
+from flashattn.interface_varlen import flash_attn_varlen_func
+
+__all__ = ["DEFAULT_NAME", "attention_forward", "padding_mask", "register"]
+
+DEFAULT_NAME = "fa_triton"
+
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        _log.warning("flashattn: %s; this call uses transformers' sdpa attention instead", reason)
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Tensor | None = None,
+    **kwargs,
+) -> Tensor | None:
+    """The mask builder registered with AttentionMaskInterface: the 2-D padding mask or None.
+
+    ``attention_mask`` is the user's ``(batch, seen_tokens + q_length)`` mask; its last kv_length columns are
+    the keys of this call (fewer than all seen tokens with a sliding-window cache). Returns None when no key
+    is padded, so the attention function can use the plain (non-varlen) kernel. The causal/window pattern in
+    ``mask_function`` is not materialised: the attention function gets it from the module's flags.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].bool()
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _packed_cu_seqlens(position_ids: Tensor, batch: int, seqlen: int) -> tuple[Tensor, int] | None:
+    """cu_seqlens over the flattened ``(batch * seqlen)`` tokens when position_ids restart inside a row.
+
+    A new sequence starts at every row start and wherever the position does not step by +1, the rule
+    transformers' mask builders use to detect packed sequences. None when every row is one sequence.
+    """
+    pos = position_ids.expand(batch, -1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if int(starts.sum()) == batch:
+        return None
+    start_idx = starts.flatten().nonzero().flatten()
+    cu = torch.cat([start_idx, start_idx.new_tensor([batch * seqlen])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: Tensor | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """The function registered with AttentionInterface (the signature transformers calls it with).
+
+    query ``(b, h, sq, d)``, key/value ``(b, h_kv, sk, d)``, attention_mask None or ``(b, sk)`` bool from
+    `padding_mask`. Returns ``(out (b, sq, h, d), None)``: no attention weights, like transformers' sdpa and
+    flash paths.
+    """
+    fallback = _fallback_reason(attention_mask, kwargs)
+    if fallback is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if s_aux is not None:
+            raise NotImplementedError(f"flashattn: attention sinks (s_aux) together with {fallback}")
+
+        _warn_once(fallback)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            **kwargs,
+        )  # fmt: skip
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    b, _, sq, _ = query.shape
+    sk = key.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (b, h, s, d) -> (b, s, h, d), views
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    window = (-1, -1)
+    if sliding_window is not None and sk > sliding_window:
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    opts = dict(
+        dropout_p=float(dropout),
+        softmax_scale=scaling,
+        causal=causal,
+        window_size=window,
+        softcap=float(softcap or 0.0),
+        # attention sinks (gpt-oss): one extra logit per head in the softmax, in scaled-score units like ours
+        learnable_sink=None if s_aux is None else s_aux.float(),
+    )
+    if attention_mask is not None:
+        if attention_mask.shape[1] < sk:
+            # a static cache: the slots past the mask were never written
+            k, v = k[:, : attention_mask.shape[1]], v[:, : attention_mask.shape[1]]
+        # causal: the queries are the newest keys; otherwise (encoders, cross-attention) every query is real
+        queries = None if causal else attention_mask.new_ones((b, sq))
+        return modules.padded_attention(q, k, v, attention_mask, queries, **opts), None
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and sq == sk and sq > 1:
+        packed = _packed_cu_seqlens(position_ids, b, sq)
+        if packed is not None:
+            cu, max_len = packed
+            flat = (x.reshape(b * sq, *x.shape[2:]) for x in (q, k, v))
+            out = flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, **opts)
+            return out.view(b, sq, *out.shape[1:]), None
+    return flash_attn_func(q, k, v, **opts), None
+
+
+def _fallback_reason(attention_mask, kwargs) -> str | None:
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return f"a prepared {attention_mask.dim()}-D attention mask (only 2-D padding masks map onto kernels)"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (the kernels never form the attention weights)"
+    return None
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register flashattn with transformers under ``name``; returns it, for ``attn_implementation=name``.
+
+    Idempotent. Raises ValueError for a name containing "flash" (transformers would hand such a name to its
+    own flash-attn loader and never call this function).
+    """
+    if "flash" in name.lower():
+        raise ValueError(
+            f"name={name!r} contains 'flash': transformers sends every such attn_implementation to its own "
+            f"flash-attn loader. Use a name without it, e.g. {DEFAULT_NAME!r}"
+        )
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
