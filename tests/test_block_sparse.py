@@ -1,0 +1,294 @@
+"""block_sparse_attn_func against a dense-mask fp64 oracle (forward, LSE, gradients), with the tolerance rule.
+
+Also: fully masked rows, GQA, softcap, dropout (the flash_attn keep-mask convention), token trees against
+per-token flash_attn_func calls, agreement with flash_attn_func for causal / window masks, bounded memory,
+validation messages, torch.compile and the registered ops. On the CPU the op runs the torch path (or the
+Triton kernels under TRITON_INTERPRET=1 once they support block sparsity: the shapes here stay small).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from utils import assert_close_to_ref, make_qkv
+
+import flashattn
+from flashattn.block_sparse import _ops, _torch, block_sparse_attn_func
+from flashattn.masks import BlockMask
+
+
+def dense_mask_attention(q, k, v, mask, *, softmax_scale=None, softcap=0.0, keep=None, dropout_p=0.0,
+                         upcast=True):
+    """The oracle: softmax attention with a bool mask (B|1, H|1, sq, sk), True = visible.
+
+    upcast: fp64 throughout (the reference); otherwise plain PyTorch in the input dtype (scores in it,
+    softmax in fp32), the low-precision yardstick of the tolerance rule. Rows that see nothing: out 0,
+    lse +inf. keep: the dropout keep mask (b, h, sq, sk), kept probabilities scaled by 1 / (1 - p).
+    """
+    b, sq, h, d = q.shape
+    group = h // k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    dtype = torch.float64 if upcast else q.dtype
+    q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(group, 2), v.to(dtype).repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (b, h, sq, sk)
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.to(torch.float64 if upcast else torch.float32).masked_fill(~mask.to(q.device), -math.inf)
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), 0.0, m)
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    empty = denom == 0
+    denom = torch.where(empty, 1.0, denom)
+    lse = torch.where(empty, math.inf, m + torch.log(denom)).squeeze(-1)
+    p = e / denom
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
+    return out.to(dtype), lse
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def check_against_oracle(q, k, v, mask, *, grads=True, **kw):
+    """Forward, LSE and (optionally) gradients within the tolerance rule."""
+    q, k, v = _leaves(q, k, v)
+    out, lse, _ = block_sparse_attn_func(q, k, v, mask, return_attn_probs=True, **kw)
+    dense = mask.to_dense()
+    q64, k64, v64 = _leaves(q.double(), k.double(), v.double())
+    ref, lse_ref = dense_mask_attention(q64, k64, v64, dense, **kw)
+    qp, kp, vp = _leaves(q, k, v)
+    pt, _ = dense_mask_attention(qp, kp, vp, dense, upcast=False, **kw)
+    assert_close_to_ref(out, ref, pt, name="out")
+    assert_close_to_ref(lse, lse_ref, lse_ref.float(), atol_floor=1e-4, name="lse")
+    empty_rows = ~dense.any(-1)  # (B|1, H|1, sq)
+    assert (out.transpose(1, 2)[empty_rows.expand(out.shape[0], out.shape[2], -1)] == 0).all()
+    if not grads:
+        return
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    base = torch.autograd.grad(pt, (qp, kp, vp), dout.to(pt.dtype))
+    for name, g, r, p in zip(("dq", "dk", "dv"), got, want, base, strict=True):
+        assert_close_to_ref(g, r, p, factor=3.0, name=name)
+
+
+PATTERNS = {
+    "causal_sq<sk": lambda sq, sk, bs: BlockMask.causal(sq, sk, block_size=bs),
+    "window": lambda sq, sk, bs: BlockMask.sliding_window(sq, sk, (24, 9), block_size=bs),
+    "causal_window": lambda sq, sk, bs: BlockMask.sliding_window(sq, sk, (40, -1), causal=True,
+                                                                 block_size=bs),
+    "random_per_head": lambda sq, sk, bs: BlockMask.from_dense(
+        torch.rand(1, 4, sq, sk, generator=torch.Generator().manual_seed(1)) < 0.2, block_size=bs),
+    "random_blocks": lambda sq, sk, bs: BlockMask.from_blocks(
+        torch.rand(2, 1, -(-sq // bs[0]), -(-sk // bs[1]), generator=torch.Generator().manual_seed(2)) < 0.4,
+        sq, sk, block_size=bs),
+}
+
+
+# every pattern in fp32, two in the 16-bit dtypes (computed in fp32 inside: the dtype only moves the inputs)
+CASES = [(p, torch.float32) for p in PATTERNS] + [
+    (p, dt) for p in ("causal_sq<sk", "random_per_head") for dt in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("pattern,dtype", CASES)
+def test_matches_dense_oracle(pattern, dtype):
+    sq, sk, bs = 70, 113, (32, 16)
+    q, k, v = make_qkv(2, sq, sk, 4, 2, 40, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    check_against_oracle(q, k, v, PATTERNS[pattern](sq, sk, bs))
+
+
+@pytest.mark.parametrize("softcap,scale", [(3.0, None), (0.0, 0.3), (1.5, 0.9)])
+def test_softcap_and_scale(softcap, scale):
+    n = 96
+    q, k, v = make_qkv(1, n, n, 2, 1, 32, generator=torch.Generator().manual_seed(1), scale=2.0)
+    mask = BlockMask.local_global(n, 10, 8, causal=True, block_size=16)
+    check_against_oracle(q, k, v, mask, softcap=softcap, softmax_scale=scale)
+
+
+def test_document_and_strided_inputs():
+    cu = torch.tensor([0, 17, 60, 61, 100])
+    q, k, v = make_qkv(2, 100, 100, 3, 3, 24, layout="strided", generator=torch.Generator().manual_seed(2))
+    assert not q.is_contiguous()
+    check_against_oracle(q, k, v, BlockMask.document(cu, causal=True, block_size=(16, 32)))
+    check_against_oracle(q, k, v, BlockMask.strided(100, 12, block_size=16))
+
+
+def test_fully_masked_rows_and_empty_mask():
+    sq, sk = 50, 40
+    dense = torch.rand(1, 1, sq, sk, generator=torch.Generator().manual_seed(3)) < 0.3
+    dense[..., 5:20, :] = False  # a band of rows that see nothing
+    q, k, v = make_qkv(2, sq, sk, 2, 2, 16, generator=torch.Generator().manual_seed(3))
+    check_against_oracle(q, k, v, BlockMask.from_dense(dense, block_size=16))
+    # causal with sq > sk: the first sq - sk rows see nothing
+    check_against_oracle(q, k, v, BlockMask.causal(sq, sk, block_size=16))
+    q, k, v = _leaves(q, k, v)
+    none = BlockMask.from_dense(torch.zeros(sq, sk, dtype=torch.bool), block_size=16)
+    out, lse, _ = block_sparse_attn_func(q, k, v, none, return_attn_probs=True)
+    assert (out == 0).all() and torch.isposinf(lse).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all((g == 0).all() for g in grads)
+
+
+def test_agrees_with_flash_attn_func():
+    q, k, v = make_qkv(2, 90, 130, 4, 2, 32, generator=torch.Generator().manual_seed(4))
+    window = BlockMask.sliding_window(90, 130, (17, 5), block_size=(16, 32))
+    for mask, kw in ((BlockMask.causal(90, 130, block_size=32), dict(causal=True)),
+                     (window, dict(window_size=(17, 5))),
+                     (BlockMask.full(90, 130, block_size=64), {})):
+        out = block_sparse_attn_func(q, k, v, mask)
+        ref = flashattn.flash_attn_func(q, k, v, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_matches_per_token_attention():
+    """Speculative decoding: each tree token attends to the prefix and its ancestors, as if it were decoded
+    alone after exactly those tokens."""
+    parents = [-1, 0, 0, 1, 1, 2, 5, -1, 7, 3]
+    prefix, t = 45, len(parents)
+    q, _, _ = make_qkv(1, t, t, 4, 2, 32, generator=torch.Generator().manual_seed(5))
+    _, k, v = make_qkv(1, prefix + t, prefix + t, 4, 2, 32, generator=torch.Generator().manual_seed(6))
+    mask = BlockMask.tree(parents, prefix, block_size=16)
+    out = block_sparse_attn_func(q, k, v, mask)
+    for i in range(t):
+        keys, a = list(range(prefix)), i
+        while a >= 0:
+            keys.append(prefix + a)
+            a = parents[a]
+        keys = sorted(keys)
+        alone = flashattn.flash_attn_func(q[:, i:i + 1], k[:, keys], v[:, keys])
+        torch.testing.assert_close(out[:, i:i + 1], alone, rtol=1e-5, atol=1e-5)
+    check_against_oracle(q, k, v, mask)
+
+
+def test_dropout_uses_the_keep_mask_it_returns():
+    n, p = 64, 0.25
+    q, k, v = make_qkv(2, n, n, 2, 1, 16, generator=torch.Generator().manual_seed(7))
+    mask = BlockMask.sliding_window(n, n, (20, 3), block_size=16)
+    q, k, v = _leaves(q, k, v)
+    torch.manual_seed(11)
+    out, _, keep = block_sparse_attn_func(q, k, v, mask, dropout_p=p, return_attn_probs=True)
+    assert keep.shape == (2, 2, n, n) and 0.6 < keep.float().mean() < 0.9
+    q64, k64, v64 = _leaves(q.double(), k.double(), v.double())
+    ref, _ = dense_mask_attention(q64, k64, v64, mask.to_dense(), keep=keep, dropout_p=p)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=1e-5)
+    torch.manual_seed(11)
+    again = block_sparse_attn_func(q, k, v, mask, dropout_p=p)
+    assert torch.equal(again, out)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    sq=st.integers(1, 60), sk=st.integers(1, 60), hk=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
+    mask_heads=st.booleans(), bm=st.sampled_from([16, 32]), bn=st.sampled_from([16, 32]),
+    density=st.floats(0.0, 1.0), seed=st.integers(0, 999),
+)
+def test_random_masks(sq, sk, hk, group, mask_heads, bm, bn, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = hk * group
+    dense = torch.rand(2, h if mask_heads else 1, sq, sk, generator=g) < density
+    q, k, v = make_qkv(2, sq, sk, h, hk, 16, generator=g)
+    check_against_oracle(q, k, v, BlockMask.from_dense(dense, block_size=(bm, bn)))
+
+
+def test_memory_stays_below_dense(monkeypatch):
+    """With a small step budget no tensor of the call reaches seqlen_q x seqlen_k elements."""
+    monkeypatch.setitem(_torch._STEP_BUDGET, "cpu", 16 * 16 * 8)
+    n = 256
+    q, k, v = _leaves(*make_qkv(1, n, n, 1, 1, 16, generator=torch.Generator().manual_seed(8)))
+    mask = BlockMask.local_global(n, 24, 16, block_size=16)
+
+    class Largest(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(t, torch.Tensor):
+                    Largest.biggest = max(Largest.biggest, t.numel())
+            return result
+
+    with Largest():
+        out = block_sparse_attn_func(q, k, v, mask)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert 0 < Largest.biggest < n * n // 4
+
+
+def test_empty_tiles_cost_no_matmul():
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm):
+                Matmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _leaves(*make_qkv(1, 64, 64, 2, 2, 16))
+    none = BlockMask.from_dense(torch.zeros(64, 64, dtype=torch.bool), block_size=16)
+    with Matmuls():
+        out = block_sparse_attn_func(q, k, v, none)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert Matmuls.count == 0
+
+
+def test_validation_messages():
+    q, k, v = make_qkv(2, 64, 80, 4, 2, 16)
+    with pytest.raises(TypeError, match="block_mask must be a flashattn.BlockMask"):
+        block_sparse_attn_func(q, k, v, torch.ones(64, 80, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"block_mask is for \(seqlen_q, seqlen_k\) = \(64, 64\) but q and k "
+                                         r"have \(64, 80\)"):
+        block_sparse_attn_func(q, k, v, BlockMask.causal(64, 64))
+    with pytest.raises(ValueError, match="block_mask has batch 3 but q has batch 2"):
+        block_sparse_attn_func(q, k, v, BlockMask.from_dense(torch.ones(3, 1, 64, 80, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="block_mask has 2 heads but q has 4 query heads"):
+        block_sparse_attn_func(q, k, v, BlockMask.from_dense(torch.ones(1, 2, 64, 80, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="dropout_p"):
+        block_sparse_attn_func(q, k, v, BlockMask.causal(64, 80), dropout_p=1.0)
+
+
+def test_dispatch_uses_the_torch_path_until_the_kernels_exist(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    assert _ops.launchers(torch.zeros(1)) is _torch
+
+
+def _loss(q, k, v, mask):
+    return block_sparse_attn_func(q, k, v, mask, softcap=2.0).square().sum()
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = _leaves(*make_qkv(2, 48, 48, 4, 2, 16, generator=torch.Generator().manual_seed(9)))
+    mask = BlockMask.local_global(48, 8, 4, causal=True, block_size=16)
+    mask.to_kernel_tensors()  # built outside the graph, as a model would hold it
+    compiled = torch.compile(_loss, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v, mask)
+    want = _loss(q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v)), torch.autograd.grad(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_opcheck():
+    q, k, v = make_qkv(1, 40, 56, 2, 1, 16, generator=torch.Generator().manual_seed(10))
+    q, k, v = _leaves(q, k, v)
+    kt = BlockMask.sliding_window(40, 56, (10, 10), block_size=16).to_kernel_tensors()
+    args = (q, k, v, kt.tensors(), kt.block_m, kt.block_n, 0.25, 1.0, 0.0)
+    # aot_dispatch is what test_torch_compile_fullgraph_matches_eager exercises, at a fraction of the cost
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(_ops.block_sparse_fwd, args, test_utils=utils)
+    out, lse, rng = _ops.block_sparse_fwd(*args)
+    bwd_args = (torch.randn_like(out), q, k, v, out, lse, rng, *args[3:])
+    torch.library.opcheck(_ops.block_sparse_bwd, bwd_args, test_utils=utils)
