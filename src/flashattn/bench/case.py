@@ -65,6 +65,33 @@ class Case:
         return out
 
     @property
+    def window(self) -> tuple[int, int]:
+        """flash_attn's window_size (left, right), -1 = unbounded; suites set it through `extra`."""
+        return (int(self.extra.get("window_left", -1)), int(self.extra.get("window_right", -1)))
+
+    @property
+    def lengths(self) -> tuple[int, ...] | None:
+        """Packed sequences (varlen): batch 1, q and k both hold sum(lengths) tokens, each sequence attends
+        only within itself, causal and window aligned per sequence. None for a plain batch."""
+        lengths = self.extra.get("lengths")
+        return None if lengths is None else tuple(int(n) for n in lengths)
+
+    @property
+    def masked(self) -> bool:
+        """A mask beyond plain (causal) attention, which the oracle and the FLOP count must know about."""
+        return self.lengths is not None or self.window != (-1, -1)
+
+    def visible_pairs(self) -> float:
+        """(query, key) pairs in the softmax, summed over the batch or the packed sequences.
+
+        Full attention keeps the papers' convention (half the square when causal and sq = sk); a window is
+        counted exactly, since the whole point of one is the pairs it leaves out.
+        """
+        if self.lengths is not None:
+            return float(sum(window_pairs(n, n, self.causal, self.window) for n in self.lengths))
+        return self.batch * window_pairs(self.seqlen_q, self.seqlen_k, self.causal, self.window)
+
+    @property
     def work(self) -> int:
         """Size of the score matrix: grows with every dimension that makes a provider run out of memory."""
         return self.batch * self.nheads * self.seqlen_q * self.seqlen_k
@@ -76,7 +103,34 @@ class Case:
             else f"sq={self.seqlen_q} sk={self.seqlen_k}"
         )
         h = f"h={self.nheads}" if self.nheads == self.nheads_k else f"h={self.nheads}/{self.nheads_k}"
-        return f"b={self.batch} {h} {n} d={self.headdim}{' causal' if self.causal else ''} {self.dtype}"
+        mask = ""
+        if self.lengths is not None:
+            mask += f" varlen({len(self.lengths)} seqs)"
+        if self.window != (-1, -1):
+            mask += f" window={self.window}"
+        return f"b={self.batch} {h} {n} d={self.headdim}{' causal' if self.causal else ''}{mask} {self.dtype}"
+
+
+def window_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] = (-1, -1)) -> float:
+    """Visible (query, key) pairs of one sequence under flash_attn's masks (bottom-right aligned).
+
+    Query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (-1: unbounded; causal forces
+    right = 0). Without a window this is flops.visible_pairs, the papers' convention.
+    """
+    from .flops import visible_pairs
+
+    left, right = window
+    if left < 0 and right < 0:
+        return visible_pairs(seqlen_q, seqlen_k, causal)
+    if causal:
+        right = 0
+    off = seqlen_k - seqlen_q
+    total = 0
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + off - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right)
+        total += max(0, hi - lo + 1)
+    return float(total)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ The oracle is fp64 and dense, so for large shapes it runs on a slice that is sti
 - all query rows when that is cheap, else a block of the first and a block of the last rows. A block of rows
   [r0, r1) depends only on the keys it can see, [0, r1 + sk - sq) when causal (bottom-right), so the oracle
   gets exactly those keys;
+- a sliding window (case.window) narrows the keys further, to the band the block's rows can see; bounded on
+  both sides it affords longer blocks, and a third one in the middle of the sequence;
+- packed sequences (case.lengths) are checked on the first two sequences, each row block against the keys
+  of its own sequence only, so a checked row that reads another sequence shows up as a wrong output and as
+  nonzero dk/dv outside its sequence;
 - gradients come from a backward with dout zero outside the checked rows and heads: then the provider's dk/dv
   hold exactly the contributions of the checked rows (summed over blocks), and everything else must be zero.
 The yardstick is the naive provider's own low-precision error on the same slice: a provider passes when its
@@ -13,6 +18,7 @@ max |error| is within 2x (output) / 3x (gradients) of that plus a floor of two u
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +45,20 @@ class CheckSlice:
         heads = f"heads 0-{self.heads_q - 1}"
         if self.heads_k != self.heads_q:
             heads += f" (kv heads 0-{self.heads_k - 1})"
+        blocks = " & ".join(f"{a}-{b - 1}" for a, b in self.row_blocks)
+        mask = f", window {case.window}" if case.window != (-1, -1) else ""
+        if case.lengths is not None:
+            seqs = sorted({_sequence_of(case.lengths, a)[2] for a, _ in self.row_blocks})
+            which = ", ".join(str(i) for i in seqs)
+            rows = (
+                f"sequences {which} of {len(case.lengths)} (q rows {blocks} of {case.seqlen_q}, each against "
+                f"its own sequence's keys{mask})"
+            )
+            return f"batch 0 (packed), {heads}, {rows}; grads from dout zero elsewhere"
         if self.row_blocks == ((0, case.seqlen_q),):
-            rows = f"all {case.seqlen_q} q rows"
+            rows = f"all {case.seqlen_q} q rows{mask}"
         else:
-            blocks = " & ".join(f"{a}-{b - 1}" for a, b in self.row_blocks)
-            rows = f"q rows {blocks} of {case.seqlen_q} (with all the keys they see)"
+            rows = f"q rows {blocks} of {case.seqlen_q} (with all the keys they see{mask})"
         return f"batch 0, {heads}, {rows}; grads from dout zero elsewhere"
 
     def key_end(self, case: Case, row_end: int) -> int:
@@ -51,29 +66,100 @@ class CheckSlice:
             return case.seqlen_k
         return max(0, min(case.seqlen_k, row_end + case.seqlen_k - case.seqlen_q))
 
+    def key_range(self, case: Case, r0: int, r1: int) -> tuple[int, int, bool, tuple[int, int]]:
+        """Keys [k0, k1) that q rows [r0, r1) can see, and the (causal, window_size) that make attention_ref
+        on q[r0:r1], k[k0:k1] reproduce the case's mask exactly.
+
+        attention_ref aligns the sub-problem bottom-right (local diagonal i + (k1 - k0) - (r1 - r0)), while
+        the case's diagonal sits at local i + r0 + offset - k0; shifting the window by the difference
+        restores it.
+        """
+        if not case.masked:
+            return 0, self.key_end(case, r1), case.causal, (-1, -1)
+        left, right = case.window
+        if case.causal:
+            right = 0
+        if case.lengths is None:
+            seg0, seg1, offset = 0, case.seqlen_k, case.seqlen_k - case.seqlen_q
+        else:
+            seg0, seg1, _ = _sequence_of(case.lengths, r0)
+            if r1 > seg1:
+                raise ValueError(f"row block {r0}-{r1 - 1} spans two packed sequences")
+            offset = 0
+        k0 = seg0 if left < 0 else max(seg0, r0 + offset - left)
+        k1 = seg1 if right < 0 else min(seg1, r1 + offset + right)
+        shift = (r0 + offset - k0) - ((k1 - k0) - (r1 - r0))
+        return k0, k1, False, (-1 if left < 0 else left - shift, -1 if right < 0 else right + shift)
+
+
+def _sequence_of(lengths: tuple[int, ...], row: int) -> tuple[int, int, int]:
+    """(start, end, index) of the packed sequence holding token `row`."""
+    start = 0
+    for i, n in enumerate(lengths):
+        if start <= row < start + n:
+            return start, start + n, i
+        start += n
+    raise ValueError(f"token {row} is past the {start} packed tokens")
+
 
 def choose_slice(case: Case, budget_bytes: int = CHECK_BUDGET_BYTES) -> CheckSlice:
     group = case.nheads // case.nheads_k
     heads_k = min(case.nheads_k, -(-2 // group))  # whole groups, at least two query heads when there are two
     heads_q = heads_k * group
-    rows = max(MIN_BLOCK_ROWS, budget_bytes // (heads_q * case.seqlen_k * 8))
-    if rows >= case.seqlen_q:
-        return CheckSlice(heads_q, heads_k, ((0, case.seqlen_q),))
+    if case.lengths is not None:
+        # the first two non-empty sequences, each sliced like a problem of its own
+        blocks: list[tuple[int, int]] = []
+        start, taken = 0, 0
+        for n in case.lengths:
+            if n and taken < 2:
+                blocks += [(start + a, start + b) for a, b in _row_blocks(n, n, heads_q, budget_bytes)]
+                taken += 1
+            start += n
+        return CheckSlice(heads_q, heads_k, tuple(blocks))
+    left, right = case.window
+    if left >= 0 and (right >= 0 or case.causal):
+        return CheckSlice(heads_q, heads_k, _band_blocks(case, heads_q, budget_bytes))
+    return CheckSlice(heads_q, heads_k, _row_blocks(case.seqlen_q, case.seqlen_k, heads_q, budget_bytes))
+
+
+def _band_blocks(case: Case, heads_q: int, budget_bytes: int) -> tuple[tuple[int, int], ...]:
+    """A window bounded on both sides: R rows see at most R + left + right keys, so the budget buys far more
+    rows than full attention, and a third block in the middle checks the band where neither edge clips it."""
+    span = case.window[0] + (0 if case.causal else case.window[1])
+    per_block = budget_bytes / (3 * heads_q * 8)  # rows * (rows + span) of each of three blocks
+    rows = max(MIN_BLOCK_ROWS, int((-span + math.sqrt(span * span + 4 * per_block)) / 2))
+    sq = case.seqlen_q
+    if 3 * rows >= sq:
+        return ((0, sq),)
+    mid = sq // 2 - rows // 2
+    return ((0, rows), (mid, mid + rows), (sq - rows, sq))
+
+
+def _row_blocks(seqlen_q: int, seqlen_k: int, heads_q: int, budget_bytes: int) -> tuple[tuple[int, int], ...]:
+    rows = max(MIN_BLOCK_ROWS, budget_bytes // (heads_q * seqlen_k * 8))
+    if rows >= seqlen_q:
+        return ((0, seqlen_q),)
     half = max(1, rows // 2)
-    return CheckSlice(heads_q, heads_k, ((0, half), (case.seqlen_q - half, case.seqlen_q)))
+    return ((0, half), (seqlen_q - half, seqlen_q))
 
 
-def _reference(q, k, v, causal):
+def _reference(q, k, v, causal, window=(-1, -1)):
     """The package's dense oracle; float64 in, float64 out."""
     from flashattn.reference import attention_ref
 
-    return first_tensor(attention_ref(q, k, v, causal=causal, upcast=True)).to(torch.float64)
+    out = attention_ref(q, k, v, causal=causal, window_size=window, upcast=True)
+    return first_tensor(out).to(torch.float64)
 
 
 REFERENCE = "flashattn.reference.attention_ref(upcast=True) on float64 inputs"
 
 
-def _naive_bshd(q, k, v, causal):
+def _naive_bshd(q, k, v, causal, window=(-1, -1)):
+    if window != (-1, -1):
+        # the same low-precision recipe as naive (scores in the input dtype, softmax in fp32), with the window
+        from flashattn.reference import attention_ref
+
+        return first_tensor(attention_ref(q, k, v, causal=causal, window_size=window, upcast=False))
     return naive_attention(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal).transpose(1, 2)
 
 
@@ -136,23 +222,23 @@ class Oracle:
         dk = torch.zeros(sub[1].shape, dtype=torch.float64, device=q.device)
         dv = torch.zeros_like(dk)
         for r0, r1 in s.row_blocks:
-            kend = s.key_end(case, r1)
-            if kend == 0:
-                # causal with sk < sq: these rows see no key, so output and dq are 0
+            k0, k1, causal, window = s.key_range(case, r0, r1)
+            if k1 <= k0:
+                # causal with sk < sq (or a window past the keys): no key is visible, so output and dq are 0
                 outs.append(torch.zeros(sub[0][:, r0:r1].shape, dtype=torch.float64, device=q.device))
                 dqs.append(torch.zeros_like(outs[-1]))
                 continue
             qb = sub[0][:, r0:r1].to(dtype).requires_grad_(self.grads)
-            kb = sub[1][:, :kend].to(dtype).requires_grad_(self.grads)
-            vb = sub[2][:, :kend].to(dtype).requires_grad_(self.grads)
+            kb = sub[1][:, k0:k1].to(dtype).requires_grad_(self.grads)
+            vb = sub[2][:, k0:k1].to(dtype).requires_grad_(self.grads)
             with torch.enable_grad():
-                ob = fn(qb, kb, vb, case.causal)
+                ob = fn(qb, kb, vb, causal, window)
             outs.append(ob.detach().double())
             if self.grads:
                 gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), sub[3][:, r0:r1].to(ob.dtype))
                 dqs.append(gq.double())
-                dk[:, :kend] += gk.double()
-                dv[:, :kend] += gv.double()
+                dk[:, k0:k1] += gk.double()
+                dv[:, k0:k1] += gv.double()
         grads = [torch.cat(dqs, dim=1), dk, dv] if self.grads else []
         return torch.cat(outs, dim=1), grads
 

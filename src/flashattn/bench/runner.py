@@ -15,7 +15,7 @@ from . import providers as provider_registry
 from . import results
 from .case import Case, torch_dtype
 from .check import CHECK_BUDGET_BYTES, Oracle
-from .flops import attention_flops, tflops
+from .flops import MODE_FACTOR, attention_flops, tflops
 from .progress import Progress
 from .providers.base import Prepared, from_bshd, to_bshd
 from .suites import Suite
@@ -67,9 +67,16 @@ class Runner:
     def needs_grads(self) -> bool:
         return any(m != "fwd" for m in self.cfg.modes)
 
+    def _applies(self, case: Case, name: str) -> bool:
+        # suites mixing kinds of case (features: packed sequences, windows, plain) may say which provider
+        # belongs to which; a pair that does not apply gets no row at all, unlike a skip
+        applies = getattr(self.cfg.suite, "applies", None)
+        return applies is None or bool(applies(case, name))
+
     def run(self) -> dict:
         cfg = self.cfg
-        progress = Progress(len(cfg.cases) * len(cfg.providers), f"suite {cfg.suite.name}", quiet=cfg.quiet)
+        total = sum(self._applies(c, n) for c in cfg.cases for n in cfg.providers)
+        progress = Progress(total, f"suite {cfg.suite.name}", quiet=cfg.quiet)
         try:
             for case in cfg.cases:
                 self._run_case(case, progress)
@@ -79,6 +86,10 @@ class Runner:
 
     def document(self) -> dict:
         rows = results.merge_rows(self.cfg.keep_rows, self.rows, self.cfg.suite.key_fields)
+        # fields that compare rows with each other (features: varlen vs equal lengths) need them all
+        annotate = getattr(self.cfg.suite, "annotate", None)
+        if annotate is not None:
+            annotate(rows)
         return {"meta": self.cfg.meta, "rows": rows}
 
     def _save(self) -> None:
@@ -97,10 +108,13 @@ class Runner:
         return _Inputs(randn(*q_shape), randn(*kv_shape), randn(*kv_shape), randn(*q_shape))
 
     def _run_case(self, case: Case, progress: Progress) -> None:
+        names = [n for n in self.cfg.providers if self._applies(case, n)]
+        if not names:
+            return
         inputs = self._make_inputs(case)
         oracle: Oracle | None = None
         oracle_error: str | None = None
-        for name in self.cfg.providers:
+        for name in names:
             rows = {m: results.new_row(self.cfg.suite.name, name, m, case) for m in self.cfg.modes}
             skip = self._skip_reason(case, name)
             if skip is None and oracle is None and oracle_error is None:
@@ -197,9 +211,13 @@ class Runner:
         except Exception as exc:  # noqa: BLE001
             row["error"] = describe_error(exc)
             return
-        flops = attention_flops(
-            case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim, case.causal, mode
-        )
+        if case.masked:
+            # windows and packed sequences: only the pairs that take part count
+            flops = 4.0 * case.nheads * case.visible_pairs() * case.headdim * MODE_FACTOR[mode]
+        else:
+            flops = attention_flops(
+                case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim, case.causal, mode
+            )
         row["tflops"] = tflops(flops, row["ms"])
 
 
