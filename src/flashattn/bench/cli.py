@@ -178,6 +178,8 @@ def _bench(args) -> int:
             f"suite {suite.name!r} is sized for a GPU and none is available; run --suite cpu, "
             "or pass --device cpu with small --seqlens to try it anyway"
         )
+    if suite.run is not None:
+        return suite.run(args, device)
     causal = {"both": (False, True), "yes": (True,), "no": (False,), None: None}[args.causal]
     grid = suite.grid(args.quick).override(
         dtype=args.dtype,

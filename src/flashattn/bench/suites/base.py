@@ -65,6 +65,8 @@ class Suite:
     build_cases: Callable[[Grid], list[Case]] = Grid.cases
     # what identifies a row when runs are merged; suites with extra shape fields (kv_len, ...) extend it
     key_fields: tuple[str, ...] = KEY_FIELDS
+    # a suite that is not a sweep of attention calls (e2e trains a model) runs itself: (args, device) -> rc
+    run: Callable[..., int] | None = None
 
 
 DEFAULT = Suite(
