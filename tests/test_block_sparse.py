@@ -8,8 +8,6 @@ Triton kernels under TRITON_INTERPRET=1 once they support block sparsity: the sh
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,38 +17,8 @@ from utils import assert_close_to_ref, make_qkv
 
 import flashattn
 from flashattn.block_sparse import _ops, _torch, block_sparse_attn_func
+from flashattn.block_sparse.reference import masked_attention_ref as dense_mask_attention
 from flashattn.masks import BlockMask
-
-
-def dense_mask_attention(q, k, v, mask, *, softmax_scale=None, softcap=0.0, keep=None, dropout_p=0.0,
-                         upcast=True):
-    """The oracle: softmax attention with a bool mask (B|1, H|1, sq, sk), True = visible.
-
-    upcast: fp64 throughout (the reference); otherwise plain PyTorch in the input dtype (scores in it,
-    softmax in fp32), the low-precision yardstick of the tolerance rule. Rows that see nothing: out 0,
-    lse +inf. keep: the dropout keep mask (b, h, sq, sk), kept probabilities scaled by 1 / (1 - p).
-    """
-    b, sq, h, d = q.shape
-    group = h // k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else d ** -0.5
-    dtype = torch.float64 if upcast else q.dtype
-    q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(group, 2), v.to(dtype).repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (b, h, sq, sk)
-    if softcap > 0:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.to(torch.float64 if upcast else torch.float32).masked_fill(~mask.to(q.device), -math.inf)
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isinf(m), 0.0, m)
-    e = torch.exp(s - m)
-    denom = e.sum(-1, keepdim=True)
-    empty = denom == 0
-    denom = torch.where(empty, 1.0, denom)
-    lse = torch.where(empty, math.inf, m + torch.log(denom)).squeeze(-1)
-    p = e / denom
-    if keep is not None:
-        p = p * keep / (1.0 - dropout_p)
-    out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
-    return out.to(dtype), lse
 
 
 def _leaves(*ts):
@@ -292,3 +260,87 @@ def test_opcheck():
     out, lse, rng = _ops.block_sparse_fwd(*args)
     bwd_args = (torch.randn_like(out), q, k, v, out, lse, rng, *args[3:])
     torch.library.opcheck(_ops.block_sparse_bwd, bwd_args, test_utils=utils)
+
+
+# -- the `sparse` bench suite (CPU smoke: the harness, the oracle, the masks flex gets)
+
+
+def _sparse_cases(n=200, densities=(0.5,)):
+    from flashattn.bench.suites import sparse
+
+    grid = sparse.SparseGrid(dtype="fp32", seqlens=(n,), headdims=(32,), causal=(False,), batch=1, nheads=2,
+                             densities=densities)
+    return sparse.build_cases(grid)
+
+
+def test_sparse_suite_grid():
+    from flashattn.bench import suites
+    from flashattn.bench.providers.sparse import MaskSpec, random_blocks
+    from flashattn.bench.suites import sparse
+
+    suite = suites.get("sparse")
+    assert isinstance(suite, sparse.SparseSuite)
+    assert suite.providers == ("flashattn-sparse", "flashattn", "flex-sparse")
+    assert suite.modes == ("fwd", "fwd+bwd")
+    grid = sparse._grid(False)
+    assert (grid.seqlens, grid.densities) == ((16384, 65536), sparse.DENSITIES)
+    assert (grid.nheads, grid.headdims, grid.dtype) == (16, (128,), "bf16")
+    for n in grid.seqlens:  # the parameters hit their target densities (the masks are built on the device)
+        for t in grid.densities:
+            w, g = sparse.local_global_params(n, t)
+            assert abs(sparse._local_global_density(n, w, g, 128) - t) < 0.01
+            assert abs(random_blocks(MaskSpec("random", n, 1, target_density=t)).float().mean() - t) < 0.01
+    quick = sparse.build_cases(sparse._grid(True))
+    assert [c.extra["pattern"] for c in quick] == ["dense", "causal"] + ["local_global"] * 2 + ["random"] * 2
+    assert all(abs(c.extra["density"] - c.extra["target_density"]) < 0.02 for c in quick)
+
+
+def test_sparse_suite_runs_and_checks_on_cpu(monkeypatch):
+    from flashattn.bench import providers, runner
+    from flashattn.bench.providers.base import Prepared, Provider, make_leaves
+    from flashattn.bench.suites import sparse
+    from flashattn.bench.timing import TimerConfig
+
+    # a provider that ignores the mask must be caught by the suite's oracle
+    def unmasked(case, q, k, v):
+        leaves = make_leaves(q, k, v, "bshd")
+        return Prepared(fwd=lambda: flashattn.flash_attn_func(*leaves), leaves=leaves)
+
+    providers.register(Provider("test-unmasked", unmasked, "test double"), replace=True)
+    monkeypatch.setattr(runner, "Oracle", sparse.SparseOracle)  # what the runner does with suite.oracle
+    try:
+        names = ["flashattn-sparse", "flashattn", "test-unmasked"]
+        timer = TimerConfig(cpu_min_reps=1, cpu_max_reps=1, cpu_budget_s=0.0)
+        cases = [c for c in _sparse_cases() if c.extra["pattern"] in ("dense", "local_global")]
+        cfg = runner.RunConfig(sparse.SUITE, cases, names, ("fwd", "fwd+bwd"), torch.device("cpu"), timer,
+                               quiet=True)
+        rows = runner.Runner(cfg).run()["rows"]
+    finally:
+        providers.unregister("test-unmasked")
+    sparse.annotate(rows)
+    by = {(r["provider"], r["pattern"], r["mode"]): r for r in rows}
+    for pattern in ("dense", "local_global"):
+        for mode in ("fwd", "fwd+bwd"):
+            r = by["flashattn-sparse", pattern, mode]
+            assert r["error"] is None and r["ms"] > 0 and r["speedup_vs_dense"] > 0, r
+            assert r["density"] is not None and r["tflops"] > 0
+    assert by["flashattn", "dense", "fwd+bwd"]["speedup_vs_dense"] == 1.0
+    skipped = by["flashattn", "local_global", "fwd"]["error"]
+    assert skipped.startswith("skipped: the dense kernel cannot express")
+    causal, random = (c for c in _sparse_cases() if c.extra["pattern"] in ("causal", "random"))
+    assert sparse._skip(causal, "flashattn") is None and sparse._skip(random, "flashattn") is not None
+    assert by["test-unmasked", "local_global", "fwd"]["error"].startswith("wrong result")
+    assert by["test-unmasked", "dense", "fwd"]["error"] is None
+
+
+@pytest.mark.parametrize("pattern,params", [
+    ("causal", {}), ("local_global", dict(window=40, global_tokens=16)),
+    ("random", dict(target_density=0.4, seed=3))])
+def test_flex_gets_the_same_mask(pattern, params):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from flashattn.bench.providers import sparse
+
+    spec = sparse.MaskSpec(pattern, 384, 2, **params)
+    ours = sparse.block_mask(spec, torch.device("cpu"))
+    theirs = BlockMask.from_flex(sparse.flex_block_mask(spec, torch.device("cpu")))
+    assert torch.equal(theirs.to_dense().expand(1, ours.shape[1], -1, -1), ours.to_dense())

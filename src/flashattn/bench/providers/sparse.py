@@ -1,0 +1,168 @@
+"""Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex.
+
+`flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask; `flex-sparse` runs
+torch.compile(flex_attention) with a flex BlockMask that create_block_mask builds from a mask_mod of the same
+element rule. (The dense kernel is the plain `flashattn` provider; the suite skips it where it cannot express
+the mask.) The mask is described by the case's extra fields (`pattern`, `target_density`, `window`,
+`global_tokens`, `seed`, `block`), built once, and shared by the providers and the suite's oracle.
+
+One mask_mod serves every flex case: its parameters live in module tensors that each case overwrites in
+place, so flex compiles once per shape instead of once per mask (a compile costs tens of seconds; the
+anchors page warns what a silent recompile-limit fallback does). The price is a band test and one table
+lookup per element of flex's partial tiles, where a dedicated mask_mod would do only one of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..case import Case
+from .base import Prepared, Provider, make_leaves
+from .flex import _compiled_flex
+
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What builds a case's mask: pattern in {dense, causal, local_global, random} and its parameters."""
+
+    pattern: str
+    seqlen: int
+    nheads: int
+    window: int = -1
+    global_tokens: int = 0
+    target_density: float = 1.0
+    seed: int = 0
+    block: int = BLOCK
+
+    @classmethod
+    def of(cls, case: Case) -> MaskSpec:
+        e = case.extra
+        if "pattern" not in e:
+            raise ValueError("this provider runs the sparse suite's cases (extra field `pattern` missing)")
+        if case.seqlen_q != case.seqlen_k:
+            raise ValueError(f"sparse cases are self-attention; got sq={case.seqlen_q}, sk={case.seqlen_k}")
+        return cls(e["pattern"], case.seqlen_q, case.nheads, int(e.get("window", -1)),
+                   int(e.get("global_tokens", 0)), float(e.get("target_density", 1.0)), int(e.get("seed", 0)),
+                   int(e.get("block", BLOCK)))
+
+
+def random_blocks(spec: MaskSpec) -> torch.Tensor:
+    """bool (nheads, n, n) block grid, every head its own draw, the diagonal always on (no empty rows): the
+    block density is target_density in expectation."""
+    n = -(-spec.seqlen // spec.block)
+    g = torch.Generator().manual_seed(spec.seed)
+    p = max(0.0, (spec.target_density - 1 / n) / (1 - 1 / n)) if n > 1 else 1.0
+    table = torch.rand(spec.nheads, n, n, generator=g) < p
+    table |= torch.eye(n, dtype=torch.bool)
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_mask(spec: MaskSpec):
+    from flashattn.masks import BlockMask
+
+    n, bs = spec.seqlen, (spec.block, spec.block)
+    if spec.pattern == "dense":
+        return BlockMask.full(n, n, block_size=bs)
+    if spec.pattern == "causal":
+        return BlockMask.causal(n, n, block_size=bs)
+    if spec.pattern == "local_global":
+        return BlockMask.local_global(n, spec.window, spec.global_tokens, block_size=bs)
+    if spec.pattern == "random":
+        return BlockMask.from_blocks(random_blocks(spec)[None], n, n, block_size=bs)
+    raise ValueError(f"unknown sparse pattern {spec.pattern!r}; expected dense, causal, local_global, random")
+
+
+_on_device: dict = {}
+
+
+def block_mask(spec: MaskSpec, device: torch.device):
+    """The case's flashattn.BlockMask on device (built on the CPU once; the last device copy is kept)."""
+    key = (spec, str(device))
+    if key not in _on_device:
+        _on_device.clear()  # one long mask at a time on the GPU
+        _on_device[key] = _cpu_mask(spec).to(device)
+    return _on_device[key]
+
+
+# -- flex: one mask_mod for every pattern, parameters in module tensors overwritten per case
+_params: torch.Tensor | None = None  # int64 (3,): left, right, global_tokens
+_table: torch.Tensor | None = None  # bool (nheads, n_blocks, n_blocks): block-level part of the mask
+
+
+def _flex_mask_mod(b, h, q_idx, kv_idx):
+    diff = q_idx - kv_idx
+    local = (diff <= _params[0]) & (-diff <= _params[1])
+    glob = (kv_idx < _params[2]) | (q_idx < _params[2])
+    return local | glob | _table[h, q_idx // BLOCK, kv_idx // BLOCK]
+
+
+def _set_flex_state(spec: MaskSpec, device: torch.device) -> None:
+    global _params, _table
+    n = -(-spec.seqlen // BLOCK)
+    if spec.pattern == "causal":
+        values = (spec.seqlen, 0, 0)
+    elif spec.pattern == "local_global":
+        values = (spec.window, spec.window, spec.global_tokens)
+    else:
+        values = (-1, -1, 0)  # no band (it needs diff <= -1 and diff >= 1), no global tokens
+    if spec.pattern == "random":
+        table = random_blocks(spec)
+    else:
+        table = torch.zeros(spec.nheads, n, n, dtype=torch.bool)
+    if _params is None or _params.device != device or _table is None or _table.shape != table.shape:
+        _params = torch.zeros(3, dtype=torch.int64, device=device)
+        _table = torch.zeros(table.shape, dtype=torch.bool, device=device)
+    _params.copy_(torch.tensor(values))
+    _table.copy_(table)
+
+
+def flex_block_mask(spec: MaskSpec, device: torch.device):
+    """flex's BlockMask of the case (None for dense: flex's unmasked path), from create_block_mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if spec.block != BLOCK:
+        raise ValueError(f"flex-sparse uses {BLOCK}x{BLOCK} tiles; the case asks for {spec.block}")
+    if spec.pattern == "dense":
+        return None
+    _set_flex_state(spec, device)
+    heads = spec.nheads if spec.pattern == "random" else None
+    # _compile fuses the mask_mod into the block reduction instead of materialising (H, N, N) bools
+    return create_block_mask(_flex_mask_mod, None, heads, spec.seqlen, spec.seqlen, device=device,
+                             BLOCK_SIZE=BLOCK, _compile=device.type == "cuda")
+
+
+def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    import flashattn
+
+    mask = block_mask(MaskSpec.of(case), q.device)
+    mask.to_kernel_tensors(q.device)  # the lists are built here, outside the timed call
+    leaves = make_leaves(q, k, v, "bshd")
+    qb, kb, vb = leaves
+    return Prepared(fwd=lambda: flashattn.block_sparse_attn_func(qb, kb, vb, mask), leaves=leaves)
+
+
+def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fmask = flex_block_mask(MaskSpec.of(case), q.device)
+    # on the CPU (smoke tests only) eager flex is enough and skips an inductor C++ build per shape
+    flex = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    leaves = make_leaves(q, k, v, "bhsd")
+    qh, kh, vh = leaves
+    gqa = case.nheads != case.nheads_k
+    return Prepared(fwd=lambda: flex(qh, kh, vh, block_mask=fmask, enable_gqa=gqa), leaves=leaves,
+                    layout="bhsd")
+
+
+PROVIDERS = [
+    Provider("flashattn-sparse", _setup_flashattn_sparse,
+             "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
+    Provider("flex-sparse", _setup_flex_sparse,
+             "torch.compile(flex_attention), BlockMask from create_block_mask of the same mask"),
+]
