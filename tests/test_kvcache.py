@@ -319,3 +319,21 @@ def test_unused_block_table_entries_are_not_checked(monkeypatch):
     args["block_table"][1, 1:] = 1000
     args["cache_seqlens"] = _i32(32, 16)
     flash_attn_with_kvcache(**args)
+
+
+def test_bench_decode_suite():
+    # the `decode` bench suite: its grid, the paged copy its provider times, and the derived tbps
+    from flashattn.bench.suites import decode as suite
+
+    cases = suite.build_cases(suite._grid(quick=False))
+    assert len(cases) == 2 * 4 * 3  # batch 1 and 16, four kv lengths, contiguous + two page sizes
+    c = next(c for c in cases if c.batch == 16 and c.seqlen_k == 131072 and c.extra["page_size"] == 64)
+    assert (c.seqlen_q, c.nheads, c.nheads_k, c.headdim) == (1, 32, 8, 128)
+    assert c.extra["kv_bytes"] == 2 * 16 * 131072 * 8 * 128 * 2
+    k = torch.randn(2, 40, 2, 16)
+    pool, table = suite.paged_copy(k, 16)
+    assert table.shape == (2, 3) and torch.equal(from_paged(pool, table)[:, :40], k)
+    rows = [{"ms": 2.0, "kv_bytes": 4e9, "error": None}, {"ms": None, "kv_bytes": 4e9, "error": "skipped"}]
+    suite.annotate(rows)
+    assert rows[0]["tbps"] == pytest.approx(2.0) and rows[1]["tbps"] is None
+    assert suite._skip(c, "sdpa-flash") and suite._skip(c, suite.OURS) is None

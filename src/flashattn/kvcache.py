@@ -50,8 +50,9 @@ kvcache_fwd = torch.library.custom_op(
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len, cache_batch_idx,
       cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
       rotary_interleaved, num_splits):
-    b, sq, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+    b, sq, h, d = q.shape
+    # contiguous, as the real op allocates them
+    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def flash_attn_with_kvcache(

@@ -41,7 +41,8 @@ def merge_states(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor
 
 @merge_states.register_fake
 def _(outs, lses):
-    return torch.empty_like(outs[0]), torch.empty_like(lses[0])
+    # contiguous, as the real op allocates them
+    return outs[0].new_empty(outs[0].shape), lses[0].new_empty(lses[0].shape)
 
 
 def _weights(lses: list[Tensor], lse: Tensor) -> Tensor:
