@@ -1,0 +1,189 @@
+"""block_sparse_attn_func on a CUDA GPU at realistic sizes (run on the device with ``pytest -m gpu``).
+
+bf16 / fp16 at N = 4K against the dense-mask fp64 oracle on a slice that is still exact: batch 0, all heads,
+a block of the first and a block of the last query rows with every key (the mask rows cut from the
+BlockMask), gradients from a dout that is zero outside those rows, so dk / dv hold exactly their
+contributions. Tolerance rule as everywhere: 2x (forward) / 3x (gradients) the error of plain PyTorch in the
+same precision, plus a floor of two units of rounding. Runs the Triton kernels once flashattn.ops.block_sparse
+exists, the torch path before that (both must pass).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from utils import assert_close_to_ref
+
+from flashattn import BlockMask, block_sparse_attn_func
+from flashattn.block_sparse import launchers
+from flashattn.block_sparse.reference import masked_attention_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+N = 4096
+ROWS = ((0, 256), (N - 256, N))
+
+
+@pytest.fixture(autouse=True)
+def force_triton(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
+
+
+def _qkv(b, sq, sk, h, hk, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+
+    return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+
+
+def _eps_floor(dtype, ref):
+    return 2 * torch.finfo(dtype).eps * ref.abs().max().item()
+
+
+def check_slice(q, k, v, mask, rows=ROWS, **kw):
+    """Output rows, dq rows and whole dk / dv of batch 0 against the oracle (fp64) and plain PyTorch."""
+    out = block_sparse_attn_func(q, k, v, mask, **kw)
+    dout = torch.zeros_like(out)
+    for r0, r1 in rows:
+        dout[:1, r0:r1] = torch.randn_like(out[:1, r0:r1])
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+    # batch > 0 got dout = 0: nothing may leak there
+    assert (dq[1:] == 0).all() and (dk[1:] == 0).all() and (dv[1:] == 0).all()
+
+    k0, v0 = k[:1].detach(), v[:1].detach()
+    refs = {}
+    for upcast in (True, False):
+        dtype = torch.float64 if upcast else q.dtype
+        kk, vv = k0.to(dtype).requires_grad_(), v0.to(dtype).requires_grad_()
+        outs, dqs = [], []
+        dk_sum = torch.zeros_like(kk, dtype=torch.float64)
+        dv_sum = torch.zeros_like(vv, dtype=torch.float64)
+        for r0, r1 in rows:
+            qq = q[:1, r0:r1].detach().to(dtype).requires_grad_()
+            m = mask.to_dense(rows=(r0, r1))[:1]
+            o, _ = masked_attention_ref(qq, kk, vv, m, upcast=upcast, **kw)
+            gq, gk, gv = torch.autograd.grad(o, (qq, kk, vv), dout[:1, r0:r1].to(o.dtype))
+            outs.append(o.detach())
+            dqs.append(gq)
+            dk_sum += gk.double()
+            dv_sum += gv.double()
+        refs[upcast] = (torch.cat(outs, 1), torch.cat(dqs, 1), dk_sum, dv_sum)
+    def take(x):
+        return torch.cat([x[:1, r0:r1] for r0, r1 in rows], 1)
+
+    got = (take(out), take(dq), dk[:1], dv[:1])
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        ref, pt = refs[True][i], refs[False][i]
+        assert_close_to_ref(got[i], ref, pt, factor=2.0 if i == 0 else 3.0,
+                            atol_floor=_eps_floor(q.dtype, ref), name=name)
+
+
+def _random_blocks(h, n, density, block=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = n // block
+    table = torch.rand(1, h, nb, nb, generator=g) < density
+    return BlockMask.from_blocks(table | torch.eye(nb, dtype=torch.bool), n, n, block_size=block)
+
+
+MASKS = {
+    "causal": lambda h: BlockMask.causal(N, N),
+    "local_global": lambda h: BlockMask.local_global(N, 256, 64),
+    "random_per_head": lambda h: _random_blocks(h, N, 0.2),
+    "document_causal": lambda h: BlockMask.document(torch.tensor([0, N // 4, N // 4 + 1, 3 * N // 4 - 7, N]),
+                                                     causal=True),
+    "strided": lambda h: BlockMask.strided(N, 128, block_size=(64, 128)),
+    "sliding_window_64x64": lambda h: BlockMask.sliding_window(N, N, (300, 0), block_size=64),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_patterns_at_4k(name, dtype):
+    q, k, v = _qkv(2, N, N, 8, 2, 128, dtype)  # GQA 4:1
+    check_slice(q, k, v, MASKS[name](8))
+
+
+def test_softcap_odd_headdim_and_non_multiple_length():
+    n = 3000  # not a multiple of the tiles: key tail blocks are partial
+    q, k, v = _qkv(2, n, n, 4, 4, 72, torch.bfloat16, seed=1)
+    mask = BlockMask.local_global(n, 200, 32, causal=True) | BlockMask.strided(n, 500)
+    check_slice(q, k, v, mask, rows=((0, 200), (n - 300, n)), softcap=30.0)
+
+
+def test_tree_after_a_long_prefix():
+    parents = [-1] + [i // 2 for i in range(63)]  # a binary tree of 64 draft tokens
+    prefix = 4000
+    q, _, _ = _qkv(2, 64, 64, 8, 2, 128, torch.bfloat16, seed=2)
+    _, k, v = _qkv(2, prefix + 64, prefix + 64, 8, 2, 128, torch.bfloat16, seed=3)
+    check_slice(q, k, v, BlockMask.tree(parents, prefix), rows=((0, 64),))
+
+
+def test_kernel_tensors_move_to_the_gpu():
+    mask = BlockMask.local_global(N, 256, 64)  # built on the CPU
+    kt = mask.to_kernel_tensors("cuda")
+    for name in kt.TENSORS:
+        t = getattr(kt, name)
+        assert t.is_cuda and t.is_contiguous(), name
+    assert mask.to_kernel_tensors(torch.device("cuda")) is kt
+    cuda_mask = BlockMask.local_global(N, 256, 64, device="cuda")
+    assert torch.equal(cuda_mask.to_dense().cpu(), mask.to_dense())
+
+
+def test_dropout_matches_its_keep_mask():
+    n, p = 1024, 0.2
+    q, k, v = _qkv(1, n, n, 4, 2, 64, torch.float16, seed=4)
+    mask = BlockMask.local_global(n, 128, 32, block_size=64)
+    torch.manual_seed(0)
+    out, _, keep = block_sparse_attn_func(q, k, v, mask, dropout_p=p, return_attn_probs=True)
+    ref, _ = masked_attention_ref(q.double(), k.double(), v.double(), mask.to_dense().cuda(), keep=keep,
+                                  dropout_p=p)
+    pt, _ = masked_attention_ref(q, k, v, mask.to_dense().cuda(), keep=keep, dropout_p=p, upcast=False)
+    assert_close_to_ref(out, ref, pt, atol_floor=_eps_floor(q.dtype, ref))
+    torch.manual_seed(0)
+    assert torch.equal(block_sparse_attn_func(q, k, v, mask, dropout_p=p), out)
+
+
+def test_memory_is_not_quadratic():
+    n, h = 32768, 16
+    q, k, v = _qkv(1, n, n, h, h, 128, torch.bfloat16, seed=5)
+    mask = BlockMask.local_global(n, 512, 64, device="cuda")
+    mask.to_kernel_tensors("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = block_sparse_attn_func(q, k, v, mask)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    dense_scores = h * n * n * 2  # one bf16 score matrix
+    assert peak < dense_scores / 4, f"peak extra memory {peak / 2**30:.2f} GiB"
+
+
+def test_torch_compile_inductor_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = _qkv(2, 1024, 1024, 8, 2, 64, torch.bfloat16, seed=6)
+    mask = BlockMask.local_global(1024, 100, 16, causal=True, block_size=64, device="cuda")
+    mask.to_kernel_tensors("cuda")
+
+    def loss(q, k, v):
+        return block_sparse_attn_func(q, k, v, mask).float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="inductor")
+    got, want = compiled(q, k, v), loss(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v)), torch.autograd.grad(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    torch._dynamo.reset()
+
+
+def test_which_implementation_ran():
+    """Not an assertion on speed: records in the test log whether the Triton kernels or the fallback ran."""
+    q = torch.zeros(1, device="cuda")
+    print(f"block-sparse launchers on CUDA: {launchers(q).__name__}")
