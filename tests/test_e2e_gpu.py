@@ -150,7 +150,7 @@ def test_gpt2_small_has_124m_parameters():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["flashattn", "sdpa-cudnn", "flex", "naive"])
-def test_gpu_model_loss_and_grads_match_oracle(name):
+def test_gpu_model_grads_match_oracle(name):
     # the same weights and batch through each attention in bf16 autocast, against the model in float64
     # (sdpa-math); sdpa-flash in bf16 is the low-precision yardstick
     cfg = GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=256, max_seqlen=1024)
@@ -168,11 +168,12 @@ def test_gpu_model_loss_and_grads_match_oracle(name):
         with impl.context(), torch.autocast("cuda", torch.bfloat16, enabled=dtype != torch.float64):
             loss = model(x, y)
         loss.backward()
-        return [loss.detach(), model.blocks[0].attn.qkv.weight.grad, model.wte.weight.grad]
+        # gradients, not the scalar loss: one number's error is too noisy a yardstick for the rule
+        return [model.blocks[0].attn.qkv.weight.grad, model.blocks[-1].fc.weight.grad, model.wte.weight.grad]
 
     got, pt, ref = run(name, torch.float32), run("sdpa-flash", torch.float32), run("sdpa-math", torch.float64)
-    for label, a, p, r in zip(("loss", "dWqkv", "dwte"), got, pt, ref, strict=True):
-        assert_close_to_ref(a, r, p, factor=2.0 if label == "loss" else 3.0, name=f"{name} {label}")
+    for label, a, p, r in zip(("dWqkv[0]", "dWfc[-1]", "dwte"), got, pt, ref, strict=True):
+        assert_close_to_ref(a, r, p, factor=3.0, name=f"{name} {label}")
 
 
 @pytest.mark.gpu
