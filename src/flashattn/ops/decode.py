@@ -10,10 +10,11 @@ are given and return (out (b, sq, h, d) in q's dtype, lse (b, h, sq) float32, +i
 is the same computation in plain torch (gather, append, rotate, then the chunked torch backend per sequence).
 """
 
+import functools
 import math
+import os
 
 import torch
-import triton
 
 from flashattn import torch_backend
 from flashattn.kernels.decode import decode_split_kernel
@@ -26,8 +27,18 @@ _UNBOUNDED = 1 << 30  # a window side of -1 becomes this: no branch in the kerne
 _MAX_SPLITS = 128
 
 
+# host-side helpers in plain Python: triton.cdiv / next_power_of_2 are constexpr functions that cost
+# microseconds a call, and a decode step is a few tens of microseconds
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length() if x > 1 else 1
+
+
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _pow2(d))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -38,6 +49,11 @@ _SMEM_BUDGET = 200 * 1024  # bytes of K/V stage buffers; the H200 gives a block 
 
 
 def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.device) -> TileConfig:
+    return _decode_config(block_d, elem_size, paged, device.type, os.environ.get("FLASHATTN_CONFIG", ""))
+
+
+@functools.cache
+def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, env: str) -> TileConfig:
     """Tiles of the split kernel. block_m caps the packed query rows per program (the real BLOCK_M is the
     next power of two of group·seqlen_q, at least 16, at most this); block_n is the key tile.
 
@@ -46,10 +62,11 @@ def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.devic
     3 and 4 stages give one K/V buffer, 5 give two). The defaults are a first guess pending a sweep on the
     H200; FLASHATTN_CONFIG="decode=64,128,4,3;decode_paged=64,128,4,5" overrides them.
     """
+    del env  # a cache key: _overrides() reads the same variable
     override = _overrides().get("decode_paged" if paged else "decode")
     if override is not None:
         return override
-    if device.type != "cuda":
+    if device_type != "cuda":
         # key tiles of 32 against pages of 16: the CPU tests gather tiles across page boundaries
         return TileConfig(32, 32, 4, 1)
     block_n = 128 if block_d <= 128 else 64
@@ -112,7 +129,7 @@ def _rotary_append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_len
         cos.stride(0) if rotate else 0, block_table.stride(0) if paged else 0,
         h, hk, sq, s_new, cache_len,
         HEAD_DIM=d, BLOCK_D=_block_d(d),
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_H=_pow2(h), BLOCK_HK=_pow2(hk),
         ROT_DIM=2 * cos.shape[1] if rotate else 0, INTERLEAVED=bool(interleaved), Q_PER_ROW=per_row,
         ROTATE_Q=rotate, APPEND=k is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
@@ -136,13 +153,13 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
     block_d = _block_d(d)
     cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device)
     rows = sq * group
-    block_m = min(max(16, triton.next_power_of_2(rows)), max(16, cfg.block_m))
-    m_blocks = triton.cdiv(rows, block_m)
+    block_m = min(max(16, _pow2(rows)), max(16, cfg.block_m))
+    m_blocks = _cdiv(rows, block_m)
     span = _capacity(k_cache, block_table)
     if window_on:
         # a query block spans at most this many query positions, each seeing left + right + 1 keys
-        span = min(span, left + right + min(sq, triton.cdiv(block_m, group) + 1))
-    n_tiles = max(1, triton.cdiv(span, cfg.block_n) + 1)  # + 1: the span need not start on a tile
+        span = min(span, left + right + min(sq, _cdiv(block_m, group) + 1))
+    n_tiles = max(1, _cdiv(span, cfg.block_n) + 1)  # + 1: the span need not start on a tile
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b * hk * m_blocks, n_tiles, sm_count(q.device))
     num_splits = max(1, min(num_splits, n_tiles))

@@ -7,7 +7,8 @@ bytes read per second (2 · b · kv_len · h_k · d · 2 bytes / time; the ancho
 
 Rows add `kv_len`, `page_size` (null when contiguous), `kv_bytes` and `tbps`. Only this project's
 `flashattn-kvcache` reads a paged cache; the other providers run the contiguous cases, which are the
-comparison for the paged rows of the same shape.
+comparison for the paged rows of the same shape. `flashattn-kvcache-graph` is the same call replayed from a
+CUDA graph (GPU time without host overhead, which bounds any eager decode step at short kv_len).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .base import MS, Suite, View, fmt_rate
 
 PAGE_SIZES = (None, 64, 256)
 OURS = "flashattn-kvcache"
+OURS_GRAPH = "flashattn-kvcache-graph"
 
 
 @contextlib.contextmanager
@@ -77,15 +79,39 @@ def _setup_kvcache(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     )
 
 
-provider_registry.register(
+def _setup_kvcache_graph(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    # the same call captured in a CUDA graph, as servers run decode steps: the row shows GPU time alone,
+    # without the Python and launch overhead that bounds an eager step at short kv_len
+    eager = _setup_kvcache(case, q, k, v)
+    if not q.is_cuda:
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    with _no_index_checks():
+        eager.fwd()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = eager.fwd()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return Prepared(fwd=replay, leaves=eager.leaves)
+
+
+for _provider in (
     Provider(
         OURS,
         _setup_kvcache,
         "this project: flashattn.flash_attn_with_kvcache (split-KV decode; paged when the case says so), "
         "index range checks off as in flash_attn",
     ),
-    replace=True,
-)
+    Provider(
+        OURS_GRAPH,
+        _setup_kvcache_graph,
+        f"{OURS} captured once in a CUDA graph and replayed: GPU time without host overhead",
+    ),
+):
+    provider_registry.register(_provider, replace=True)
 
 
 def _grid(quick: bool) -> Grid:
@@ -119,7 +145,7 @@ def build_cases(grid: Grid) -> list[Case]:
 
 
 def _skip(case: Case, provider: str) -> str | None:
-    if case.extra.get("page_size") is not None and provider != OURS:
+    if case.extra.get("page_size") is not None and provider not in (OURS, OURS_GRAPH):
         return "skipped: no paged KV cache in this provider; its contiguous row of the same shape compares"
     return None
 
@@ -147,7 +173,7 @@ SUITE = DecodeSuite(
         "K/V bytes read per second"
     ),
     grid=_grid,
-    providers=(OURS, "sdpa-flash", "sdpa-cudnn", "flex", "sdpa-math", "flashattn"),
+    providers=(OURS, OURS_GRAPH, "sdpa-flash", "sdpa-cudnn", "flex", "sdpa-math", "flashattn"),
     modes=("fwd",),
     device="cuda",
     views=(TBPS, MS),
