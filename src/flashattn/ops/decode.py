@@ -133,7 +133,8 @@ def _rotary_append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_len
         ROT_DIM=2 * cos.shape[1] if rotate else 0, INTERLEAVED=bool(interleaved), Q_PER_ROW=per_row,
         ROTATE_Q=rotate, APPEND=k is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        num_warps=4,
+        # a (heads, d) tile and its rotated partner: keep it near 32 fp32 registers a thread each
+        num_warps=min(16, max(4, _pow2(h) * _block_d(d) // 1024)),
     )
     return q_rot
 
