@@ -29,6 +29,12 @@ def _compiled_flex():
         for name in ("fail_on_cache_limit_hit", "fail_on_recompile_limit_hit"):
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, True)
+        # the harness times the backward alone by replaying it on one graph (retain_graph=True), which a
+        # compiled backward with donated buffers refuses; donation only saves memory, not time
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         # static shapes: each shape gets its own specialised kernel, as a training run with fixed shapes would
         _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
