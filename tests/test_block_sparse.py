@@ -306,6 +306,8 @@ def test_sparse_suite_runs_and_checks_on_cpu(monkeypatch):
         leaves = make_leaves(q, k, v, "bshd")
         return Prepared(fwd=lambda: flashattn.flash_attn_func(*leaves), leaves=leaves)
 
+    # the harness is under test here, not the kernels: the interpreter would only make it slow
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
     providers.register(Provider("test-unmasked", unmasked, "test double"), replace=True)
     monkeypatch.setattr(runner, "Oracle", sparse.SparseOracle)  # what the runner does with suite.oracle
     try:

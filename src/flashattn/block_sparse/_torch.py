@@ -300,7 +300,9 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     deltab = _blocked_rows(delta, pb.mq, pb.bm, 0.0)
     dq = _dq_pass(pb, qb, kflat, vflat, dob, lseb, deltab)
     dk, dv = _dkdv_pass(pb, qb, kflat, vflat, dob, lseb, deltab)
-    dq = dq.view(pb.b, pb.h, -1, pb.d)[:, :, : pb.sq].permute(0, 2, 1, 3).to(q.dtype)
-    dk = dk[:, :, : pb.sk].permute(0, 2, 1, 3).to(k.dtype)
-    dv = dv[:, :, : pb.sk].permute(0, 2, 1, 3).to(v.dtype)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    # empty_like: the layout the registered op's fake implementation promises (q's, k's, v's)
+    dq_out, dk_out, dv_out = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq_out.copy_(dq.view(pb.b, pb.h, -1, pb.d)[:, :, : pb.sq].permute(0, 2, 1, 3))
+    dk_out.copy_(dk[:, :, : pb.sk].permute(0, 2, 1, 3))
+    dv_out.copy_(dv[:, :, : pb.sk].permute(0, 2, 1, 3))
+    return dq_out, dk_out, dv_out

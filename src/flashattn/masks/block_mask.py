@@ -463,6 +463,11 @@ class BlockMask:
         device = self.device if device is None else torch.device(device)
         key = str(device)
         kt = self._kernel_cache.get(key)
+        if kt is None and torch.compiler.is_compiling():
+            # building the lists has data-dependent sizes (the longest list): not traceable in one graph
+            raise RuntimeError(
+                f"BlockMask.to_kernel_tensors({key!r}) has not run yet for this mask; call it once outside "
+                f"torch.compile (e.g. right after building the mask) so the compiled graph only reads it")
         if kt is None:
             own = self._kernel_cache.get(str(self.device))
             if own is None:

@@ -1,13 +1,14 @@
 """`sparse`: block-sparse attention (issue 5) against this project's dense kernel and flex with the same mask.
 
 bf16, b=1, h=16, d=128, N = 16K and 64K (--quick: 8K). Per N: dense, causal, then local + global (the
-FlashAttention paper's block-sparse setting; 64K fwd+bwd is its Path-256 row) and per-head random block masks,
-each at block densities 50%, 20%, 10%, 5%. Local + global: N/256 global tokens, the symmetric window chosen so
-that the 128x128 block density is the closest to the target; random: every head its own draw with the
-diagonal kept. Rows carry `pattern`, `target_density`, `density` (the mask's real block density),
-`element_density`, `window`, `global_tokens`, and after the run `speedup_vs_dense`: the dense kernel's time
-(`flashattn`, pattern dense, same N and mode) over the row's. TFLOP/s count the visible (query, key) pairs
-exactly. The dense kernel runs the dense and causal rows only (it cannot express the others).
+FlashAttention paper's block-sparse setting; 64K fwd+bwd is its Path-256 row) and per-head random block
+masks, each at block densities 50%, 20%, 10%, 5%. Local + global: N/256 global tokens (whole tiles), the
+symmetric window chosen so that the 128x128 block density is the closest to the target; random: every head
+its own draw with the diagonal kept. Rows carry `pattern`, `target_density`, `density` (the mask's real
+block density), `element_density`, `window`, `global_tokens`, and after the run `speedup_vs_dense`: the
+dense kernel's time (`flashattn`, pattern dense, same N and mode) over the row's. TFLOP/s count the visible
+(query, key) pairs exactly. The dense kernel runs the dense and causal rows only (it cannot express the
+others).
 
 The check before timing compares every provider with the dense-mask fp64 oracle
 (flashattn.block_sparse.reference) on the usual slice: batch 0, the first heads, blocks of the first and last
@@ -64,9 +65,11 @@ def _local_global_density(n: int, window: int, global_tokens: int, block: int) -
 
 
 def local_global_params(n: int, target: float, block: int = BLOCK) -> tuple[int, int]:
-    """(window, global_tokens) whose block density is closest to target: N/256 global tokens (at least 16)
-    and the window found by bisection (density grows with it) in steps of 16."""
-    g = max(16, n // 256)
+    """(window, global_tokens) whose block density is closest to target: N/256 global tokens rounded up to
+    whole blocks (a block of global queries that ended mid-tile would make that block row partial on every
+    key block: slow, and the padded part_bits as big as a dense bitmask), and the window found by
+    bisection (density grows with it) in steps of 16."""
+    g = -(-max(1, n // 256) // block) * block
     lo, hi = 0, n // 16
     while lo < hi:
         mid = (lo + hi) // 2
