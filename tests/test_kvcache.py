@@ -337,3 +337,16 @@ def test_bench_decode_suite():
     suite.annotate(rows)
     assert rows[0]["tbps"] == pytest.approx(2.0) and rows[1]["tbps"] is None
     assert suite._skip(c, "sdpa-flash") and suite._skip(c, suite.OURS) is None
+
+
+def test_opcheck(monkeypatch):
+    # schema, fake tensor and mutation declarations of the op torch.compile traces through
+    from flashattn.kvcache import kvcache_fwd
+
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    kc, vc = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
+    q, kn, vn = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    seqlens = _i32(10, 50)
+    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None,
+            0.25, True, -1, -1, 0.0, None, True, 0)
+    torch.library.opcheck(kvcache_fwd, args)

@@ -168,3 +168,12 @@ def test_bad_input(name):
     make, exc, match = BAD[name]
     with pytest.raises(exc, match=match):
         merge_attention_states(*make())
+
+
+def test_opcheck(monkeypatch):
+    from flashattn.merge import merge_states
+
+    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    outs = [torch.randn(2, 3, 4, 16, requires_grad=True) for _ in range(3)]
+    lses = [torch.randn(2, 4, 3, requires_grad=True) for _ in range(3)]
+    torch.library.opcheck(merge_states, (outs, lses))
