@@ -2,14 +2,16 @@
 
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask; `flex-sparse` runs
 torch.compile(flex_attention) with a flex BlockMask that create_block_mask builds from a mask_mod of the same
-element rule. (The dense kernel is the plain `flashattn` provider; the suite skips it where it cannot express
-the mask.) The mask is described by the case's extra fields (`pattern`, `target_density`, `window`,
-`global_tokens`, `seed`, `block`), built once, and shared by the providers and the suite's oracle.
+element rule (dense too: a mask of full tiles). The dense kernel is the plain `flashattn` provider; the suite
+skips it where it cannot express the mask. The mask is described by the case's extra fields (`pattern`,
+`target_density`, `window`, `global_tokens`, `seed`, `block`), built once, and shared by the providers and
+the suite's oracle.
 
 One mask_mod serves every flex case: its parameters live in module tensors that each case overwrites in
-place, so flex compiles once per shape instead of once per mask (a compile costs tens of seconds; the
-anchors page warns what a silent recompile-limit fallback does). The price is a band test and one table
-lookup per element of flex's partial tiles, where a dedicated mask_mod would do only one of them.
+place, and every flex block mask is per head, so flex compiles once per N instead of once per mask (a
+compile costs tens of seconds; the anchors page warns what a silent recompile-limit fallback does). The
+price is a band test and one table lookup per element of flex's partial tiles, where a dedicated mask_mod
+would do only one of them.
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ def _flex_mask_mod(b, h, q_idx, kv_idx):
 def _set_flex_state(spec: MaskSpec, device: torch.device) -> None:
     global _params, _table
     n = -(-spec.seqlen // BLOCK)
-    if spec.pattern == "causal":
+    if spec.pattern == "dense":
+        values = (spec.seqlen, spec.seqlen, 0)
+    elif spec.pattern == "causal":
         values = (spec.seqlen, 0, 0)
     elif spec.pattern == "local_global":
         values = (spec.window, spec.window, spec.global_tokens)
@@ -123,18 +127,30 @@ def _set_flex_state(spec: MaskSpec, device: torch.device) -> None:
 
 
 def flex_block_mask(spec: MaskSpec, device: torch.device):
-    """flex's BlockMask of the case (None for dense: flex's unmasked path), from create_block_mask."""
+    """flex's BlockMask of the case, from create_block_mask over the shared mask_mod.
+
+    Always per head (nheads), dense included (all tiles full): flex is compiled with static shapes, so one
+    block-mask shape per N means one flex compilation per N for the whole suite.
+    """
+    from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
     from torch.nn.attention.flex_attention import create_block_mask
 
     if spec.block != BLOCK:
         raise ValueError(f"flex-sparse uses {BLOCK}x{BLOCK} tiles; the case asks for {spec.block}")
-    if spec.pattern == "dense":
-        return None
     _set_flex_state(spec, device)
-    heads = spec.nheads if spec.pattern == "random" else None
+    per_head = spec.pattern == "random"
     # _compile fuses the mask_mod into the block reduction instead of materialising (H, N, N) bools
-    return create_block_mask(_flex_mask_mod, None, heads, spec.seqlen, spec.seqlen, device=device,
-                             BLOCK_SIZE=BLOCK, _compile=device.type == "cuda")
+    fm = create_block_mask(_flex_mask_mod, None, spec.nheads if per_head else None, spec.seqlen, spec.seqlen,
+                           device=device, BLOCK_SIZE=BLOCK, _compile=device.type == "cuda")
+    if per_head:
+        return fm
+
+    def heads(t):
+        return t.expand(t.shape[0], spec.nheads, *t.shape[2:]).contiguous()
+
+    return FlexBlockMask.from_kv_blocks(
+        heads(fm.kv_num_blocks), heads(fm.kv_indices), heads(fm.full_kv_num_blocks),
+        heads(fm.full_kv_indices), BLOCK_SIZE=fm.BLOCK_SIZE, mask_mod=fm.mask_mod, seq_lengths=fm.seq_lengths)
 
 
 def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
