@@ -309,7 +309,6 @@ def test_sparse_suite_runs_and_checks_on_cpu(monkeypatch):
     # the harness is under test here, not the kernels: the interpreter would only make it slow
     monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
     providers.register(Provider("test-unmasked", unmasked, "test double"), replace=True)
-    monkeypatch.setattr(runner, "Oracle", sparse.SparseOracle)  # what the runner does with suite.oracle
     try:
         names = ["flashattn-sparse", "flashattn", "test-unmasked"]
         timer = TimerConfig(cpu_min_reps=1, cpu_max_reps=1, cpu_budget_s=0.0)
