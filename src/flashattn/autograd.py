@@ -38,13 +38,8 @@ def _options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_sca
     )
 
 
-@torch.library.custom_op("flashattn::attn_fwd", mutates_args=())
-def attn_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-    window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
-    learnable_sink: Tensor | None, deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+              window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink, deterministic):
     # deterministic only concerns the backward; it is an input here so that autograd can hand it on
     rng_state = torch.zeros(2, dtype=torch.int64)
     if dropout_p > 0:
@@ -54,6 +49,18 @@ def attn_fwd(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
         window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink))
     return out, lse, rng_state
+
+
+@torch.library.custom_op("flashattn::attn_fwd", mutates_args=())
+def attn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: Tensor | None, dropout_p: float,
+    learnable_sink: Tensor | None, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink,
+                     deterministic)
 
 
 @attn_fwd.register_fake
@@ -68,6 +75,17 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
     return out, lse, torch.empty(2, dtype=torch.int64)
 
 
+def _bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+              learnable_sink, deterministic):
+    dq, dk, dv, dsink = backend_module(q).attention_backward(dout, q, k, v, out, lse, **_options(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink),
+        deterministic=deterministic)
+    # a custom op returns tensors only: an empty dsink stands for "no sink"
+    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
+
+
 @torch.library.custom_op("flashattn::attn_bwd", mutates_args=())
 def attn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
@@ -75,12 +93,9 @@ def attn_bwd(
     softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
     alibi_slopes: Tensor | None, dropout_p: float, learnable_sink: Tensor | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, dsink = backend_module(q).attention_backward(dout, q, k, v, out, lse, **_options(
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-        window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink),
-        deterministic=deterministic)
-    # a custom op returns tensors only: an empty dsink stands for "no sink"
-    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
+    return _bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                     dropout_p, learnable_sink, deterministic)
 
 
 @attn_bwd.register_fake
@@ -105,21 +120,42 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic = deterministic
 
 
-def _backward(ctx, dout, dlse, drng):
+def _grads(ctx, dout, bwd):
     # like flash_attn, the LSE output is not differentiated
     q, k, v, out, lse, rng_state, sink = ctx.saved_tensors
-    dq, dk, dv, dsink = attn_bwd(dout, q, k, v, out, lse, rng_state, *ctx.args, sink, ctx.deterministic)
+    dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, rng_state, *ctx.args, sink, ctx.deterministic)
     dsink = dsink.to(sink.dtype) if sink is not None else None
     return (dq, dk, dv) + (None,) * len(_ARGS) + (dsink, None)
+
+
+def _backward(ctx, dout, dlse, drng):
+    return _grads(ctx, dout, attn_bwd)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward outside torch.compile, without the custom-op dispatch: its per-call host
+    cost (~0.3 ms with autograd) exceeds the whole kernel time of small problems."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(output[1], output[2])
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse, drng):
+        return _grads(ctx, dout, _bwd_impl)
+
+
 def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
               alibi_slopes=None, dropout_p: float = 0.0, learnable_sink=None, deterministic: bool = False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """(out, lse, rng_state) with autograd through the registered op."""
-    return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+    """(out, lse, rng_state) with autograd: through the registered op under torch.compile, else directly."""
+    op = attn_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
+    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                     float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
                     float(softcap), alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
@@ -26,7 +25,12 @@ def default_scale(head_dim: int) -> float:
 
 def _block_d(d: int) -> int:
     # tl.dot needs K >= 16; non-powers of two are padded and masked
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv is a JIT function, and calling one on the host costs ~20 µs per call
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device)
-    grid = (triton.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
+    grid = (_cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
     attn_fwd_kernel[grid](
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
@@ -148,13 +152,13 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     block_d = max(flags["BLOCK_D"], flags["BLOCK_DV"])
 
     pre_m = 64 if q.device.type == "cuda" else 32
-    attn_bwd_preprocess_kernel[(triton.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
+    attn_bwd_preprocess_kernel[(_cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
         out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
         HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
     )
     common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
     cfg = tile_config("dkdv", block_d, q.device)
-    attn_bwd_dkdv_kernel[(triton.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
+    attn_bwd_dkdv_kernel[(_cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
         *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *common,
@@ -165,7 +169,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     cfg = tile_config("dq", block_d, q.device)
-    attn_bwd_dq_kernel[(triton.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
+    attn_bwd_dq_kernel[(_cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq),
         *lse_strides, stride_alibi, pb.nheads, *common,

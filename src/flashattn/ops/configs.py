@@ -6,6 +6,7 @@ unequal (BLOCK_M != BLOCK_N) so that CPU tests cross tile, tail and diagonal-ban
 `FLASHATTN_CONFIG="fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"` overrides any entry (tuning and benchmarks).
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -46,7 +47,11 @@ _INTERPRETER = {
 
 
 def _overrides() -> dict[str, TileConfig]:
-    text = os.environ.get("FLASHATTN_CONFIG", "")
+    return _parse_overrides(os.environ.get("FLASHATTN_CONFIG", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_overrides(text: str) -> dict[str, TileConfig]:
     out = {}
     for part in filter(None, text.split(";")):
         name, _, spec = part.partition("=")
@@ -59,7 +64,13 @@ def tile_config(kernel: str, block_d: int, device: torch.device) -> TileConfig:
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
-    if device.type != "cuda":
+    return _table_entry(kernel, block_d, device.type == "cuda")
+
+
+@functools.lru_cache(maxsize=64)
+def _table_entry(kernel: str, block_d: int, cuda: bool) -> TileConfig:
+    # cached: this runs on every call, and small problems are bound by the host-side launch cost
+    if not cuda:
         return _INTERPRETER[kernel]
     keys = sorted(d for (k, d) in _H200 if k == kernel)
     key = max([d for d in keys if d <= block_d], default=keys[0])
