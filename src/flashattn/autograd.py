@@ -103,7 +103,8 @@ def _(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen
       softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink,
       deterministic):
     n_sink = learnable_sink.shape[0] if learnable_sink is not None else 0
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    # the launchers return contiguous gradients whatever the inputs' strides (empty_like would keep them)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(n_sink, dtype=torch.float32))
 
 
@@ -135,6 +136,11 @@ def _backward(ctx, dout, dlse, drng):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _through_custom_op() -> bool:
+    """Whether calls go through the registered ops (under torch.compile; tests patch it to check the ops)."""
+    return torch.compiler.is_compiling()
+
+
 class _EagerAttention(torch.autograd.Function):
     """The same forward and backward outside torch.compile, without the custom-op dispatch: its per-call host
     cost (~0.3 ms with autograd) exceeds the whole kernel time of small problems."""
@@ -155,7 +161,7 @@ def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -
               alibi_slopes=None, dropout_p: float = 0.0, learnable_sink=None, deterministic: bool = False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """(out, lse, rng_state) with autograd: through the registered op under torch.compile, else directly."""
-    op = attn_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
+    op = attn_fwd if _through_custom_op() else _EagerAttention.apply
     return op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                     float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
                     float(softcap), alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))
