@@ -45,6 +45,7 @@ def check_against_oracle(
     only_finite=(),
     grad_floor=None,
     attn=None,
+    **options,
 ):
     """``flash_attn_func(q, k, v)`` forward, LSE and (optionally) gradients vs the fp64 oracle.
 
@@ -52,21 +53,31 @@ def check_against_oracle(
     check the gradient that reaches it through strided views).  Gradients named in ``only_finite`` are only
     checked for finiteness (see test_extreme_logits).  ``grad_floor="rounding"`` uses :func:`rounding_floor`
     as the gradients' absolute floor (see test_head_dims).  ``attn(q, k, v) -> (out, lse)`` replaces the call
-    to flash_attn_func (e.g. a torch.compile'd wrapper).  Returns ``(out, lse, grads)`` of ours.
+    to flash_attn_func (e.g. a torch.compile'd wrapper).  ``options`` (window_size, softcap, alibi_slopes,
+    dropout_p) go to both flash_attn_func and the oracle; with dropout the oracle replays the keep-mask that
+    flash_attn_func returns as S_dmask.  Returns ``(out, lse, grads)`` of ours.
     """
     wrt = (q, k, v) if wrt is None else tuple(wrt)
     b, sq, h, d = q.shape
+    s_dmask = None
     if attn is None:
-        out, lse, _ = flash_attn_func(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, return_attn_probs=True
+        out, lse, s_dmask = flash_attn_func(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_attn_probs=True, **options
         )
     else:
         out, lse = attn(q, k, v)
+    if options.get("dropout_p", 0.0) > 0:
+        assert isinstance(s_dmask, torch.Tensor) and s_dmask.shape == (b, h, sq, k.shape[1])
+        options = {**options, "dropout_mask": s_dmask}
     assert out.shape == (b, sq, h, v.shape[-1]) and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.device == q.device
 
-    out_ref, lse_ref = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True)
-    out_pt, lse_pt = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False)
+    out_ref, lse_ref = attention_ref(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=True, **options
+    )
+    out_pt, lse_pt = attention_ref(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False, **options
+    )
     assert_close_to_ref(out, out_ref, out_pt, factor=2.0, name="out")
     assert_close_to_ref(lse, lse_ref, lse_pt, factor=2.0, name="lse")
     if not grads:
@@ -192,6 +203,8 @@ def test_fully_masked_rows(backend, dtype, sq, sk):
 def test_strided_inputs(backend, dtype, layout, causal):
     """Inputs with only a contiguous last dim; gradients must reach the underlying buffer."""
     b, sq, sk, h, hk, d = 2, 45, 45, 4, 4, 40
+    if is_interpreted(backend):
+        b, h, hk = 1, 2, 2
 
     def leaf(*shape):
         return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_(True)
@@ -201,7 +214,7 @@ def test_strided_inputs(backend, dtype, layout, causal):
         q, k, v = base.unbind(2)
         wrt = (base,)
     elif layout == "kvpacked_views":  # q a slice of a wider buffer, k/v slices of a packed kv (GQA)
-        hk, sk = 2, 61
+        hk, sk = h // 2, 61
         qb, kvb = leaf(b, sq, h + 1, d), leaf(b, sk, 2, hk, d)
         q, (k, v) = qb[:, :, 1:], kvb.unbind(2)
         wrt = (qb, kvb)
@@ -223,8 +236,9 @@ def test_strided_inputs(backend, dtype, layout, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_qkvpacked_equals_unpacked(backend, dtype, causal):
-    qkv = torch.randn(2, 37, 3, 4, 32, device=DEVICE).to(dtype).requires_grad_(True)
-    dout = torch.randn(2, 37, 4, 32, device=DEVICE).to(dtype)
+    b, h = (1, 2) if is_interpreted(backend) else (2, 4)
+    qkv = torch.randn(b, 37, 3, h, 32, device=DEVICE).to(dtype).requires_grad_(True)
+    dout = torch.randn(b, 37, h, 32, device=DEVICE).to(dtype)
     out_p, lse_p, (dqkv_p,) = run_flash(flash_attn_qkvpacked_func, (qkv,), dout, causal=causal)
 
     def unpacked(qkv):
@@ -239,9 +253,10 @@ def test_qkvpacked_equals_unpacked(backend, dtype, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kvpacked_equals_unpacked(backend, dtype, causal):
-    q = torch.randn(2, 29, 6, 48, device=DEVICE).to(dtype).requires_grad_(True)
-    kv = torch.randn(2, 41, 2, 2, 48, device=DEVICE).to(dtype).requires_grad_(True)  # GQA 6 -> 2
-    dout = torch.randn(2, 29, 6, 48, device=DEVICE).to(dtype)
+    b = 1 if is_interpreted(backend) else 2
+    q = torch.randn(b, 29, 6, 48, device=DEVICE).to(dtype).requires_grad_(True)
+    kv = torch.randn(b, 41, 2, 2, 48, device=DEVICE).to(dtype).requires_grad_(True)  # GQA 6 -> 2
+    dout = torch.randn(b, 29, 6, 48, device=DEVICE).to(dtype)
     out_p, lse_p, (dq_p, dkv_p) = run_flash(flash_attn_kvpacked_func, (q, kv), dout, causal=causal)
     out_u, lse_u, _ = flash_attn_func(q, *kv.unbind(2), causal=causal, return_attn_probs=True)
     dq_u, dkv_u = torch.autograd.grad(out_u, (q, kv), dout)
@@ -369,29 +384,78 @@ def test_cpu_default_backend(monkeypatch):
     check_against_oracle(*_qkv(1, 21, 21, 2, 2, 16, torch.float32), causal=True)
 
 
-# ---------------------------------------------------------------------------------- not implemented yet
+# ------------------------------------------------------------------------------ training features (issue 7)
 
-FEATURES = [
-    ("dropout", {"dropout_p": 0.1}, r"(?i)dropout"),
-    ("window", {"window_size": (8, 0)}, r"(?i)window"),
-    ("softcap", {"softcap": 30.0}, r"(?i)softcap"),
-    ("alibi", {"alibi_slopes": "per-head"}, r"(?i)alibi"),
-]
+# name -> options for flash_attn_func and the oracle ("alibi" tensors are built in the test)
+FEATURES = {
+    "window-left": {"window_size": (8, 0)},
+    "window-both": {"window_size": (3, 5)},
+    "softcap": {"softcap": 5.0},
+    "alibi-h": {"alibi_slopes": "h"},
+    "alibi-bh": {"alibi_slopes": "bh"},
+    "dropout": {"dropout_p": 0.17},
+    "all": {"window_size": (16, 4), "softcap": 8.0, "alibi_slopes": "h", "dropout_p": 0.1},
+}
 
 
-@pytest.mark.parametrize("packing", ["none", "qkv", "kv"])
-@pytest.mark.parametrize("feature, kwargs, pattern", FEATURES, ids=[f[0] for f in FEATURES])
-def test_issue7_features_not_implemented(backend, packing, feature, kwargs, pattern):
-    b, s, h, d = 1, 8, 2, 16
-    x = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16)
-    if "alibi_slopes" in kwargs:
-        kwargs = {"alibi_slopes": torch.rand(h, device=DEVICE, dtype=torch.float32)}
+def _feature_options(name, b, h):
+    opts = dict(FEATURES[name])
+    if "alibi_slopes" in opts:
+        shape = (h,) if opts["alibi_slopes"] == "h" else (b, h)
+        opts["alibi_slopes"] = torch.rand(*shape, device=DEVICE, dtype=torch.float32)
+    return opts
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(45, 61), (61, 45)])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_training_features(backend, dtype, feature, sq, sk, causal):
+    """window / softcap / ALiBi / dropout through the public API vs the oracle (dropout: replayed mask)."""
+    b, h, hk, d = (1, 2, 1, 32) if is_interpreted(backend) else (2, 4, 2, 32)
+    check_against_oracle(*_qkv(b, sq, sk, h, hk, d, dtype), causal=causal, **_feature_options(feature, b, h))
+
+
+@pytest.mark.parametrize("feature", ["window-both", "softcap", "alibi-bh", "dropout"])
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_packed_functions_forward_features(backend, packing, feature):
+    """The packed entry points hand every option on: same result as flash_attn_func on the same views."""
+    b, s, h, d = (1, 33, 2, 32) if is_interpreted(backend) else (2, 33, 4, 32)
+    x = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16).requires_grad_(True)
+    opts = _feature_options(feature, b, h)
+    dout = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16)
+    torch.manual_seed(1)
     if packing == "qkv":
-        call = lambda: flash_attn_qkvpacked_func(x, **kwargs)
-    elif packing == "kv":
-        call = lambda: flash_attn_kvpacked_func(x[:, :, 0], x[:, :, 1:], **kwargs)
+        out_p, lse_p, mask_p = flash_attn_qkvpacked_func(x, causal=True, return_attn_probs=True, **opts)
     else:
-        call = lambda: flash_attn_func(*x.unbind(2), **kwargs)
-    with pytest.raises(NotImplementedError, match=pattern) as info:
-        call()
-    assert "issue 7" in str(info.value), f"message should say the feature comes with issue 7: {info.value}"
+        out_p, lse_p, mask_p = flash_attn_kvpacked_func(
+            x[:, :, 0], x[:, :, 1:], causal=True, return_attn_probs=True, **opts
+        )
+    (g_p,) = torch.autograd.grad(out_p, (x,), dout)
+    torch.manual_seed(1)
+    out_u, lse_u, mask_u = flash_attn_func(*x.unbind(2), causal=True, return_attn_probs=True, **opts)
+    (g_u,) = torch.autograd.grad(out_u, (x,), dout)
+    assert torch.equal(out_p, out_u) and torch.equal(lse_p, lse_u) and torch.equal(g_p, g_u)
+    assert (mask_p is None) == (mask_u is None) and (mask_p is None or torch.equal(mask_p, mask_u))
+    # and the options really did something
+    plain = flash_attn_func(*x.unbind(2), causal=True)
+    assert not torch.equal(out_u, plain), f"{feature} had no effect"
+
+
+def test_dropout_repeatable_with_manual_seed(backend):
+    q, k, v = _qkv(2, 40, 40, 4, 4, 32, torch.float16)
+    torch.manual_seed(123)
+    a = flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.manual_seed(123)
+    b = flash_attn_func(q, k, v, dropout_p=0.3)
+    c = flash_attn_func(q, k, v, dropout_p=0.3)  # the generator moved on: a new mask
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_headdim_v_differs(backend, dtype, causal):
+    """v may have its own head dim (d_qk = 48, d_v = 24 here); out takes v's."""
+    q, k, _ = _qkv(2, 37, 50, 4, 2, 48, dtype)
+    v = torch.randn(2, 50, 2, 24, device=DEVICE).to(dtype).requires_grad_(True)
+    out, _, _ = check_against_oracle(q, k, v, causal=causal)
+    assert out.shape == (2, 37, 4, 24)

@@ -70,10 +70,10 @@ def test_headdim_mismatch_k(backend):
     _raises(lambda: flash_attn_func(q, k, v), r"\bk\b", r"\b48\b")
 
 
-def test_headdim_mismatch_v(backend):
-    q, k, _ = _qkv()
-    v = _t(B, S, H, 48)
-    _raises(lambda: flash_attn_func(q, k, v), r"\bv\b", r"\b48\b")
+def test_headdim_v_too_large(backend):
+    q, k, _ = _qkv()  # v may have its own head dim, but at most 256
+    v = _t(B, S, H, 300)
+    _raises(lambda: flash_attn_func(q, k, v), r"\bv\b", r"\b300\b", r"\b256\b")
 
 
 def test_kv_seqlen_mismatch(backend):
@@ -210,6 +210,39 @@ def test_softmax_scale_not_a_number(backend, scale, received):
 def test_window_size_not_a_pair(backend, window, received):
     q, k, v = _qkv()
     _raises(lambda: flash_attn_func(q, k, v, window_size=window), r"window_size", received)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, -0.1])
+def test_dropout_p_out_of_range(backend, p):
+    q, k, v = _qkv()
+    _raises(lambda: flash_attn_func(q, k, v, dropout_p=p), r"dropout_p", re.escape(str(p)))
+
+
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5)], ids=["left", "right"])
+def test_window_size_below_minus_one(backend, window):
+    q, k, v = _qkv()
+    bad = min(window)
+    _raises(lambda: flash_attn_func(q, k, v, window_size=window), r"window_size", rf"{bad}\b")
+
+
+def test_softcap_negative(backend):
+    q, k, v = _qkv()
+    _raises(lambda: flash_attn_func(q, k, v, softcap=-1.0), r"softcap", r"-1")
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, received",
+    [
+        ((H + 1,), torch.float32, rf"\b{H + 1}\b"),
+        ((B, H), torch.float16, r"float16|half"),
+        ((3, B, H), torch.float32, r"\b3\b"),
+    ],
+    ids=["wrong-heads", "fp16", "3d"],
+)
+def test_alibi_slopes_bad(backend, shape, dtype, received):
+    q, k, v = _qkv()
+    slopes = torch.rand(*shape, device=DEVICE).to(dtype)
+    _raises(lambda: flash_attn_func(q, k, v, alibi_slopes=slopes), r"alibi_slopes", received)
 
 
 def test_unknown_backend_env(monkeypatch):
