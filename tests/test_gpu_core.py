@@ -89,8 +89,9 @@ def test_fp32_inputs():
 
 
 def test_128k_causal_forward_backward_memory():
-    """b=1, h=16, d=128, N=128K bf16 causal forward + backward: finite, right where checkable, and the
-    extra memory (beyond q, k, v, dout, out, dq, dk, dv) stays O(N d): below 2.2 GiB."""
+    """b=1, h=16, d=128, N=128K bf16 causal forward + backward: finite, right where checkable, and the peak
+    memory beyond the inputs (q, k, v, dout) below 2.2 GiB, issue 3's target: out, dq, dk, dv alone are
+    2.0 GiB, so everything else (LSE, D, workspaces) must fit in 0.2 GiB (cuDNN needs 3.0 in all)."""
     b, n, h, d = 1, 128 * 1024, 16, 128
     dtype = torch.bfloat16
     q, k, v = _qkv(b, n, n, h, h, d, dtype)
@@ -104,10 +105,11 @@ def test_128k_causal_forward_backward_memory():
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    extra = peak - base - sum(t.nbytes for t in (out, dq, dk, dv))
+    extra = peak - base
+    workspace = extra - sum(t.nbytes for t in (out, dq, dk, dv))
     print(
-        f"\n[128K causal b={b} h={h} d={d} bf16] peak extra memory {extra / GiB:.3f} GiB "
-        f"(peak {peak / GiB:.3f} GiB, inputs+dout {base / GiB:.3f} GiB)"
+        f"\n[128K causal b={b} h={h} d={d} bf16] peak extra memory {extra / GiB:.3f} GiB, of which "
+        f"{workspace / GiB:.3f} GiB beyond out/dq/dk/dv (peak {peak / GiB:.3f}, inputs+dout {base / GiB:.3f})"
     )
     for name, t in [("out", out), ("dq", dq), ("dk", dk), ("dv", dv)]:
         assert torch.isfinite(t).all(), f"{name} has non-finite entries"
