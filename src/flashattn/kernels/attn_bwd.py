@@ -17,6 +17,7 @@ import triton.language as tl
 
 from flashattn.kernels.common import (
     LOG2E,
+    bits_keep,
     dropout_keep,
     key_range,
     load_tile,
@@ -61,16 +62,21 @@ def _dkdv_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
 ):
+    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
     # rows past seqlen_q get LSE = +inf, so their P is exactly 0 without a predicate
     lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M)
-    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s_t, t_t = tile_scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_k, diag, left, right, qk_scale,
                                cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP,
                                HAS_ALIBI, False)
+        if MASK_BITS:
+            keep_t = bits_keep(bits_base, offs_m[None, :], offs_n[:, None], bits_row0, bits_col0, BITS_BYTES)
+            s_t = tl.where(keep_t, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])
     else:
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
@@ -186,15 +192,24 @@ def _dq_tile(
     BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
 ):
+    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
-    v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
+    if MASK_BITS:
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, True)
+        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
+    else:
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
+        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
-    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, t = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
                            cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                            True)
+        if MASK_BITS:
+            keep = bits_keep(bits_base, offs_m[:, None], offs_n[None, :], bits_row0, bits_col0, BITS_BYTES)
+            s = tl.where(keep, s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
     else:
         p = tl.math.exp2(qk * qk_scale - lse[:, None])

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from flashattn.kernels.common import (
     LOG2E,
+    bits_keep,
     dropout_keep,
     key_range,
     load_tile,
@@ -32,14 +33,22 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
 ):
+    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
+    if MASK_BITS:
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, True)
+    else:
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N) -> (BLOCK_M, BLOCK_N)
-    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, _ = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
                            cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                            True)
+        if MASK_BITS:
+            keep = bits_keep(bits_base, offs_m[:, None], offs_n[None, :], bits_row0, bits_col0, BITS_BYTES)
+            s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -56,10 +65,33 @@ def _fwd_tile(
         keep = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[:, None], offs_n[None, :],
                             max_seqlen_k, dropout_p)
         p = tl.where(keep, p, 0.0)
-    v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
+    if MASK_BITS:
+        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
+    else:
+        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, dv)
     return acc, l_i, m_new
+
+
+@triton.jit
+def fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """(out, lse) of a query tile from the final online-softmax state."""
+    if HAS_SINK:
+        # the sink is one more logit in every row's denominator, with no value
+        sink = tl.load(SINK + off_h) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention); with a sink lse = sink
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
+    if HAS_DROPOUT:
+        l_safe = l_safe * (1.0 - dropout_p)  # kept probabilities are scaled by 1/(1 - p)
+    return acc / l_safe[:, None], lse
 
 
 @triton.jit
@@ -139,22 +171,7 @@ def attn_fwd_kernel(
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
         )
 
-    # -- epilogue
-    if HAS_SINK:
-        # the sink is one more logit in every row's denominator, with no value
-        sink = tl.load(SINK + off_h) * LOG2E
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.math.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
-        acc = acc * alpha[:, None]
-        m_i = m_fin
-    # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention); with a sink lse = sink
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
-    if HAS_DROPOUT:
-        l_safe = l_safe * (1.0 - dropout_p)  # kept probabilities are scaled by 1/(1 - p)
-    out = acc / l_safe[:, None]
+    out, lse = fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK, HAS_DROPOUT)
     lse_base = LSE + off_b64 * stride_lse_b + off_h64 * stride_lse_h + q_start
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
     o_base = O + off_b64 * stride_ob + q_start.to(tl.int64) * stride_om + off_h64 * stride_oh

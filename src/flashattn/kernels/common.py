@@ -147,3 +147,13 @@ def dropout_keep(seed, offset, row_base, qi, kj, max_seqlen_k, dropout_p):
     (b·nheads + h)·max_seqlen_q. flashattn.dropout reproduces it bit for bit in torch."""
     counter = offset + (row_base + qi.to(tl.int64)) * max_seqlen_k + kj.to(tl.int64)
     return tl.rand(seed, counter) >= dropout_p
+
+
+@triton.jit
+def bits_keep(bits_base, qi, kj, row0, col0, BITS_BYTES: tl.constexpr):
+    """Element predicate of a partial block-sparse block: bit (kj - col0) % 8 of byte
+    (qi - row0, (kj - col0) // 8) of its (block_m, block_n / 8) bitmask (flashattn.masks kernel contract)."""
+    r = qi - row0
+    c = kj - col0
+    byte = tl.load(bits_base + r * BITS_BYTES + c // 8)
+    return ((byte.to(tl.int32) >> (c % 8)) & 1) != 0

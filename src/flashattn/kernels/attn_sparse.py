@@ -1,0 +1,226 @@
+"""Block-sparse drivers of the attention kernels: the same tile bodies as attn_fwd.py / attn_bwd.py, but each
+program walks the block lists of a flashattn.BlockMask instead of a contiguous key (or query) range, so the
+K/V (or Q/dO) tiles of empty blocks are never loaded.
+
+Mask tensors (the kernel contract in flashattn/masks/_kernel.py, all contiguous): a (batch, head) slab of the
+mask is slab = (b % MB)·MH + h % MH (MB, MH are 1 when the mask broadcasts). Full blocks need no predicate;
+partial blocks read their element predicate from a (SPARSE_M, SPARSE_N / 8) bitmask. Kernel tiles subdivide
+mask blocks: BLOCK_M divides SPARSE_M and BLOCK_N divides SPARSE_N.
+"""
+
+import triton
+import triton.language as tl
+
+from flashattn.kernels.attn_bwd import _dkdv_tile, _dq_tile
+from flashattn.kernels.attn_fwd import _fwd_tile, fwd_finish
+from flashattn.kernels.common import LOG2E, load_tile, store_tile
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k,
+                qk_scale, cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p,
+                idx_base, num, bits_base, row0,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PARTIAL: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """Online softmax over the key blocks idx_base[0:num] (partial ones with their bitmasks)."""
+    for i in range(num):
+        nb = tl.load(idx_base + i)
+        for sub in range(SPARSE_N // BLOCK_N):
+            start_n = nb * SPARSE_N + sub * BLOCK_N
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+                seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, rng_row_base,
+                seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False,
+                HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC,
+                bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
+                PARTIAL,
+            )
+    return acc, l_i, m_i
+
+
+@triton.jit
+def sparse_fwd_kernel(
+    Q, K, V, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
+    nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
+    MB, MH, n_qblocks, max_full, max_part,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
+    SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = load_tile(Q + off_b64 * stride_qb + off_h64 * stride_qh, offs_m, offs_d, stride_qm, seqlen_q,
+                  HEAD_DIM, BLOCK_D, True)
+    k_base = K + off_b64 * stride_kb + (off_h64 // GROUP) * stride_kh
+    v_base = V + off_b64 * stride_vb + (off_h64 // GROUP) * stride_vh
+
+    mq = start_m // SPARSE_M
+    row = ((off_b % MB) * MH + off_h % MH).to(tl.int64) * n_qblocks + mq
+    rng_row_base = off_bh.to(tl.int64) * seqlen_q
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # -- full blocks first: no predicate; then the partial ones with their bitmasks
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k, qk_scale,
+        cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p, FULL_IDX + row * max_full,
+        tl.load(FULL_NUM + row), PART_BITS, mq * SPARSE_M, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+        SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, False, DOT_PREC,
+    )
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k, qk_scale,
+        cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p, PART_IDX + row * max_part,
+        tl.load(PART_NUM + row), PART_BITS + row * max_part * (SPARSE_M * SPARSE_N // 8), mq * SPARSE_M,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, True,
+        DOT_PREC,
+    )
+    out, lse = fwd_finish(acc, l_i, m_i, None, off_h, dropout_p, False, HAS_DROPOUT)
+    tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    store_tile(O + off_b64 * stride_ob + off_h64 * stride_oh, out, offs_m, offs_dv, stride_om, seqlen_q,
+               HEAD_DIM_V)
+
+
+@triton.jit
+def sparse_dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, PART_BITS,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
+    sm_scale, MB, MH, n_qblocks, n_kblocks, max_part, max_qfull, max_qpart,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
+    SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // nheads_k
+    off_hk = off_bhk % nheads_k
+    off_b64 = off_b.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = load_tile(K + off_b64 * stride_kb + off_hk * stride_kh, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM,
+                  BLOCK_D, True)
+    v = load_tile(V + off_b64 * stride_vb + off_hk * stride_vh, offs_n, offs_dv, stride_vn, seqlen_k,
+                  HEAD_DIM_V, BLOCK_DV, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    nk = start_n // SPARSE_N
+    for g in range(GROUP):
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b64 * stride_qb + off_h * stride_qh
+        do_base = DO + off_b64 * stride_dob + off_h * stride_doh
+        row_base = (off_b64 * nheads + off_h) * seqlen_q
+        slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
+        col = slab * n_kblocks + nk
+        # -- query blocks that see this key block fully
+        for i in range(tl.load(Q_FULL_NUM + col)):
+            mb = tl.load(Q_FULL_IDX + col * max_qfull + i)
+            for sub in range(SPARSE_M // BLOCK_M):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
+                    mb * SPARSE_M + sub * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                    qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
+                    HAS_DROPOUT, DOT_PREC,
+                )
+        # -- partially: the bitmask of the pair (mb, nk) sits in slot q_part_slot of query block mb's list
+        for t in range(tl.load(Q_PART_NUM + col)):
+            mb = tl.load(Q_PART_IDX + col * max_qpart + t)
+            slot = tl.load(Q_PART_SLOT + col * max_qpart + t)
+            bits = PART_BITS + ((slab * n_qblocks + mb) * max_part + slot) * (SPARSE_M * SPARSE_N // 8)
+            for sub in range(SPARSE_M // BLOCK_M):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
+                    mb * SPARSE_M + sub * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                    qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
+                    HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8, True,
+                )
+    store_tile(DK + off_b64 * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,
+               seqlen_k, HEAD_DIM)
+    store_tile(DV + off_b64 * stride_dvb + off_hk * stride_dvh, dv, offs_n, offs_dv, stride_dvn, seqlen_k,
+               HEAD_DIM_V)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k,
+               qk_scale, cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p,
+               idx_base, num, bits_base, row0,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PARTIAL: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused: block-sparse attention has no sink
+    for i in range(num):
+        nb = tl.load(idx_base + i)
+        for sub in range(SPARSE_N // BLOCK_N):
+            dq, pdp = _dq_tile(
+                dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
+                nb * SPARSE_N + sub * BLOCK_N, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed,
+                rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
+                BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT, False, DOT_PREC,
+                bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
+                PARTIAL,
+            )
+    return dq
+
+
+@triton.jit
+def sparse_dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset, sm_scale,
+    MB, MH, n_qblocks, max_full, max_part,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
+    SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_b64 = off_b.to(tl.int64)
+    off_h64 = off_h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = load_tile(Q + off_b64 * stride_qb + off_h64 * stride_qh, offs_m, offs_d, stride_qm, seqlen_q,
+                  HEAD_DIM, BLOCK_D, True)
+    do = load_tile(DO + off_b64 * stride_dob + off_h64 * stride_doh, offs_m, offs_dv, stride_dom, seqlen_q,
+                   HEAD_DIM_V, BLOCK_DV, True)
+    row_base = off_bh.to(tl.int64) * seqlen_q
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    k_base = K + off_b64 * stride_kb + (off_h64 // GROUP) * stride_kh
+    v_base = V + off_b64 * stride_vb + (off_h64 // GROUP) * stride_vh
+    mq = start_m // SPARSE_M
+    row = ((off_b % MB) * MH + off_h % MH).to(tl.int64) * n_qblocks + mq
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
+                    seqlen_k, qk_scale, cap_in, cap_out, rng_seed, rng_offset, row_base, dropout_p,
+                    FULL_IDX + row * max_full, tl.load(FULL_NUM + row), PART_BITS, mq * SPARSE_M, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP,
+                    HAS_DROPOUT, False, DOT_PREC)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
+                    seqlen_k, qk_scale, cap_in, cap_out, rng_seed, rng_offset, row_base, dropout_p,
+                    PART_IDX + row * max_part, tl.load(PART_NUM + row),
+                    PART_BITS + row * max_part * (SPARSE_M * SPARSE_N // 8), mq * SPARSE_M, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP,
+                    HAS_DROPOUT, True, DOT_PREC)
+    store_tile(DQ + off_b64 * stride_dqb + off_h64 * stride_dqh, dq * sm_scale, offs_m, offs_d, stride_dqm,
+               seqlen_q, HEAD_DIM)

@@ -1,0 +1,88 @@
+"""Launchers of the block-sparse attention kernels (kernels/attn_sparse.py).
+
+Same signatures as flashattn.block_sparse._torch (flashattn.block_sparse._ops picks it on the torch backend):
+q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
+"""
+
+import torch
+
+from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
+from flashattn.kernels.attn_sparse import sparse_dkdv_kernel, sparse_dq_kernel, sparse_fwd_kernel
+from flashattn.ops.attention import LOG2E, _block_d, _cdiv
+from flashattn.ops.configs import tile_config
+
+
+def _rows(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _common(q, k, v, kt, softmax_scale, softcap, dropout_p, rng_seed, rng_offset):
+    b, sq, h, d = q.shape
+    block_d = max(_block_d(d), _block_d(v.shape[-1]))
+    flags = dict(
+        GROUP=h // k.shape[2], HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=_block_d(d),
+        BLOCK_DV=_block_d(v.shape[-1]), SPARSE_M=kt.block_m, SPARSE_N=kt.block_n, HAS_SOFTCAP=softcap > 0,
+        HAS_DROPOUT=dropout_p > 0, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    scalars = (softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
+               float(dropout_p), int(rng_seed), int(rng_offset))
+    mask_dims = (kt.kv_full_num.shape[0], kt.kv_full_num.shape[1])
+    return b, sq, h, block_d, flags, scalars, mask_dims
+
+
+def _tiles(kernel, block_d, device, kt):
+    """The table's tile config, shrunk so that kernel tiles subdivide the mask's blocks (powers of two)."""
+    cfg = tile_config(kernel, block_d, device)
+    return min(cfg.block_m, kt.block_m), min(cfg.block_n, kt.block_n), cfg
+
+
+def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0, rng_seed=0, rng_offset=0):
+    """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key)."""
+    b, sq, h, block_d, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
+                                                            rng_seed, rng_offset)
+    out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    block_m, block_n, cfg = _tiles("fwd", block_d, q.device, kt)
+    sparse_fwd_kernel[(_cdiv(sq, block_m), b * h)](
+        q, k, v, out, lse, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(out), h, sq, k.shape[1], *scalars,
+        mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3],
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0,
+                          rng_seed=0, rng_offset=0):
+    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). No atomics: deterministic."""
+    b, sq, h, block_d, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
+                                                            rng_seed, rng_offset)
+    sk, hk = k.shape[1], k.shape[2]
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    attn_bwd_preprocess_kernel[(_cdiv(sq, 64), b * h)](
+        out, dout, delta, q, *_rows(out), *_rows(dout), lse.stride(0), lse.stride(1), h, sq,
+        HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False,
+    )
+    n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
+    block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
+    sparse_dkdv_kernel[(_cdiv(sk, block_n), b * hk)](
+        q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
+        kt.q_part_slot, kt.part_bits,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
+        h, hk, sq, sk, *scalars, softmax_scale,
+        mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
+    sparse_dq_kernel[(_cdiv(sq, block_m), b * h)](
+        q, k, v, dout, lse, delta, dq, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx,
+        kt.part_bits,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq),
+        h, sq, sk, *scalars, softmax_scale,
+        mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3],
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv
