@@ -70,7 +70,7 @@ CASES = [(p, torch.float32) for p in PATTERNS] + [
 def test_matches_dense_oracle(pattern, dtype):
     interpreted = _ops.backend_name(torch.empty(0)) == "triton" and not torch.cuda.is_available()
     if dtype == torch.bfloat16 and interpreted:
-        pytest.skip("the Triton interpreter computes bf16 wrong (numpy has no bf16); bf16 is covered on the GPU")
+        pytest.skip("the Triton interpreter computes bf16 wrong (numpy has no bf16); the GPU covers bf16")
     sq, sk, bs = 70, 113, (32, 16)
     q, k, v = make_qkv(2, sq, sk, 4, 2, 40, dtype=dtype, generator=torch.Generator().manual_seed(0))
     check_against_oracle(q, k, v, PATTERNS[pattern](sq, sk, bs))

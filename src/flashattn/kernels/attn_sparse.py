@@ -170,10 +170,10 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs
         for sub in range(SPARSE_N // BLOCK_N):
             dq, pdp = _dq_tile(
                 dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-                nb * SPARSE_N + sub * BLOCK_N, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed,
-                rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
-                BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT, False, DOT_PREC,
-                bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
+                nb * SPARSE_N + sub * BLOCK_N, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in,
+                cap_out, 0.0, rng_seed, rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT, False,
+                DOT_PREC, bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
                 PARTIAL,
             )
     return dq
