@@ -10,27 +10,6 @@ from typing import Any
 
 from .case import Case
 
-# every row has these; suites may add more (a decode suite: kv_len, page_size, tbps)
-ROW_FIELDS = (
-    "suite",
-    "provider",
-    "mode",
-    "dtype",
-    "batch",
-    "nheads",
-    "nheads_k",
-    "seqlen_q",
-    "seqlen_k",
-    "headdim",
-    "causal",
-    "ms",
-    "tflops",
-    "peak_mem_bytes",
-    "error",
-    "max_abs_err",
-    "first_call_s",
-    "checked_on",
-)
 # what identifies a measurement when runs are merged (suites with extra shape fields extend Suite.key_fields)
 KEY_FIELDS = (
     "suite",
@@ -44,6 +23,16 @@ KEY_FIELDS = (
     "seqlen_k",
     "headdim",
     "causal",
+)
+# every row has these; suites may add more (a decode suite: kv_len, page_size, tbps)
+ROW_FIELDS = KEY_FIELDS + (
+    "ms",
+    "tflops",
+    "peak_mem_bytes",
+    "error",
+    "max_abs_err",
+    "first_call_s",
+    "checked_on",
 )
 
 
