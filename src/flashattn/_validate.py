@@ -6,8 +6,7 @@ import numbers
 import torch
 
 MAX_HEADDIM = 256
-_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -19,12 +18,11 @@ def check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor of layout {layout}, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {t.dim()} ({_describe(t)})")
-    allowed = _GPU_DTYPES if t.is_cuda else _CPU_DTYPES
-    if t.dtype not in allowed:
+    if t.dtype not in _DTYPES:
         f64 = t.dtype == torch.float64
         hint = " (float64 is not supported on GPU; use bfloat16 or float16)" if f64 else ""
         raise TypeError(
-            f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in allowed)}{hint}"
+            f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in _DTYPES)}{hint}"
         )
     if t.numel() == 0:
         raise ValueError(f"{name} is empty ({_describe(t)}); every dimension of {layout} must be >= 1")

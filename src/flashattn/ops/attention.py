@@ -13,6 +13,7 @@ import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
+from flashattn.ops import host
 from flashattn.ops.configs import tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
@@ -21,16 +22,6 @@ _INT32_MAX = 2**31 - 1
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
-
-
-def _block_d(d: int) -> int:
-    # tl.dot needs K >= 16; non-powers of two are padded and masked
-    return max(16, 1 << (d - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    # plain Python: triton.cdiv is a JIT function, and calling one on the host costs ~20 µs per call
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -87,12 +78,11 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         left, right, float(dropout_p), int(rng_seed), int(rng_offset),
     )
     flags = dict(
-        GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=_block_d(d),
-        BLOCK_DV=_block_d(v.shape[-1]),
+        GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=host.block_d(d),
+        BLOCK_DV=host.block_d(v.shape[-1]),
         IS_VARLEN=varlen, WINDOW_LEFT=left >= 0, WINDOW_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
-        # fp32 inputs get true fp32 products (tf32 would be a 1e-3 error that no fp32 user expects)
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC=host.dot_precision(q.dtype),
     )
     return _Problem(varlen, batch, h, hk, sq, sk, d, v.shape[-1], scalars, flags)
 
@@ -114,7 +104,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device)
-    grid = (_cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
+    grid = (host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
     attn_fwd_kernel[grid](
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
@@ -152,13 +142,13 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     block_d = max(flags["BLOCK_D"], flags["BLOCK_DV"])
 
     pre_m = 64 if q.device.type == "cuda" else 32
-    attn_bwd_preprocess_kernel[(_cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
+    attn_bwd_preprocess_kernel[(host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
         out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
         HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
     )
     common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
     cfg = tile_config("dkdv", block_d, q.device)
-    attn_bwd_dkdv_kernel[(_cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
+    attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
         *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *common,
@@ -169,7 +159,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     cfg = tile_config("dq", block_d, q.device)
-    attn_bwd_dq_kernel[(_cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
+    attn_bwd_dq_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq),
         *lse_strides, stride_alibi, pb.nheads, *common,

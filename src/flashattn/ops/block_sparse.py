@@ -8,7 +8,8 @@ import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_sparse import sparse_dkdv_kernel, sparse_dq_kernel, sparse_fwd_kernel
-from flashattn.ops.attention import LOG2E, _block_d, _cdiv
+from flashattn.ops import host
+from flashattn.ops.attention import LOG2E
 from flashattn.ops.configs import tile_config
 
 
@@ -18,11 +19,11 @@ def _rows(t):
 
 def _common(q, k, v, kt, softmax_scale, softcap, dropout_p, rng_seed, rng_offset):
     b, sq, h, d = q.shape
-    block_d = max(_block_d(d), _block_d(v.shape[-1]))
+    block_d = max(host.block_d(d), host.block_d(v.shape[-1]))
     flags = dict(
-        GROUP=h // k.shape[2], HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=_block_d(d),
-        BLOCK_DV=_block_d(v.shape[-1]), SPARSE_M=kt.block_m, SPARSE_N=kt.block_n, HAS_SOFTCAP=softcap > 0,
-        HAS_DROPOUT=dropout_p > 0, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=h // k.shape[2], HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=host.block_d(d),
+        BLOCK_DV=host.block_d(v.shape[-1]), SPARSE_M=kt.block_m, SPARSE_N=kt.block_n, HAS_SOFTCAP=softcap > 0,
+        HAS_DROPOUT=dropout_p > 0, DOT_PREC=host.dot_precision(q.dtype),
     )
     scalars = (softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
                float(dropout_p), int(rng_seed), int(rng_offset))
@@ -43,7 +44,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     block_m, block_n, cfg = _tiles("fwd", block_d, q.device, kt)
-    sparse_fwd_kernel[(_cdiv(sq, block_m), b * h)](
+    sparse_fwd_kernel[(host.cdiv(sq, block_m), b * h)](
         q, k, v, out, lse, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), h, sq, k.shape[1], *scalars,
         mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3],
@@ -62,13 +63,13 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
-    attn_bwd_preprocess_kernel[(_cdiv(sq, 64), b * h)](
+    attn_bwd_preprocess_kernel[(host.cdiv(sq, 64), b * h)](
         out, dout, delta, q, *_rows(out), *_rows(dout), lse.stride(0), lse.stride(1), h, sq,
         HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False,
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
-    sparse_dkdv_kernel[(_cdiv(sk, block_n), b * hk)](
+    sparse_dkdv_kernel[(host.cdiv(sk, block_n), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
         kt.q_part_slot, kt.part_bits,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
@@ -77,7 +78,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
-    sparse_dq_kernel[(_cdiv(sq, block_m), b * h)](
+    sparse_dq_kernel[(host.cdiv(sq, block_m), b * h)](
         q, k, v, dout, lse, delta, dq, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx,
         kt.part_bits,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq),

@@ -19,30 +19,13 @@ import torch
 from flashattn import torch_backend
 from flashattn.kernels.decode import decode_split_kernel
 from flashattn.kernels.rotary import rotary_append_kernel
+from flashattn.ops import host
 from flashattn.ops.configs import TileConfig, _overrides
 from flashattn.ops.merge import merge_partials, sm_count
 
 LOG2E = 1.4426950408889634
 _UNBOUNDED = 1 << 30  # a window side of -1 becomes this: no branch in the kernel, no int32 overflow
 _MAX_SPLITS = 128
-
-
-# host-side helpers in plain Python: triton.cdiv / next_power_of_2 are constexpr functions that cost
-# microseconds a call, and a decode step is a few tens of microseconds
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length() if x > 1 else 1
-
-
-def _block_d(d: int) -> int:
-    return max(16, _pow2(d))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 _SMEM_BUDGET = 200 * 1024  # bytes of K/V stage buffers; the H200 gives a block up to 227 KiB
@@ -128,13 +111,13 @@ def _rotary_append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_len
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         cos.stride(0) if rotate else 0, block_table.stride(0) if paged else 0,
         h, hk, sq, s_new, cache_len,
-        HEAD_DIM=d, BLOCK_D=_block_d(d),
-        BLOCK_H=_pow2(h), BLOCK_HK=_pow2(hk),
+        HEAD_DIM=d, BLOCK_D=host.block_d(d),
+        BLOCK_H=host.pow2(h), BLOCK_HK=host.pow2(hk),
         ROT_DIM=2 * cos.shape[1] if rotate else 0, INTERLEAVED=bool(interleaved), Q_PER_ROW=per_row,
         ROTATE_Q=rotate, APPEND=k is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         # a (heads, d) tile and its rotated partner: keep it near 32 fp32 registers a thread each
-        num_warps=min(16, max(4, _pow2(h) * _block_d(d) // 1024)),
+        num_warps=min(16, max(4, host.pow2(h) * host.block_d(d) // 1024)),
     )
     return q_rot
 
@@ -151,16 +134,16 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
     q = _rotary_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len,
                        cache_batch_idx, block_table, per_row=window_on, interleaved=rotary_interleaved)
 
-    block_d = _block_d(d)
+    block_d = host.block_d(d)
     cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device)
     rows = sq * group
-    block_m = min(max(16, _pow2(rows)), max(16, cfg.block_m))
-    m_blocks = _cdiv(rows, block_m)
+    block_m = min(max(16, host.pow2(rows)), max(16, cfg.block_m))
+    m_blocks = host.cdiv(rows, block_m)
     span = _capacity(k_cache, block_table)
     if window_on:
         # a query block spans at most this many query positions, each seeing left + right + 1 keys
-        span = min(span, left + right + min(sq, _cdiv(block_m, group) + 1))
-    n_tiles = max(1, _cdiv(span, cfg.block_n) + 1)  # + 1: the span need not start on a tile
+        span = min(span, left + right + min(sq, host.cdiv(block_m, group) + 1))
+    n_tiles = max(1, host.cdiv(span, cfg.block_n) + 1)  # + 1: the span need not start on a tile
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b * hk * m_blocks, n_tiles, sm_count(q.device))
     num_splits = max(1, min(num_splits, n_tiles))
@@ -199,7 +182,7 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
         PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
         HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, WINDOW=window_on, SOFTCAP=softcap > 0,
-        ALIBI_ON=alibi_slopes is not None, SPLIT=num_splits > 1, DOT_PREC=_dot_precision(q.dtype),
+        ALIBI_ON=alibi_slopes is not None, SPLIT=num_splits > 1, DOT_PREC=host.dot_precision(q.dtype),
         # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
         num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -11,16 +11,7 @@ import math
 import torch
 
 from flashattn.kernels.combine import combine_kernel
-
-
-def _pow2(x: int) -> int:
-    # plain Python: triton.next_power_of_2 is a constexpr function costing microseconds a call
-    return 1 << (x - 1).bit_length() if x > 1 else 1
-
-
-def _block_d(d: int) -> int:
-    return max(16, _pow2(d))
-
+from flashattn.ops import host
 
 _TILE_ELEMS = 8192  # (splits, rows, d) elements one program loads at once: 64 fp32 registers a thread
 _INTERPRETER_SMS = 4  # few programs under the interpreter, but still more than one split at test sizes
@@ -40,7 +31,7 @@ def sm_count(device: torch.device) -> int:
 def combine_tiles(n: int, rows: int, block_d: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_S, BLOCK_R): all partials of a row in one load when they fit, and rows per program chosen so
     that small merges (a decode step: batch · heads rows) still spread over the SMs."""
-    block_s = min(_pow2(n), max(2, _TILE_ELEMS // block_d))
+    block_s = min(host.pow2(n), max(2, _TILE_ELEMS // block_d))
     if device.type != "cuda":
         return block_s, 4
     sms, block_r = sm_count(device), 1
@@ -58,7 +49,7 @@ def merge_partials(o_parts, lse_parts, *, out_dtype=None, out=None, lse=None):
         out = torch.empty((b, sq, h, d), dtype=out_dtype or o_parts.dtype, device=o_parts.device)
     if lse is None:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=o_parts.device)
-    block_d = _block_d(d)
+    block_d = host.block_d(d)
     block_s, block_r = combine_tiles(n, b * sq * h, block_d, o_parts.device)
     grid = (-(-sq * h // block_r), b)
     combine_kernel[grid](
