@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Measure DRAM traffic of our kernels and of standard attention with Nsight Compute; compare with the model.
 
-For each shape and case this runs, under `ncu --profile-from-start off`, a child process of this same
-script that warms up, then brackets exactly one call with cudaProfilerStart/Stop: our forward, our backward
-(launchers from flashattn.ops.attention, else flash_attn_func + autograd), our decode
-(flashattn.flash_attn_with_kvcache, when it exists), the `naive` provider's standard attention, and SDPA's
-FlashAttention-2 as a yardstick. The per-kernel dram__bytes_read/write are summed per call and set against
-flashattn.iomodel: the L2-aware estimate (the +-20% target) and the no-L2 upper bound. Results: ncu_io.json,
-ncu_io.md and the raw CSVs under --out. Each case is one process (~10-20 s); the default set is 36 cases, so
-on a machine with a 10-minute command limit run it in parts (--cases ours, then naive,sdpa_flash).
+For each shape and case this runs, under `ncu --profile-from-start off`, a child process of this same script
+that warms up, then brackets exactly one call with cudaProfilerStart/Stop: our forward and backward (the
+launchers of flashattn.ops.attention), our decode (flashattn.flash_attn_with_kvcache), the `naive` provider's
+standard attention, and SDPA's FlashAttention-2 as a yardstick. The per-kernel dram__bytes_read/write are
+summed per call and set against flashattn.iomodel: the L2-aware estimate (the +-20% target) and the no-L2
+upper bound. Results: ncu_io.json, ncu_io.md and the raw CSVs under --out. Each case is one process (~10-20
+s); the default set is 36 cases, so on a machine with a 10-minute command limit run it in parts (--cases ours,
+then naive,sdpa_flash).
 
 On the GPU machine, from the repository root:
     PYTHONPATH=src python scripts/ncu_io.py --quick --out "$OUT"        # GPT-2 medium only, ~1 min
@@ -190,14 +190,12 @@ def _setup(spec: dict, impl: str, pass_: str):
     nothing = lambda: None  # noqa: E731
     if impl == "ours":
         if pass_ == "decode":
-            from flashattn import flash_attn_with_kvcache  # ImportError: not built yet (the parent skips)
+            from flashattn import flash_attn_with_kvcache
 
             seqlens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
             return nothing, lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal)
-        try:
-            from flashattn.ops.attention import attention_backward, attention_forward
-        except ImportError:
-            return _autograd_setup(spec, pass_, q, k, v, dout)
+        from flashattn.ops.attention import attention_backward, attention_forward
+
         if pass_ == "fwd":
             return nothing, lambda: attention_forward(q, k, v, softmax_scale=scale, causal=causal)
         out, lse = attention_forward(q, k, v, softmax_scale=scale, causal=causal)
@@ -222,20 +220,6 @@ def _setup(spec: dict, impl: str, pass_: str):
         return nothing, fwd
     state = {}
     return (lambda: state.update(out=fwd()),
-            lambda: torch.autograd.grad(state["out"], leaves, dout))
-
-
-def _autograd_setup(spec, pass_, q, k, v, dout):
-    import torch
-
-    from flashattn import flash_attn_func
-
-    causal = spec["causal"]
-    if pass_ == "fwd":
-        return (lambda: None), (lambda: flash_attn_func(q, k, v, causal=causal))
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    state = {}
-    return (lambda: state.update(out=flash_attn_func(*leaves, causal=causal)),
             lambda: torch.autograd.grad(state["out"], leaves, dout))
 
 

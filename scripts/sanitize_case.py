@@ -1,8 +1,19 @@
-"""Small odd-shaped forward+backward for compute-sanitizer (memcheck / racecheck) on the device."""
+"""Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
+
+    python scripts/sanitize_case.py [dense] [decode] [sparse]    # default: all three
+"""
+
+import sys
 
 import torch
 
-from flashattn import flash_attn_func, flash_attn_varlen_func
+from flashattn import (
+    BlockMask,
+    block_sparse_attn_func,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
 
 
 def _grad_check(out, *inputs):
@@ -15,18 +26,51 @@ def _qkv(*shapes):
     return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
 
 
-for b, sq, sk, h, hk, d in [(1, 113, 67, 2, 1, 40), (2, 67, 130, 4, 2, 64), (1, 33, 33, 2, 2, 256)]:
-    for causal in (False, True):
-        q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
-        _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
-# every feature at once, and varlen with empty sequences
-q, k, v = _qkv((2, 150, 4, 48), (2, 190, 2, 48), (2, 190, 2, 32))
-sink = torch.zeros(4, device="cuda", requires_grad=True)
-out = flash_attn_func(q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
-                      alibi_slopes=torch.rand(4, device="cuda"), learnable_sink=sink)
-_grad_check(out, q, k, v, sink)
-lens = [0, 77, 1, 130]
-cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32, device="cuda")
-q, k, v = _qkv((sum(lens), 4, 64), (sum(lens), 2, 64), (sum(lens), 2, 64))
-_grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True), q, k, v)
-print("sanitize case done")
+def dense():
+    for b, sq, sk, h, hk, d in [(1, 113, 67, 2, 1, 40), (2, 67, 130, 4, 2, 64), (1, 33, 33, 2, 2, 256)]:
+        for causal in (False, True):
+            q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+            _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
+    # every feature at once, and varlen with empty sequences
+    q, k, v = _qkv((2, 150, 4, 48), (2, 190, 2, 48), (2, 190, 2, 32))
+    sink = torch.zeros(4, device="cuda", requires_grad=True)
+    out = flash_attn_func(q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
+                          alibi_slopes=torch.rand(4, device="cuda"), learnable_sink=sink)
+    _grad_check(out, q, k, v, sink)
+    lens = [0, 77, 1, 130]
+    cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32, device="cuda")
+    q, k, v = _qkv((sum(lens), 4, 64), (sum(lens), 2, 64), (sum(lens), 2, 64))
+    _grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True), q, k, v)
+
+
+def decode():
+    # paged (page 16: a key tile spans pages) and contiguous; append + rotary, GQA 4, three splits
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for page in (None, 16):
+        q = torch.randn(2, 3, 8, 64, **bf)
+        kn, vn = torch.randn(2, 3, 2, 64, **bf), torch.randn(2, 3, 2, 64, **bf)
+        if page is None:
+            kc, vc, table = torch.randn(2, 300, 2, 64, **bf), torch.randn(2, 300, 2, 64, **bf), None
+        else:
+            kc, vc = torch.randn(40, page, 2, 64, **bf), torch.randn(40, page, 2, 64, **bf)
+            table = torch.randperm(40, device="cuda", dtype=torch.int32)[:38].view(2, 19)
+        cos, sin = torch.rand(304, 16, **bf), torch.rand(304, 16, **bf)
+        out = flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, causal=True,
+                                      cache_seqlens=torch.tensor([0, 297], device="cuda", dtype=torch.int32),
+                                      block_table=table, num_splits=3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+
+
+def sparse():
+    # a built-in pattern and a mask_mod bitmask, odd length, GQA
+    for mask in (BlockMask.local_global(333, 70, 16, block_size=(64, 64), device="cuda"),
+                 BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 5 == 0, None, None, 333, 333,
+                                         block_size=(64, 64), device="cuda")):
+        q, k, v = _qkv((1, 333, 4, 64), (1, 333, 2, 64), (1, 333, 2, 64))
+        _grad_check(block_sparse_attn_func(q, k, v, mask), q, k, v)
+
+
+for name in sys.argv[1:] or ("dense", "decode", "sparse"):
+    globals()[name]()
+    print(f"sanitize case {name} done", flush=True)

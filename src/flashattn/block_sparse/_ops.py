@@ -9,7 +9,6 @@ torch path.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 from torch import Tensor
@@ -23,13 +22,10 @@ _TRITON_LAUNCHERS = "flashattn.ops.block_sparse"
 
 
 def launchers(q: Tensor):
-    """The module whose block_sparse_forward / block_sparse_backward serve tensors like q.
-
-    The Triton backend uses flashattn.ops.block_sparse once that module exists (same signatures as
-    flashattn.block_sparse._torch); until then, and on the torch backend, the torch path. An import error
-    inside the Triton module is raised, not hidden behind the slow path.
-    """
-    if backend_name(q) == "triton" and importlib.util.find_spec(_TRITON_LAUNCHERS) is not None:
+    """The module whose block_sparse_forward / block_sparse_backward serve tensors like q: the Triton
+    launchers (flashattn.ops.block_sparse, imported lazily like the dense ones) or the torch path (same
+    signatures)."""
+    if backend_name(q) == "triton":
         return importlib.import_module(_TRITON_LAUNCHERS)
     return _torch
 

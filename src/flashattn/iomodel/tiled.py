@@ -216,31 +216,43 @@ def forward_backward_io(shape: AttnShape, *, machine: Machine = H200, ctas_per_s
     return combine("fwd+bwd", [fwd, bwd])
 
 
-def default_num_splits(batch: int, nheads_k: int, keys: int, machine: Machine = H200, *,
-                       min_chunk: int = 256, max_splits: int = 128) -> int:
-    """Enough splits to give every SM a program, without chunks shorter than `min_chunk` keys.
+def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False) -> tuple[int, int]:
+    """(block_m cap, block_n) of the split-KV kernel on a GPU, read from the launcher's own rule."""
+    from flashattn.ops.decode import _decode_config
 
-    A placeholder until the decode kernel ships its own heuristic; pass num_splits to model a specific one.
-    """
-    want = cdiv(machine.sms, batch * nheads_k)
-    return max(1, min(want, keys // min_chunk, max_splits))
+    cfg = _decode_config(padded_headdim(headdim), dtype_bytes, paged, "cuda", "")
+    return cfg.block_m, cfg.block_n
 
 
-def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int = 64,
+def default_num_splits(batch: int, nheads_k: int, keys: int, machine: Machine = H200, *, rows: int = 1,
+                       block_m: int = 64, block_n: int = 128) -> int:
+    """The split count the launcher picks (flashattn.ops.decode.num_splits_heuristic) for `rows` packed
+    query rows (GQA group x seqlen_q) per (batch, kv head) and a cache of `keys` keys."""
+    from flashattn.ops.decode import num_splits_heuristic
+
+    m_blocks = cdiv(rows, min(max(16, padded_headdim(rows)), max(16, block_m)))
+    return num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms)
+
+
+def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int | None = None,
               page_size: int | None = None, machine: Machine = H200) -> IOEstimate:
     """Split-KV decoding (flash-decoding): one program per (batch, kv head, split), then a combine kernel.
 
     Each program reads its chunk of K/V once for all query heads of its GQA group and writes fp32 partials;
     the combine kernel merges them. With one split the program writes the output itself: no combine.
     Paged caches add the block-table reads. Only keys the mask lets through are read (a window shortens the
-    chunk range; causal with a few query rows changes nothing).
+    chunk range; causal with a few query rows changes nothing). Tiles and split count default to the
+    launcher's.
     """
     b, h, hk, sq, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.headdim,
                           shape.dtype_bytes)
     lo, hi = shape.visible_keys(0, sq)
     keys = hi - lo
     rows = shape.group * sq  # query rows per program: the whole group's heads
-    splits = num_splits or default_num_splits(b, hk, keys, machine)
+    block_m, default_n = decode_tiles(d, e, page_size is not None)
+    block_n = block_n or default_n
+    splits = num_splits or default_num_splits(b, hk, keys, machine, rows=rows, block_m=block_m,
+                                              block_n=block_n)
     chunk = cdiv(cdiv(keys, splits), block_n) * block_n  # splits start on tile boundaries
     chunks = [(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)] or [(lo, lo)]
     splits = len(chunks)

@@ -31,8 +31,6 @@ from ..results import KEY_FIELDS
 from .base import MS, PEAK_MEM, Suite, View
 
 DENSITIES = (0.5, 0.2, 0.1, 0.05)
-# the fallback torch path stands in for the Triton kernels until they land; past this N it takes minutes
-_FALLBACK_MAX_SEQLEN = 16384
 
 
 @dataclass(frozen=True)
@@ -114,12 +112,6 @@ def _skip(case: Case, provider: str) -> str | None:
     if provider == "flashattn" and pattern not in ("dense", "causal"):
         return ("skipped: the dense kernel cannot express this mask; speedup_vs_dense compares with its time "
                 "on the dense row of the same N")
-    if provider == "flashattn-sparse" and case.seqlen_q > _FALLBACK_MAX_SEQLEN:
-        import importlib.util
-
-        if importlib.util.find_spec("flashattn.ops.block_sparse") is None:
-            return (f"skipped: the Triton block-sparse kernels have not landed; the torch fallback is run up "
-                    f"to N={_FALLBACK_MAX_SEQLEN} only")
     return None
 
 
