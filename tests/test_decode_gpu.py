@@ -176,22 +176,27 @@ def test_cascade_shared_prefix_gpu():
         assert_close_to_ref(lse[i : i + 1], ref[1], pt[1], name=f"lse[{i}]")
 
 
-def test_cuda_graph_capture():
-    # the index checks copy to the host; while capturing they are skipped, so a decode step can be captured
+@pytest.mark.parametrize("b, cap, page", [(8, 4096, 64), (1, 4096, None), (1, 16384, None), (16, 16384, None),
+                                           (1, 16384, 256)])
+def test_cuda_graph_capture(b, cap, page, monkeypatch):
+    """A decode step captured in a CUDA graph replays like the eager call, with the shapes the decode suite
+    times (split-KV at batch 1, the combine kernel in the graph) and with the index checks off as there."""
+    monkeypatch.setenv("FLASHATTN_CHECK_INDICES", "0")
     gen = torch.Generator(device="cuda").manual_seed(6)
-    b, cap = 8, 4096
     k = torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen)
     v = torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen)
-    pk, pv, bt = _paged(k, v, 64, gen)
+    kc, vc, bt = _paged(k, v, page, gen) if page else (k, v, None)
     q = torch.randn(b, 1, H, D, device="cuda", dtype=DT, generator=gen)
-    seqlens = torch.full((b,), 1000, device="cuda", dtype=torch.int32)
-    flash_attn_with_kvcache(q, pk, pv, cache_seqlens=seqlens, block_table=bt)  # compile outside the capture
+    seqlens = torch.full((b,), cap // 4, device="cuda", dtype=torch.int32)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=bt)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attn_with_kvcache(q, pk, pv, cache_seqlens=seqlens, block_table=bt)
-    seqlens.fill_(3000)
-    graph.replay()
-    expect = flash_attn_with_kvcache(q, pk, pv, cache_seqlens=seqlens, block_table=bt)
+        out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=bt)
+    seqlens.fill_(cap)  # the captured step reads the lengths at replay time
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    expect = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=bt)
     torch.testing.assert_close(out, expect, rtol=0, atol=0)
 
 
