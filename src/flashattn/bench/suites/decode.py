@@ -95,6 +95,9 @@ def _setup_kvcache_graph(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.
         graph.replay()
         return out
 
+    # the graph reads the cache, lengths and block table by address: they must outlive the setup (freed, the
+    # lengths' block was reused and a replay read keys past the cache: an illegal address at kv_len 16K)
+    replay.inputs = eager
     return Prepared(fwd=replay, leaves=eager.leaves)
 
 
