@@ -22,12 +22,9 @@ Reading the counters needs profiling permission (root, or NVreg_RestrictProfilin
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,11 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
-# --cache-control all (ncu's default, spelled out): L2 is flushed before each kernel, so nothing one kernel
-# leaves in L2 lowers the next one's DRAM reads; the model assumes no reuse across kernels either.
-NCU_FLAGS = ("--clock-control", "none", "--profile-from-start", "off", "--metrics", ",".join(METRICS),
-             "--csv", "--print-units", "base", "--cache-control", "all", "--target-processes", "all")
+from flashattn.bench.ncu import NCU_FLAGS, find_ncu, profile  # noqa: E402
+
 IMPLS = ("ours", "naive", "sdpa_flash")
 TRAIN_SHAPES = (
     "b=64,h=16,n=1024,d=64",  # GPT-2 medium: the anchors measured naive 84.0 GB, sdpa_flash 4.41 GB (fwd+bwd)
@@ -96,80 +90,6 @@ def model_for(spec: dict, impl: str, pass_: str):
     if impl == "naive":
         return standard_attention(shape, "fwd" if pass_ == "decode" else pass_, recipe="naive")
     return None
-
-
-# ---------------------------------------------------------------- parsing ncu's CSV
-
-_BYTE_UNITS = {"byte": 1, "bytes": 1, "b": 1, "kbyte": 1e3, "kb": 1e3, "mbyte": 1e6, "mb": 1e6, "gbyte": 1e9,
-               "gb": 1e9, "tbyte": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_TIME_UNITS = {"nsecond": 1, "ns": 1, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9,
-               "s": 1e9}
-_FIELDS = {"dram__bytes_read.sum": "dram_read_bytes", "dram__bytes_write.sum": "dram_write_bytes",
-           "gpu__time_duration.sum": "time_ns"}
-
-
-def _number(text: str) -> float | None:
-    text = text.strip().strip('"')
-    if not text or text.lower() in ("n/a", "nan"):
-        return None
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
-        text = text.replace(",", "")  # thousands separators
-    elif "," in text and "." not in text:
-        text = text.replace(",", ".")  # a decimal comma (non-C locale)
-    return float(text)
-
-
-def _scaled(metric: str, value: float | None, unit: str) -> float | None:
-    if value is None:
-        return None
-    table = _TIME_UNITS if metric.startswith("gpu__time") else _BYTE_UNITS
-    unit = unit.strip().lower()
-    if unit and unit not in table:
-        raise ValueError(f"unit {unit!r} of {metric} is not known; expected one of {sorted(table)}")
-    return value * table.get(unit, 1)
-
-
-def parse_ncu_csv(text: str) -> list[dict]:
-    """Per-kernel metrics from `ncu --csv` output: [{id, kernel, dram_read_bytes, dram_write_bytes, time_ns}].
-
-    Accepts the long format (a row per kernel and metric: "Metric Name", "Metric Unit", "Metric Value") and
-    the wide `--page raw` format (a column per metric, units in the row after the header). Lines before the
-    header (==PROF== messages, the child's own output) are skipped; values come back in bytes and nanoseconds.
-    """
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        return []
-    rows = list(csv.DictReader(line for line in lines[start:] if line.startswith('"')))
-    kernels: dict[int, dict] = {}
-
-    def entry(row: dict) -> dict:
-        kid = int(row["ID"])
-        return kernels.setdefault(kid, {"id": kid, "kernel": row.get("Kernel Name", ""),
-                                        **{field: None for field in _FIELDS.values()}})
-
-    long_format = "Metric Name" in (rows[0] if rows else {})
-    units = {}
-    for row in rows:
-        if not (row.get("ID") or "").strip().isdigit():
-            units = units or row  # the wide format's units row
-            continue
-        if long_format:
-            metric = row["Metric Name"]
-            if metric in _FIELDS:
-                value = _number(row["Metric Value"])
-                entry(row)[_FIELDS[metric]] = _scaled(metric, value, row["Metric Unit"])
-        else:
-            for metric, field in _FIELDS.items():
-                if metric in row:
-                    entry(row)[field] = _scaled(metric, _number(row[metric]), units.get(metric, ""))
-    return [kernels[k] for k in sorted(kernels)]
-
-
-def summarize(kernels: list[dict]) -> dict:
-    """Sum one call's kernels."""
-    total = {field: sum(k[field] or 0 for k in kernels) for field in _FIELDS.values()}
-    return {"kernels": len(kernels), **total}
 
 
 # ---------------------------------------------------------------- the profiled child
@@ -245,16 +165,6 @@ def child(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- the parent: run, compare, report
 
-def find_ncu(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    found = shutil.which("ncu")
-    if found:
-        return found
-    candidates = [Path("/usr/local/cuda/bin/ncu"), *sorted(Path("/opt/nvidia").glob("nsight-compute*/ncu"))]
-    return next((str(p) for p in candidates if p.exists()), None)
-
-
 def build_ncu_command(ncu: str, shape: str, impl: str, pass_: str, *, warmup: int = 2,
                       python: str = sys.executable, script: str = str(Path(__file__).resolve())) -> list[str]:
     return [ncu, *NCU_FLAGS, python, script, "--child", "--shape", shape, "--impl", impl, "--pass", pass_,
@@ -268,24 +178,19 @@ def cases(train_shapes, decode_shapes, impls) -> list[tuple[str, str, str]]:
 
 
 def measure(ncu: str, shape: str, impl: str, pass_: str, raw_dir: Path, timeout: float) -> dict:
-    cmd = build_ncu_command(ncu, shape, impl, pass_)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                    os.environ.get("PYTHONPATH")])))
     started = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    result = profile(build_ncu_command(ncu, shape, impl, pass_), timeout, env=env, cwd=ROOT)
     name = f"{impl}-{pass_}-{re.sub(r'[^0-9a-z]+', '_', shape)}"
-    (raw_dir / f"{name}.csv").write_text(proc.stdout)
-    if proc.stderr:
-        (raw_dir / f"{name}.stderr").write_text(proc.stderr)
-    kernels = parse_ncu_csv(proc.stdout)
-    if proc.returncode or not kernels:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        status = "unavailable" if "unavailable" in proc.stderr else "error"
-        return {status: " | ".join(tail) or f"exit {proc.returncode}, no kernels profiled"}
-    return {"kernels": kernels, "measured": summarize(kernels), "seconds": round(time.time() - started, 1)}
+    (raw_dir / f"{name}.csv").write_text(result["stdout"])
+    if result["stderr"]:
+        (raw_dir / f"{name}.stderr").write_text(result["stderr"])
+    if "error" in result:
+        status = "unavailable" if "unavailable" in result["stderr"] else "error"
+        return {status: result["error"]}
+    return {"kernels": result["kernels"], "measured": result["measured"],
+            "seconds": round(time.time() - started, 1)}
 
 
 def compare(measured: dict, model, *, judged: bool = True) -> dict:

@@ -326,3 +326,47 @@ def test_report_combines_parts_of_a_sweep(tmp_path):
     assert cli.run(args) == 0
     combined = results.load(out / "train.json")
     assert len(combined["rows"]) == len(doc["rows"]) and len(combined["meta"]["parts"]) == 2
+
+
+# -- --ncu: one profiled child per measured row
+
+
+def test_ncu_adds_dram_bytes_per_row(tmp_path):
+    """A stand-in ncu runs the real child command (which rebuilds the row's provider and case and calls it;
+    on the CPU there is nothing to profile) and prints a fixed two-kernel report: the row gets its sums, the
+    markdown a DRAM table, and a failing child an ncu_error instead."""
+    from test_iomodel import NCU_LONG
+
+    fake = tmp_path / "ncu"
+    fake.write_text(
+        f"#!{sys.executable}\nimport subprocess, sys\nargs = sys.argv[1:]\n"
+        "child = args[args.index('--target-processes') + 2:]\n"
+        "rc = subprocess.run(child).returncode\n"
+        f"print({NCU_LONG!r}) if rc == 0 else sys.exit(rc)\n"
+    )
+    fake.chmod(0o755)
+    common = ("--suite", "cpu", "--quick", "--seqlens", "32", "--causal", "no", "--out", str(tmp_path),
+              "--quiet", "--no-plots", "--ncu", str(fake))
+    assert cli.run(_parse(*common, "--providers", "naive,flashattn", "--modes", "fwd")) == 0
+    doc = results.load(tmp_path / "cpu.json")
+    assert doc["meta"]["ncu"].startswith(f"{fake} --clock-control none")
+    measured = [r for r in doc["rows"] if r["ms"] is not None]
+    assert {r["provider"] for r in measured} == {"naive", "flashattn"}
+    for row in measured:
+        assert row["ncu_kernels"] == 2 and "ncu_error" not in row
+        assert row["dram_bytes"] == pytest.approx(402653184 + 138412032 + 268.44e6 + 4194.30e3)
+    md = (tmp_path / "cpu.md").read_text()
+    assert "## fwd: DRAM traffic, one call (GB, Nsight Compute)" in md
+
+
+def test_ncu_child_failure_is_recorded(tmp_path):
+    from flashattn.bench import ncu
+
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nprint('==ERROR== profiling is not permitted')\n"
+                    "sys.exit(1)\n")
+    fake.chmod(0o755)
+    rows = [{"provider": "naive", "mode": "fwd", "ms": 1.0, "error": None}, {"ms": None, "error": "OOM"}]
+    ncu.annotate_rows(rows, str(fake), progress=lambda m: None)
+    assert "profiling is not permitted" in rows[0]["ncu_error"] and "dram_bytes" not in rows[0]
+    assert "ncu_error" not in rows[1]  # rows without a timing are not profiled

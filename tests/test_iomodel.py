@@ -1,4 +1,5 @@
-"""The HBM-traffic model (flashattn.iomodel), `flashattn io`, and the ncu CSV parsing of scripts/ncu_io.py.
+"""The HBM-traffic model (flashattn.iomodel), `flashattn io`, ncu's CSV (flashattn.bench.ncu) and
+scripts/ncu_io.py.
 
 Small cases are counted by hand in the comments; larger ones check the laws (causal halving, GQA sharing,
 Theta(N^2 d^2 / M)) and the anchors measured on our H200 (/work/shared/anchors/h200-2026-11-29.md).
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from flashattn import io_cli
+from flashattn.bench import ncu as bench_ncu
 from flashattn.iomodel import (
     GB,
     AttnShape,
@@ -352,8 +354,8 @@ NCU_WIDE = """\
 """
 
 
-def test_ncu_csv_long_format(ncu_io):
-    kernels = ncu_io.parse_ncu_csv(NCU_LONG)
+def test_ncu_csv_long_format():
+    kernels = bench_ncu.parse_ncu_csv(NCU_LONG)
     assert [k["kernel"] for k in kernels] == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel"]
     fwd, pre = kernels
     assert (fwd["dram_read_bytes"], fwd["dram_write_bytes"], fwd["time_ns"]) == (402653184, 138412032, 351232)
@@ -361,15 +363,15 @@ def test_ncu_csv_long_format(ncu_io):
     assert pre["dram_read_bytes"] == pytest.approx(268.44e6)
     assert pre["dram_write_bytes"] == pytest.approx(4194.30e3)
     assert pre["time_ns"] == pytest.approx(70.5e3)
-    total = ncu_io.summarize(kernels)
+    total = bench_ncu.summarize(kernels)
     assert total["kernels"] == 2
     assert total["dram_read_bytes"] == pytest.approx(402653184 + 268.44e6)
 
 
-def test_ncu_csv_wide_format_and_noise(ncu_io):
-    (kernel,) = ncu_io.parse_ncu_csv("some child output\n" + NCU_WIDE)
+def test_ncu_csv_wide_format_and_noise():
+    (kernel,) = bench_ncu.parse_ncu_csv("some child output\n" + NCU_WIDE)
     assert (kernel["dram_read_bytes"], kernel["dram_write_bytes"], kernel["time_ns"]) == (5e8, 1e8, 2.5e5)
-    assert ncu_io.parse_ncu_csv("==PROF== No kernels were profiled.\n") == []
+    assert bench_ncu.parse_ncu_csv("==PROF== No kernels were profiled.\n") == []
 
 
 def test_ncu_command_and_comparison(ncu_io):

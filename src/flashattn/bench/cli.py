@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the rows of an existing <suite>.json in --out that this run does not measure again",
     )
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument(
+        "--ncu",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="after timing, profile one call per measured row under Nsight Compute (ncu on PATH, or the path "
+        "given) and add its DRAM bytes (a process per row: narrow the run first)",
+    )
     out.add_argument("--quiet", action="store_true", help="no progress lines")
 
     other = parser.add_argument_group("without running anything")
@@ -161,7 +169,7 @@ def _compare(args) -> int:
 def _bench(args) -> int:
     import torch
 
-    from . import check, env, providers, report, results, suites
+    from . import check, env, ncu, providers, report, results, suites
     from .runner import RunConfig, Runner
     from .timing import TimerConfig
 
@@ -235,6 +243,12 @@ def _bench(args) -> int:
         quiet=args.quiet,
     )
     doc = Runner(cfg).run()
+    if args.ncu is not None:
+        ncu_path = ncu.find_ncu(args.ncu or None)
+        if ncu_path is None:
+            raise ValueError("--ncu: Nsight Compute (ncu) is not on PATH; pass its path, --ncu /path/to/ncu")
+        doc["meta"]["ncu"] = " ".join((ncu_path, *ncu.NCU_FLAGS))
+        ncu.annotate_rows(doc["rows"], ncu_path, seed=args.seed, progress=lambda m: args.quiet or print(m))
     results.write(out_json, doc)
     written = [out_json, *report.render(doc, out_dir, plots=not args.no_plots)]
     report.print_tables(doc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..suites import Suite, View, lookup
+from ..suites import DRAM, Suite, View, lookup
 
 _NOT_SHAPE = ("suite", "provider", "mode")
 _COLUMN_NAMES = {
@@ -103,7 +103,8 @@ def build_tables(doc: dict) -> list[Table]:
     suite = lookup(doc["meta"].get("suite") or (doc["rows"][0]["suite"] if doc["rows"] else ""))
     providers = provider_order(doc)
     tables = []
-    for view in suite.views:
+    views = suite.views + ((DRAM,) if any("dram_bytes" in r for r in doc["rows"]) else ())
+    for view in views:
         for mode in mode_order(doc):
             rows = [r for r in doc["rows"] if r["mode"] == mode]
             if not any(view.metric in r for r in rows):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import DEFAULT, MS, PEAK_MEM, TFLOPS, Suite, View
+from .base import DEFAULT, DRAM, MS, PEAK_MEM, TFLOPS, Suite, View
 
-__all__ = ["MS", "PEAK_MEM", "TFLOPS", "Suite", "View", "all_suites", "get", "lookup"]
+__all__ = ["DRAM", "MS", "PEAK_MEM", "TFLOPS", "Suite", "View", "all_suites", "get", "lookup"]
 
 _REGISTRY: dict[str, Suite] = {}
 

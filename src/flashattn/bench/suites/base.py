@@ -21,6 +21,10 @@ def fmt_gib(x: float) -> str:
     return f"{x / 2**30:.3g}"
 
 
+def fmt_gb(x: float) -> str:
+    return f"{x / 1e9:.3g}"
+
+
 @dataclass(frozen=True)
 class View:
     """One way of reading the rows: a field, its label and formatting, and which direction is better."""
@@ -39,6 +43,9 @@ MS = View("ms", "ms", fmt_ms, higher_is_better=False, log_y=True, plot=False)
 PEAK_MEM = View(
     "peak_mem_bytes", "peak extra memory (GiB)", fmt_gib, higher_is_better=False, log_y=True, plot_scale=2**30
 )
+# rows measured with `flashattn bench --ncu`: DRAM bytes read + written by one call (Nsight Compute)
+DRAM = View("dram_bytes", "DRAM traffic, one call (GB, Nsight Compute)", fmt_gb, higher_is_better=False,
+            plot=False)
 
 
 def no_skip(case: Case, provider: str) -> str | None:
