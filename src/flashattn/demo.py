@@ -104,5 +104,57 @@ def check() -> int:
                 verdict = 'ok  ' if ok else 'FAIL'
                 print(f"{verdict} {str(dtype):15s} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} "
                       f"causal={causal}: out err {errs[0][0]:.1e} (pytorch {errs[0][1]:.1e})")
+    failures += _check_decode(dev, dtypes) + _check_block_sparse(dev, dtypes)
     print(f"{failures} failures")
     return 1 if failures else 0
+
+
+def _verdict(name: str, out, ref, pt) -> int:
+    err, err_pt = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
+    ok = err <= 2 * err_pt + 1e-5
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: out err {err:.1e} (pytorch {err_pt:.1e})")
+    return int(not ok)
+
+
+def _check_decode(dev: torch.device, dtypes) -> int:
+    """flash_attn_with_kvcache on a shuffled paged cache (pages of 16), GQA 4, ragged lengths, split-KV."""
+    from flashattn import flash_attn_with_kvcache
+
+    failures = 0
+    for dtype in dtypes:
+        b, cap, page, h, hk, d = 3, 320, 16, 8, 2, 64
+        k, v = (torch.randn(b, cap, hk, d, device=dev, dtype=dtype) for _ in range(2))
+        perm = torch.randperm(b * cap // page, device=dev)
+        k_pool, v_pool = torch.empty_like(k).view(-1, page, hk, d), torch.empty_like(v).view(-1, page, hk, d)
+        k_pool[perm], v_pool[perm] = k.reshape(-1, page, hk, d), v.reshape(-1, page, hk, d)
+        table = perm.view(b, -1).to(torch.int32)
+        lens = [1, 200, cap]
+        q = torch.randn(b, 1, h, d, device=dev, dtype=dtype)
+        out = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=torch.tensor(lens, device=dev,
+                                      dtype=torch.int32), block_table=table, num_splits=4)
+        for i, n in enumerate(lens):
+            args = (q[i : i + 1], k[i : i + 1, :n], v[i : i + 1, :n])
+            ref, pt = attention_ref(*args)[0], attention_ref(*args, upcast=False)[0]
+            failures += _verdict(f"{str(dtype):15s} decode paged page={page} kv_len={n} h={h} hk={hk} d={d}",
+                                 out[i : i + 1], ref, pt)
+    return failures
+
+
+def _check_block_sparse(dev: torch.device, dtypes) -> int:
+    """block_sparse_attn_func with the local + global mask, odd length, GQA: forward against the dense-mask
+    oracle."""
+    from flashattn import BlockMask, block_sparse_attn_func
+    from flashattn.block_sparse.reference import masked_attention_ref
+
+    failures = 0
+    n, h, hk, d = 333, 4, 2, 64
+    mask = BlockMask.local_global(n, 70, 16, block_size=(64, 64), device=dev)
+    dense = mask.to_dense()
+    for dtype in dtypes:
+        q, k, v = (torch.randn(1, n, heads, d, device=dev, dtype=dtype) for heads in (h, hk, hk))
+        out = block_sparse_attn_func(q, k, v, mask)
+        ref = masked_attention_ref(q, k, v, dense)[0]
+        pt = masked_attention_ref(q, k, v, dense, upcast=False)[0]
+        name = f"{str(dtype):15s} block-sparse local_global n={n} h={h} hk={hk} d={d}"
+        failures += _verdict(name, out, ref, pt)
+    return failures
