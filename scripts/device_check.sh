@@ -4,6 +4,7 @@
 #   bash scripts/device_check.sh full     gpu tests, benchmark suites (train, memory, features)
 #   bash scripts/device_check.sh verify|sparse|e2e_io      the inference, sparse, ecosystem and IO evidence
 #   bash scripts/device_check.sh sparse_flex|e2e_full      what those runs left out (one call each)
+#   bash scripts/device_check.sh decode_tune               decode tiles x split counts, CUDA-graph timed
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -86,5 +87,10 @@ fi
 if [ "$stage" = e2e_full ]; then
   mkdir -p "$OUT/res"
   timeout 560 python3 -m flashattn bench --suite e2e --out "$OUT/res/e2e" 2>&1 | tail -30
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+if [ "$stage" = decode_tune ]; then
+  mkdir -p "$OUT/res"
+  timeout 300 python3 scripts/tune_decode.py --out "$OUT/res/tune_decode.json" 2>&1 | tail -20
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
