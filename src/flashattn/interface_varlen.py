@@ -6,7 +6,7 @@ ALiBi distance) is applied per sequence with its own lengths; zero-length sequen
 flashattn.interface for the causal alignment and the extra keyword arguments.
 """
 
-from flashattn import _validate
+from flashattn import _validate, paged
 from flashattn.interface import _check_options, _run
 
 
@@ -34,7 +34,8 @@ def flash_attn_varlen_func(
 
     Arguments:
         q: (total_q, nheads, headdim), float16 / bfloat16 (float32 accepted), contiguous last dimension.
-        k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v).
+        k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v). With a block_table: page pools
+            (num_pages, page_size, nheads_k, headdim[_v]), any page_size.
         cu_seqlens_q: (batch + 1,) int32, cumulative query lengths starting at 0, on q's device.
         cu_seqlens_k: (batch + 1,) int32, cumulative key lengths.
         max_seqlen_q: int, at least the longest query sequence (sizes the grid and the dropout counters).
@@ -42,7 +43,9 @@ def flash_attn_varlen_func(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, learnable_sink:
             as flash_attn_func; alibi_slopes may be (batch, nheads).
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask.
-        block_table: paged KV for varlen prefill; not implemented yet (issue 4).
+        block_table: (batch, max_pages) int32, default None. Paged KV for varlen prefill: key p of sequence b
+            (p < cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is k[block_table[b, p // page_size], p % page_size].
+            The keys are gathered into the packed layout first (flashattn.paged); gradients reach the pools.
 
     Returns:
         out: (total_q, nheads, headdim_v).
@@ -51,11 +54,13 @@ def flash_attn_varlen_func(
         S_dmask (if return_attn_probs): None without dropout; else bool (batch, nheads, max_seqlen_q,
             max_seqlen_k), sequence b's mask in [b, :, :len_q, :len_k].
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV for varlen prefill) comes with issue 4 (inference)")
-    _validate.check_qkv(q, k, v, varlen=True)
+    _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
     batch = cu_seqlens_q.shape[0] - 1
+    if block_table is not None:
+        paged.check_paged(q, k, v, block_table, batch, max_seqlen_k)
+        k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
+    _validate.check_qkv(q, k, v, varlen=True)
     _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch)
     return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink, batch, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
