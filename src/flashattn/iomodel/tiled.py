@@ -253,9 +253,11 @@ def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int |
     block_n = block_n or default_n
     splits = num_splits or default_num_splits(b, hk, keys, machine, rows=rows, block_m=block_m,
                                               block_n=block_n)
+    # the launcher caps the splits at the key tiles + 1; trailing splits may get no tile (the kernel gives
+    # each cdiv(tiles, splits) tiles) yet still run: they read q and write an empty partial
+    splits = min(splits, cdiv(keys, block_n) + 1)
     chunk = cdiv(cdiv(keys, splits), block_n) * block_n  # splits start on tile boundaries
     chunks = [(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)] or [(lo, lo)]
-    splits = len(chunks)
     programs = b * hk * splits
 
     kv_read = b * hk * keys * 2 * d * e
