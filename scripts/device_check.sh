@@ -77,9 +77,11 @@ fi
 # over 180 s: give it a whole call), the random-mask rows, and the e2e convergence run at its full 300 steps
 if [ "$stage" = sparse_flex ]; then
   mkdir -p "$OUT/res"
-  # forward first: flex compiles its forward alone, so a slow backward compile cannot cost the whole call
-  timeout 200 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd --quiet --no-plots \
-    --out "$OUT/res/sparse" 2>&1 | tail -20
+  # forward first: flex compiles its forward alone, so a slow backward compile cannot cost the whole call;
+  # progress lines (time-stamped by the harness) and dynamo's recompile log show where flex's time goes
+  export TORCH_LOGS=recompiles
+  timeout 200 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd --no-plots \
+    --out "$OUT/res/sparse" 2>&1 | tee "$OUT/res/sparse_fwd.log" | tail -20
   timeout 350 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd+bwd --merge \
     --out "$OUT/res/sparse" 2>&1 | tail -40
   tar -C "$OUT" -czf "$OUT/res.tgz" res
