@@ -78,7 +78,7 @@ fi
 if [ "$stage" = sparse_flex ]; then
   mkdir -p "$OUT/res"
   # forward first: flex compiles its forward alone, so a slow backward compile cannot cost the whole call;
-  # progress lines (time-stamped by the harness) and dynamo's recompile log show where flex's time goes
+  # progress lines (elapsed time on each) and dynamo's recompile log show where flex's time goes
   export TORCH_LOGS=recompiles
   timeout 200 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd --no-plots \
     --out "$OUT/res/sparse" 2>&1 | tee "$OUT/res/sparse_fwd.log" | tail -20

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+import time
 
 
 class Progress:
     def __init__(self, total: int, title: str, *, quiet: bool = False):
         self.total, self.done, self.quiet = total, 0, quiet
         self._bar = None
+        self._start = time.perf_counter()
         if quiet:
             return
         if sys.stdout.isatty():
@@ -35,7 +37,8 @@ class Progress:
             self._bar.console.print(text, markup=False, highlight=False)
             self._bar.advance(self._task)
         else:
-            print(text, flush=True)
+            # a log has no live clock: the elapsed time shows which provider x case took long (compilations)
+            print(f"{text}  (+{time.perf_counter() - self._start:.0f} s)", flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
