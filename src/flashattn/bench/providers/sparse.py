@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashattn.masks._kernel import FULL, PARTIAL
+
 from ..case import Case
 from .base import Prepared, Provider, make_leaves
 from .flex import _compiled_flex
@@ -126,31 +128,35 @@ def _set_flex_state(spec: MaskSpec, device: torch.device) -> None:
     _table.copy_(table)
 
 
-def flex_block_mask(spec: MaskSpec, device: torch.device):
-    """flex's BlockMask of the case, from create_block_mask over the shared mask_mod.
+def _sorted_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool (B, H, M, N) -> (num (B, H, M), idx (B, H, M, N)) int32: the set blocks of each row first, in
+    ascending order (flex's list convention; entries past num are padding)."""
+    num = flags.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num, idx
 
-    Always per head (nheads), dense included (all tiles full): flex is compiled with static shapes, so one
-    block-mask shape per N means one flex compilation per N for the whole suite.
+
+def flex_block_mask(spec: MaskSpec, device: torch.device):
+    """flex's BlockMask of the case: the block lists of our own BlockMask, the shared mask_mod for the
+    partial blocks.
+
+    Taking our lists (rather than create_block_mask over the mask_mod) makes the two providers visit exactly
+    the same tiles, and skips a compiled create_block_mask, whose cold compile can take minutes at some
+    lengths (pytorch/pytorch#182060; the first H200 runs never got past flex's first case). Always per head
+    (nheads), dense included: flex is compiled with static shapes, so one block-mask shape per N means one
+    flex compilation per N for the whole suite.
     """
     from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-    from torch.nn.attention.flex_attention import create_block_mask
 
     if spec.block != BLOCK:
         raise ValueError(f"flex-sparse uses {BLOCK}x{BLOCK} tiles; the case asks for {spec.block}")
     _set_flex_state(spec, device)
-    per_head = spec.pattern == "random"
-    # _compile fuses the mask_mod into the block reduction instead of materialising (H, N, N) bools
-    fm = create_block_mask(_flex_mask_mod, None, spec.nheads if per_head else None, spec.seqlen, spec.seqlen,
-                           device=device, BLOCK_SIZE=BLOCK, _compile=device.type == "cuda")
-    if per_head:
-        return fm
-
-    def heads(t):
-        return t.expand(t.shape[0], spec.nheads, *t.shape[2:]).contiguous()
-
-    return FlexBlockMask.from_kv_blocks(
-        heads(fm.kv_num_blocks), heads(fm.kv_indices), heads(fm.full_kv_num_blocks),
-        heads(fm.full_kv_indices), BLOCK_SIZE=fm.BLOCK_SIZE, mask_mod=fm.mask_mod, seq_lengths=fm.seq_lengths)
+    ours = block_mask(spec, device)
+    state = ours.block_state.expand(1, spec.nheads, -1, -1)
+    kv_num, kv_idx = _sorted_lists(state == PARTIAL)
+    full_num, full_idx = _sorted_lists(state == FULL)
+    return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                        mask_mod=_flex_mask_mod, seq_lengths=(spec.seqlen, spec.seqlen))
 
 
 def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
