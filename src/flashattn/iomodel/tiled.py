@@ -217,10 +217,13 @@ def forward_backward_io(shape: AttnShape, *, machine: Machine = H200, ctas_per_s
 
 
 def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False) -> tuple[int, int]:
-    """(block_m cap, block_n) of the split-KV kernel on a GPU, read from the launcher's own rule."""
-    from flashattn.ops.decode import _decode_config
+    """(block_m cap, block_n) of the split-KV kernel on a GPU, read from the launcher's own rule
+    (FLASHATTN_CONFIG overrides included, as kernel_tiles)."""
+    import torch
 
-    cfg = _decode_config(padded_headdim(headdim), dtype_bytes, paged, "cuda", "")
+    from flashattn.ops.decode import decode_config
+
+    cfg = decode_config(padded_headdim(headdim), dtype_bytes, paged, torch.device("cuda"))
     return cfg.block_m, cfg.block_n
 
 
@@ -228,9 +231,9 @@ def default_num_splits(batch: int, nheads_k: int, keys: int, machine: Machine = 
                        block_m: int = 64, block_n: int = 128) -> int:
     """The split count the launcher picks (flashattn.ops.decode.num_splits_heuristic) for `rows` packed
     query rows (GQA group x seqlen_q) per (batch, kv head) and a cache of `keys` keys."""
-    from flashattn.ops.decode import num_splits_heuristic
+    from flashattn.ops.decode import num_splits_heuristic, query_block
 
-    m_blocks = cdiv(rows, min(max(16, padded_headdim(rows)), max(16, block_m)))
+    m_blocks = cdiv(rows, query_block(rows, block_m))
     return num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms)
 
 

@@ -64,6 +64,12 @@ def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, 
     return TileConfig(64, block_n, 8 if elem_size > 2 else 4, stages)
 
 
+def query_block(rows: int, cap: int) -> int:
+    """BLOCK_M of the split kernel for `rows` packed query rows (GQA group x seqlen_q): their next power of
+    two, at least 16 (the smallest tl.dot), at most the config's cap."""
+    return min(max(16, host.pow2(rows)), max(16, cap))
+
+
 def num_splits_heuristic(programs: int, n_tiles: int, sms: int) -> int:
     """Splits of the key range so that about two waves of programs fill the GPU.
 
@@ -137,7 +143,7 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
     block_d = host.block_d(d)
     cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device)
     rows = sq * group
-    block_m = min(max(16, host.pow2(rows)), max(16, cfg.block_m))
+    block_m = query_block(rows, cfg.block_m)
     m_blocks = host.cdiv(rows, block_m)
     span = _capacity(k_cache, block_table)
     if window_on:
