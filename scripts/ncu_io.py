@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from flashattn.bench.ncu import NCU_FLAGS, find_ncu, profile  # noqa: E402
+from flashattn.bench.ncu import NCU_FLAGS, find_ncu, profile, profile_one  # noqa: E402
 
 IMPLS = ("ours", "naive", "sdpa_flash")
 TRAIN_SHAPES = (
@@ -147,7 +147,6 @@ def _setup(spec: dict, impl: str, pass_: str):
 
 
 def child(args: argparse.Namespace) -> int:
-    import torch
 
     try:
         prepare, call = _setup(parse_shape(args.shape), args.impl, args.pass_)
@@ -158,11 +157,7 @@ def child(args: argparse.Namespace) -> int:
         prepare()
         call()
     prepare()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_one(call)
     return 0
 
 

@@ -193,12 +193,20 @@ def child(row: dict, seed: int = 0) -> int:
         if device.type != "cuda":  # a CPU run (tests) has nothing to profile: the plumbing is what it checks
             call()
             return 0
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        call()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+        profile_one(call)
     return 0
+
+
+def profile_one(call) -> None:
+    """Run `call` once between cudaProfilerStart and Stop (what ncu --profile-from-start off records),
+    nothing of the work queued before it inside."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def main(argv: list[str] | None = None) -> int:
