@@ -147,7 +147,6 @@ def _setup(spec: dict, impl: str, pass_: str):
 
 
 def child(args: argparse.Namespace) -> int:
-
     try:
         prepare, call = _setup(parse_shape(args.shape), args.impl, args.pass_)
     except ImportError as err:

@@ -183,6 +183,14 @@ def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(bat
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
 
 
+def check_block_table(block_table, b: int, q: Tensor) -> None:
+    """(batch, max_pages) int32 on q's device (flash_attn_with_kvcache, and varlen with paged KV)."""
+    _check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
+                         f"(batch, max_pages)")
+
+
 def _check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                 block_table, alibi_slopes):
     paged = block_table is not None
@@ -211,9 +219,7 @@ def _check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_
         )
 
     if paged:
-        _check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
-        if block_table.dim() != 2 or block_table.shape[0] != b:
-            raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages)")
+        check_block_table(block_table, b, q)
         page_size = k_cache.shape[1]
         if page_size % 16 != 0:
             raise ValueError(

@@ -15,16 +15,13 @@ import torch
 from torch import Tensor
 
 from flashattn import _validate
-from flashattn.kvcache import _check_index_tensor, _checks_enabled
+from flashattn.kvcache import _checks_enabled, check_block_table
 
 _POOL = "(num_pages, page_size, nheads_k, headdim) with a block_table"
 
 
 def check_paged(q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, batch: int, max_seqlen_k: int) -> None:
-    _check_index_tensor("block_table", block_table, batch, q, "(batch, max_pages)")
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected ({batch}, max_pages) = "
-                         f"(batch, max_pages)")
+    check_block_table(block_table, batch, q)
     _validate.check_tensor("k", k, 4, _POOL)
     _validate.check_tensor("v", v, 4, _POOL)
     for name, t in (("k", k), ("v", v)):
@@ -43,10 +40,10 @@ def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor,
                       cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
     """(k, v) packed (total_k, nheads_k, headdim[_v]) from the page pools."""
     page_size, num_pages = k.shape[1], k.shape[0]
-    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if _checks_enabled(k):
         # the entries the keys use must name pages of the pool (one device-to-host copy); an out-of-range
         # index in the gather below would be a device-side assert, not a message
+        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         cols = torch.arange(block_table.shape[1], device=k.device).view(1, -1)
         used = cols < ((lens + page_size - 1) // page_size).view(-1, 1)
         bad = used & ((block_table < 0) | (block_table >= num_pages))
