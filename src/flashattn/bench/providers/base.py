@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -40,6 +41,20 @@ class Provider:
     name: str
     setup: Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor], Prepared]
     description: str = ""
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str) -> Iterator[None]:
+    """Set an environment variable the library reads at call time (FLASHATTN_BACKEND, ...) for the block."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def make_leaves(

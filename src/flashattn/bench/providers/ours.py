@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
-
 import torch
 
 from ..case import Case
-from .base import Prepared, Provider, first_tensor, make_leaves
+from .base import Prepared, Provider, env_var, first_tensor, make_leaves
 
 
 def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -22,25 +18,12 @@ def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     )
 
 
-@contextlib.contextmanager
-def _backend_env(name: str) -> Iterator[None]:
-    old = os.environ.get("FLASHATTN_BACKEND")
-    os.environ["FLASHATTN_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FLASHATTN_BACKEND"]
-        else:
-            os.environ["FLASHATTN_BACKEND"] = old
-
-
 def _setup_torch_backend(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
     # fail here, with the import's own message, if the backend is missing, rather than timing another backend
     import flashattn.torch_backend  # noqa: F401
 
     prepared = _setup_public(case, q, k, v)
-    prepared.context = lambda: _backend_env("torch")
+    prepared.context = lambda: env_var("FLASHATTN_BACKEND", "torch")
     return prepared
 
 

@@ -13,16 +13,14 @@ CUDA graph (GPU time without host overhead, which bounds any eager decode step a
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .. import providers as provider_registry
 from ..case import Case, Grid, canonical_dtype, torch_dtype
-from ..providers.base import Prepared, Provider, make_leaves
+from ..providers.base import Prepared, Provider, env_var, make_leaves
 from ..results import KEY_FIELDS
 from .base import MS, Suite, View, fmt_rate
 
@@ -31,20 +29,11 @@ OURS = "flashattn-kvcache"
 OURS_GRAPH = "flashattn-kvcache-graph"
 
 
-@contextlib.contextmanager
-def _no_index_checks() -> Iterator[None]:
+def _no_index_checks():
     # flash_attn_with_kvcache range-checks its indices with one device-to-host copy per call; flash_attn has
     # no such check and SDPA has no indices, so the timed region leaves it out (it is a host sync, not GPU
     # work: inside a CUDA graph it is skipped anyway)
-    old = os.environ.get("FLASHATTN_CHECK_INDICES")
-    os.environ["FLASHATTN_CHECK_INDICES"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FLASHATTN_CHECK_INDICES"]
-        else:
-            os.environ["FLASHATTN_CHECK_INDICES"] = old
+    return env_var("FLASHATTN_CHECK_INDICES", "0")
 
 
 def paged_copy(k: torch.Tensor, page: int, table: torch.Tensor | None = None):
