@@ -130,7 +130,9 @@ def _set_flex_state(spec: MaskSpec, device: torch.device) -> None:
 
 def _sorted_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool (B, H, M, N) -> (num (B, H, M), idx (B, H, M, N)) int32: the set blocks of each row first, in
-    ascending order (flex's list convention; entries past num are padding)."""
+    ascending order (flex's list convention; entries past num are padding). Full width N, unlike the kernels'
+    trimmed masks._kernel.block_lists: flex derives its transposed (backward) lists with one column per
+    idx entry, so a narrower idx would drop the blocks past its width."""
     num = flags.sum(-1, dtype=torch.int32)
     idx = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return num, idx
