@@ -1,8 +1,8 @@
 """Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex.
 
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask; `flex-sparse` runs
-torch.compile(flex_attention) with a flex BlockMask that create_block_mask builds from a mask_mod of the same
-element rule (dense too: a mask of full tiles). The dense kernel is the plain `flashattn` provider; the suite
+torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and a mask_mod of the
+same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel is the plain `flashattn` provider; the suite
 skips it where it cannot express the mask. The mask is described by the case's extra fields (`pattern`,
 `target_density`, `window`, `global_tokens`, `seed`, `block`), built once, and shared by the providers and
 the suite's oracle.
@@ -188,5 +188,5 @@ PROVIDERS = [
     Provider("flashattn-sparse", _setup_flashattn_sparse,
              "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
     Provider("flex-sparse", _setup_flex_sparse,
-             "torch.compile(flex_attention), BlockMask from create_block_mask of the same mask"),
+             "torch.compile(flex_attention) with our BlockMask's block lists and the same element rule"),
 ]
