@@ -62,7 +62,7 @@ import flashattn.ops.attention  # noqa: E402, F401
 import flashattn.ops.block_sparse  # noqa: E402, F401
 import flashattn.ops.decode as decode_ops  # noqa: E402
 import flashattn.ops.merge as merge_ops  # noqa: E402
-from flashattn.ops import configs  # noqa: E402
+from flashattn.ops import configs, tma  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 _entry = configs._table_entry
@@ -70,6 +70,7 @@ configs._table_entry = lambda kernel, block_d, cuda: _entry(kernel, block_d, Tru
 _dconf = decode_ops._decode_config
 decode_ops._decode_config = lambda bd, es, paged, dev, env: _dconf(bd, es, paged, "cuda", env)
 merge_ops.sm_count = decode_ops.sm_count = lambda device: 132
+tma.device_ok = lambda t: True  # the fake H200 has the tensor memory accelerator
 _tiles = merge_ops.combine_tiles
 merge_ops.combine_tiles = lambda n, rows, bd, device: _tiles(n, rows, bd, torch.device("meta"))
 
@@ -78,10 +79,15 @@ def _t(*shape, dtype=torch.bfloat16, grad=False):
     return torch.randn(shape, dtype=dtype).requires_grad_(grad)
 
 
-def _fwd_bwd(fn, *tensors, **kw):
-    out = fn(*tensors, **kw)
-    out = out[0] if isinstance(out, tuple) else out
-    out.backward(torch.ones_like(out))
+def _fwd_bwd(fn, *tensors, tma_path="1", **kw):
+    # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths)
+    os.environ["FLASHATTN_TMA"] = tma_path
+    try:
+        out = fn(*tensors, **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+    finally:
+        os.environ.pop("FLASHATTN_TMA")
 
 
 QUICK = "--quick" in sys.argv  # bf16 at the table's head dims only: the CI test's subset
@@ -95,10 +101,11 @@ def dense_cases():
         dims = (64, 128, 256) if QUICK else (40, 64, 96, 128, 192, 256) if dtype != torch.float32 else (64,)
         for d in dims:
             for causal in (False, True):
-                q = _t(2, 130, 4, d, dtype=dtype, grad=True)
-                k, v = (_t(2, 70, 2, d, dtype=dtype, grad=True) for _ in range(2))
-                yield f"dense {dtype} d={d} causal={causal}", partial(
-                    _fwd_bwd, flash_attn_func, q, k, v, causal=causal)
+                for path in ("0", "1") if dtype != torch.float32 else ("0",):
+                    q = _t(2, 130, 4, d, dtype=dtype, grad=True)
+                    k, v = (_t(2, 70, 2, d, dtype=dtype, grad=True) for _ in range(2))
+                    yield f"dense {dtype} d={d} causal={causal} tma={path}", partial(
+                        _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path)
     q, k, v = _t(2, 150, 4, 48, grad=True), _t(2, 190, 2, 48, grad=True), _t(2, 190, 2, 32, grad=True)
     yield "dense all features", partial(
         _fwd_bwd, flash_attn_func, q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,

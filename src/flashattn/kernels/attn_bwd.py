@@ -20,6 +20,7 @@ from flashattn.kernels.common import (
     bits_keep,
     dropout_keep,
     key_range,
+    load_rows,
     load_tile,
     query_range,
     seq_bounds,
@@ -63,10 +64,13 @@ def _dkdv_tile(
     BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
+    q_desc=None, do_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
+    # USE_TMA: Q/dO tiles come through tensor descriptors (load_rows), the padded layout only
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
+    q = load_rows(q_base, q_desc, desc_b, desc_h, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM,
+                  BLOCK_D, True, USE_TMA)
     # rows past seqlen_q get LSE = +inf, so their P is exactly 0 without a predicate
     lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M)
@@ -80,7 +84,8 @@ def _dkdv_tile(
         p_t = tl.math.exp2(s_t - lse[None, :])
     else:
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
-    do = load_tile(do_base, offs_m, offs_dv, stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
+    do = load_rows(do_base, do_desc, desc_b, desc_h, start_m, offs_m, offs_dv, stride_dom, seqlen_q,
+                   HEAD_DIM_V, BLOCK_DV, True, USE_TMA)
     if HAS_DROPOUT:
         keep_t = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[None, :], offs_n[:, None],
                               max_seqlen_k, dropout_p)
@@ -101,7 +106,7 @@ def _dkdv_tile(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI,
+    Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -116,6 +121,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -158,6 +164,7 @@ def attn_bwd_dkdv_kernel(
                 cap_out, slope, rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+                q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
             )
         # -- query tiles that see the whole key tile
         for start_m in range(m_lo, tl.minimum(m_hi, m_end), BLOCK_M):
@@ -167,6 +174,7 @@ def attn_bwd_dkdv_kernel(
                 cap_out, slope, rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+                q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
             )
         # -- query tiles cut by the window's left edge
         for start_m in range(tl.maximum(m_hi, m_lo), m_end, BLOCK_M):
@@ -176,6 +184,7 @@ def attn_bwd_dkdv_kernel(
                 cap_out, slope, rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+                q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
             )
     store_tile(DK + off_b64 * stride_dkb + k_row0 * stride_dkn + off_hk * stride_dkh, dk * sm_scale, offs_n,
                offs_d, stride_dkn, seqlen_k, HEAD_DIM)
@@ -193,15 +202,19 @@ def _dq_tile(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
+    k_desc=None, v_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
+    # USE_TMA: K/V tiles come through tensor descriptors (load_rows), the padded layout only
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASK_BITS:
         k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, True)
         v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
     else:
-        k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
-        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
+        k = load_rows(k_base, k_desc, desc_b, desc_h, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM,
+                      BLOCK_D, MASKED, USE_TMA)
+        v = load_rows(v_base, v_desc, desc_b, desc_h, start_n, offs_n, offs_dv, stride_vn, seqlen_k,
+                      HEAD_DIM_V, BLOCK_DV, MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, t = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
@@ -230,7 +243,7 @@ def _dq_tile(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS,
+    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -244,7 +257,7 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
@@ -286,19 +299,22 @@ def attn_bwd_dq_kernel(
                            offs_d, offs_dv, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
                            rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
-                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_SINK, DOT_PREC)
+                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_SINK, DOT_PREC,
+                           k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         dq, pdp = _dq_tile(dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m,
                            offs_d, offs_dv, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
                            rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
-                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_SINK, DOT_PREC)
+                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_SINK, DOT_PREC,
+                           k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA)
     for start_n in range(tl.maximum(n_hi, n_lo), n_end, BLOCK_N):
         dq, pdp = _dq_tile(dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, start_n, offs_m,
                            offs_d, offs_dv, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
                            rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
-                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_SINK, DOT_PREC)
+                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_SINK, DOT_PREC,
+                           k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA)
     store_tile(DQ + off_b64 * stride_dqb + q_row0 * stride_dqm + off_h64 * stride_dqh, dq * sm_scale, offs_m,
                offs_d, stride_dqm, seqlen_q, HEAD_DIM)
     if HAS_SINK:

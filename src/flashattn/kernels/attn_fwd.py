@@ -16,6 +16,7 @@ from flashattn.kernels.common import (
     bits_keep,
     dropout_keep,
     key_range,
+    load_rows,
     load_tile,
     seq_bounds,
     store_tile,
@@ -34,13 +35,16 @@ def _fwd_tile(
     BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
+    k_desc=None, v_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
+    # USE_TMA: K/V tiles come through tensor descriptors (load_rows), the padded layout only
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASK_BITS:
         k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, True)
     else:
-        k = load_tile(k_base, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM, BLOCK_D, MASKED)
+        k = load_rows(k_base, k_desc, desc_b, desc_h, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM,
+                      BLOCK_D, MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N) -> (BLOCK_M, BLOCK_N)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, _ = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
@@ -68,7 +72,8 @@ def _fwd_tile(
     if MASK_BITS:
         v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
     else:
-        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, MASKED)
+        v = load_rows(v_base, v_desc, desc_b, desc_h, start_n, offs_n, offs_dv, stride_vn, seqlen_k,
+                      HEAD_DIM_V, BLOCK_DV, MASKED, USE_TMA)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, dv)
     return acc, l_i, m_new
@@ -96,7 +101,7 @@ def fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK: tl.constexpr, HA
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINK,
+    Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINK, K_DESC, V_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -109,7 +114,7 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
@@ -151,6 +156,7 @@ def attn_fwd_kernel(
             rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+            k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
         )
     # -- tiles every row of this block sees entirely: no predicate
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -160,6 +166,7 @@ def attn_fwd_kernel(
             rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+            k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
         )
     # -- the diagonal band / right window edge and the key tail
     for start_n in range(tl.maximum(n_hi, n_lo), n_end, BLOCK_N):
@@ -169,6 +176,7 @@ def attn_fwd_kernel(
             rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
+            k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
         )
 
     out, lse = fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK, HAS_DROPOUT)

@@ -30,6 +30,19 @@ def load_tile(base, offs_rows, offs_d, stride_row, n_rows,
 
 
 @triton.jit
+def load_rows(base, desc, desc_b, desc_h, start, offs_rows, offs_d, stride_row, n_rows,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """load_tile of the rows [start, start + len(offs_rows)) of a K/V/Q/dO stream, through the tensor memory
+    accelerator when USE_TMA: desc is a (batch, seqlen, heads, d) descriptor of block (1, rows, 1, BLOCK_D)
+    (padded layout, HEAD_DIM == BLOCK_D), whose out-of-range rows read as zero like the masked load's."""
+    if USE_TMA:
+        tile = desc.load([desc_b, start, desc_h, 0]).reshape(offs_rows.shape[0], BLOCK_D)
+    else:
+        tile = load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM, BLOCK_D, MASK_ROWS)
+    return tile
+
+
+@triton.jit
 def store_tile(base, tile, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
     ptrs = base + offs_rows[:, None] * stride_row + offs_d[None, :]
     tl.store(ptrs, tile.to(base.dtype.element_ty),

@@ -13,7 +13,7 @@ import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
-from flashattn.ops import host
+from flashattn.ops import host, tma
 from flashattn.ops.configs import tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
@@ -47,6 +47,15 @@ class _Problem:
 
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+    def descriptors(self, block_rows: int, *tensors: torch.Tensor) -> tuple[bool, list]:
+        """(USE_TMA, one descriptor per streamed tensor, or None each when the pointer path runs)."""
+        # d = 256 descriptors crash ptxas in Triton 3.6 (scripts/sm90_compile_check.py): pointers there
+        exact = self.flags["BLOCK_D"] == self.d and self.flags["BLOCK_DV"] == self.dv
+        exact = exact and max(self.d, self.dv) <= 128
+        if tma.usable(*tensors, varlen=self.varlen, exact_widths=exact):
+            return True, [tma.descriptor(t, block_rows) for t in tensors]
+        return False, [None] * len(tensors)
 
 
 def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
@@ -105,14 +114,15 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device)
     grid = (host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
+    use_tma, descs = pb.descriptors(cfg.block_n, k, v)
     attn_fwd_kernel[grid](
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
-        learnable_sink if learnable_sink is not None else q,
+        learnable_sink if learnable_sink is not None else q, *descs,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, **pb.flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, USE_TMA=use_tma,
+        **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -148,22 +158,25 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
     cfg = tile_config("dkdv", block_d, q.device)
+    use_tma, descs = pb.descriptors(cfg.block_m, q, dout)
     attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *descs,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
         *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=use_tma, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     cfg = tile_config("dq", block_d, q.device)
+    use_tma, descs = pb.descriptors(cfg.block_n, k, v)
     attn_bwd_dq_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
+        *descs,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq),
         *lse_strides, stride_alibi, pb.nheads, *common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=has_sink, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=has_sink, USE_TMA=use_tma, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis

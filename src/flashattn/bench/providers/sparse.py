@@ -2,10 +2,10 @@
 
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask; `flex-sparse` runs
 torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and a mask_mod of the
-same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel is the plain `flashattn` provider; the suite
-skips it where it cannot express the mask. The mask is described by the case's extra fields (`pattern`,
-`target_density`, `window`, `global_tokens`, `seed`, `block`), built once, and shared by the providers and
-the suite's oracle.
+same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel is the plain
+`flashattn` provider; the suite skips it where it cannot express the mask. The mask is described by the
+case's extra fields (`pattern`, `target_density`, `window`, `global_tokens`, `seed`, `block`), built once,
+and shared by the providers and the suite's oracle.
 
 One mask_mod serves every flex case: its parameters live in module tensors that each case overwrites in
 place, and every flex block mask is per head, so flex compiles once per N instead of once per mask (a

@@ -1,0 +1,50 @@
+"""Tensor descriptors for the streamed tiles (Hopper's tensor memory accelerator, TMA).
+
+The kernels' inner loops stream K/V (forward, dQ) or Q/dO (dK/dV) tiles. On sm90+ those loads can go through
+TMA descriptors: one bulk copy per tile instead of per-thread address arithmetic and cp.async, which frees
+registers and issue slots for the softmax. A descriptor covers a padded-layout tensor (batch, seqlen, heads,
+d) with a (1, rows, 1, d) block; rows past seqlen read as zero, as the masked pointer loads do.
+
+Used when every streamed tensor qualifies: CUDA, compute capability >= 9, fp16/bf16, padded layout (varlen
+packs sequences back to back, so a tile would read the next sequence's rows instead of zeros), head dims that
+are their own tile width (no column padding) up to 128, 16-byte aligned base and strides.
+`FLASHATTN_TMA=0` turns the path off (A/B timing; the pointer path is always there).
+"""
+
+import functools
+import os
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def device_ok(t: torch.Tensor) -> bool:
+    """A CUDA tensor on a GPU with TMA (sm90+)."""
+    return t.device.type == "cuda" and _sm90(t.device.index or 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
+def usable(*tensors: torch.Tensor, varlen: bool, exact_widths: bool) -> bool:
+    """Whether the kernels may take their streamed tiles through descriptors for these tensors."""
+    t0 = tensors[0]
+    if varlen or not exact_widths or t0.dtype not in _DTYPES or os.environ.get("FLASHATTN_TMA", "1") == "0":
+        return False
+    return device_ok(t0) and all(_aligned(t) for t in tensors)
+
+
+def descriptor(t: torch.Tensor, block_rows: int):
+    """The (batch, seqlen, heads, d) descriptor of t, one tile = block_rows rows of one head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, t.shape[-1]])
