@@ -5,6 +5,9 @@
 #   bash scripts/device_check.sh verify|sparse|e2e_io      the inference, sparse, ecosystem and IO evidence
 #   bash scripts/device_check.sh sparse_flex|e2e_full      what those runs left out (one call each)
 #   bash scripts/device_check.sh decode_tune               decode tiles x split counts, CUDA-graph timed
+#   bash scripts/device_check.sh tma                       TMA loads: GPU tests, memcheck, sparse beside flex,
+#                                                          short-N tile sweep
+#   bash scripts/device_check.sh train_ab                  train grid, TMA vs pointer loads beside the others
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -94,5 +97,25 @@ fi
 if [ "$stage" = decode_tune ]; then
   mkdir -p "$OUT/res"
   timeout 300 python3 scripts/tune_decode.py --out "$OUT/res/tune_decode.json" 2>&1 | tail -20
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+
+# third session: TMA descriptors in the dense kernels, flat block loops in the sparse ones
+if [ "$stage" = tma ]; then
+  mkdir -p "$OUT/res"
+  timeout 200 python3 -m pytest -m gpu -q -rs -x tests/test_gpu_core.py tests/test_block_sparse_gpu.py \
+    "tests/test_decode_gpu.py::test_paged_varlen_prefill_equals_packed" 2>&1 | tee "$OUT/res/pytest_tma.log" | tail -12
+  timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense sparse 2>&1 | tail -6 \
+    | tee "$OUT/res/memcheck_dense_sparse.log"
+  timeout 120 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
+    --out "$OUT/res/sparse" 2>&1 | tail -12
+  timeout 200 python3 scripts/tune.py --short --seqlens 1024,2048 --headdims 64,128 \
+    --out "$OUT/res/tune_short.json" 2>&1 | tail -26
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+if [ "$stage" = train_ab ]; then
+  mkdir -p "$OUT/res"
+  timeout 540 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,flashattn-ptr,sdpa-flash,sdpa-cudnn,flex --out "$OUT/res/train" 2>&1 | tail -40
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

@@ -27,7 +27,9 @@ def _qkv(*shapes):
 
 
 def dense():
-    for b, sq, sk, h, hk, d in [(1, 113, 67, 2, 1, 40), (2, 67, 130, 4, 2, 64), (1, 33, 33, 2, 2, 256)]:
+    # d = 64 and 128 take the TMA path (tails past seqlen read through the descriptor), 40 and 256 pointers
+    for b, sq, sk, h, hk, d in [(1, 113, 67, 2, 1, 40), (2, 67, 130, 4, 2, 64), (1, 200, 137, 4, 1, 128),
+                                (1, 33, 33, 2, 2, 256)]:
         for causal in (False, True):
             q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
             _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)

@@ -24,6 +24,11 @@ CANDIDATES = {
     "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
            (128, 128, 8, 3)],
 }
+SHORT = {  # N <= 2K: few key tiles per program, so prologue/epilogue weigh; small tiles fit 2 programs/SM
+    "fwd": [(128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
+    "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
+}
 BIG_D = {  # d = 256: registers and shared memory bound the tiles
     "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
     "dkdv": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)],
@@ -46,10 +51,12 @@ def main():
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--kernels", default="fwd,dkdv,dq")
     ap.add_argument("--table-only", action="store_true", help="time the shipped table's configs only")
+    ap.add_argument("--short", action="store_true", help="the candidates for N <= 2K (SHORT)")
     args = ap.parse_args()
     rows = []
     for d in (int(x) for x in args.headdims.split(",")):
-        cands = {name: c for name, c in (BIG_D if d == 256 else CANDIDATES).items()
+        table = BIG_D if d == 256 else SHORT if args.short else CANDIDATES
+        cands = {name: c for name, c in table.items()
                  if name in args.kernels.split(",")}
         if args.table_only:
             cands = {"fwd": [None], "dkdv": [None]}  # dkdv with no override times the whole backward

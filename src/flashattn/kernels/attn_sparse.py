@@ -25,18 +25,19 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, 
                 HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PARTIAL: tl.constexpr,
                 DOT_PREC: tl.constexpr):
     """Online softmax over the key blocks idx_base[0:num] (partial ones with their bitmasks)."""
-    for i in range(num):
+    SUBS: tl.constexpr = SPARSE_N // BLOCK_N
+    # one flat loop over (block, kernel tile) pairs: Triton pipelines only innermost loops, and a nested loop
+    # of SUBS = 2 tiles would drain the pipeline at every block
+    for j in range(num * SUBS):
+        i = j // SUBS
         nb = tl.load(idx_base + i)
-        for sub in range(SPARSE_N // BLOCK_N):
-            start_n = nb * SPARSE_N + sub * BLOCK_N
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
-                seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, rng_row_base,
-                seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False,
-                HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC,
-                bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
-                PARTIAL,
-            )
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, nb * SPARSE_N + (j % SUBS) * BLOCK_N,
+            offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset,
+            rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False,
+            False, HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC,
+            bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8, PARTIAL,
+        )
     return acc, l_i, m_i
 
 
@@ -119,6 +120,7 @@ def sparse_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     nk = start_n // SPARSE_N
+    SUBS: tl.constexpr = SPARSE_M // BLOCK_M
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
         q_base = Q + off_b64 * stride_qb + off_h * stride_qh
@@ -126,30 +128,29 @@ def sparse_dkdv_kernel(
         row_base = (off_b64 * nheads + off_h) * seqlen_q
         slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
         col = slab * n_kblocks + nk
-        # -- query blocks that see this key block fully
-        for i in range(tl.load(Q_FULL_NUM + col)):
-            mb = tl.load(Q_FULL_IDX + col * max_qfull + i)
-            for sub in range(SPARSE_M // BLOCK_M):
-                dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
-                    mb * SPARSE_M + sub * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
-                    qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
-                    HAS_DROPOUT, DOT_PREC,
-                )
+        # -- query blocks that see this key block fully (flat loops of (block, tile) pairs, see _fwd_blocks)
+        for j in range(tl.load(Q_FULL_NUM + col) * SUBS):
+            mb = tl.load(Q_FULL_IDX + col * max_qfull + j // SUBS)
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
+                mb * SPARSE_M + (j % SUBS) * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
+                HAS_DROPOUT, DOT_PREC,
+            )
         # -- partially: the bitmask of the pair (mb, nk) sits in slot q_part_slot of query block mb's list
-        for t in range(tl.load(Q_PART_NUM + col)):
+        for j in range(tl.load(Q_PART_NUM + col) * SUBS):
+            t = j // SUBS
             mb = tl.load(Q_PART_IDX + col * max_qpart + t)
             slot = tl.load(Q_PART_SLOT + col * max_qpart + t)
             bits = PART_BITS + ((slab * n_qblocks + mb) * max_part + slot) * (SPARSE_M * SPARSE_N // 8)
-            for sub in range(SPARSE_M // BLOCK_M):
-                dk, dv = _dkdv_tile(
-                    dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
-                    mb * SPARSE_M + sub * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
-                    qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
-                    HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8, True,
-                )
+            dk, dv = _dkdv_tile(
+                dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
+                mb * SPARSE_M + (j % SUBS) * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
+                HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8, True,
+            )
     store_tile(DK + off_b64 * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,
                seqlen_k, HEAD_DIM)
     store_tile(DV + off_b64 * stride_dvb + off_hk * stride_dvh, dv, offs_n, offs_dv, stride_dvn, seqlen_k,
@@ -165,17 +166,18 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs
                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PARTIAL: tl.constexpr,
                DOT_PREC: tl.constexpr):
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused: block-sparse attention has no sink
-    for i in range(num):
+    SUBS: tl.constexpr = SPARSE_N // BLOCK_N
+    for j in range(num * SUBS):  # flat, as in _fwd_blocks
+        i = j // SUBS
         nb = tl.load(idx_base + i)
-        for sub in range(SPARSE_N // BLOCK_N):
-            dq, pdp = _dq_tile(
-                dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-                nb * SPARSE_N + sub * BLOCK_N, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in,
-                cap_out, 0.0, rng_seed, rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT, False,
-                DOT_PREC, bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
-                PARTIAL,
-            )
+        dq, pdp = _dq_tile(
+            dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
+            nb * SPARSE_N + (j % SUBS) * BLOCK_N, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale,
+            cap_in, cap_out, 0.0, rng_seed, rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT,
+            False, DOT_PREC, bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
+            PARTIAL,
+        )
     return dq
 
 

@@ -1,4 +1,5 @@
-"""`flashattn` (this project, through its public API) and `torch-backend` (its pure-PyTorch backend)."""
+"""`flashattn` (this project, through its public API), `flashattn-ptr` (the same with TMA descriptors off: the
+pointer-load path, for A/B timing) and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,16 @@ def _setup_torch_backend(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.
     return prepared
 
 
+def _setup_pointer_loads(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    prepared = _setup_public(case, q, k, v)
+    prepared.context = lambda: env_var("FLASHATTN_TMA", "0")
+    return prepared
+
+
 PROVIDERS = [
     Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
+    Provider("flashattn-ptr", _setup_pointer_loads,
+             "this project with FLASHATTN_TMA=0: pointer loads instead of TMA descriptors (A/B timing)"),
     Provider(
         "torch-backend",
         _setup_torch_backend,
