@@ -11,7 +11,6 @@ import json
 import os
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from flashattn.ops.attention import attention_backward, attention_forward
@@ -25,7 +24,7 @@ CANDIDATES = {
            (128, 128, 8, 3)],
 }
 SHORT = {  # N <= 2K: few key tiles per program, so prologue/epilogue weigh; small tiles fit 2 programs/SM
-    "fwd": [(128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2)],
+    "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
     "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
     "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
 }
@@ -81,7 +80,7 @@ def main():
                             ms = _time(fn)
                             row = dict(kernel=kernel, d=d, n=n, causal=causal, cfg=cfg, ms=ms,
                                        tflops=work / ms / 1e9)
-                        except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
+                        except Exception as e:  # noqa: BLE001 - OutOfResources, a compiler crash: a result, not the end
                             row = dict(kernel=kernel, d=d, n=n, causal=causal, cfg=cfg, error=str(e)[:200])
                         os.environ.pop("FLASHATTN_CONFIG", None)
                         rows.append(row)

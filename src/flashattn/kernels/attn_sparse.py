@@ -17,6 +17,23 @@ from flashattn.kernels.common import LOG2E, load_tile, store_tile
 
 
 @triton.jit
+def _first_tile(idx_base, num, SPARSE: tl.constexpr):
+    """Start row of the first tile of the block list idx_base[0:num] (0 when it is empty)."""
+    return tl.load(idx_base, mask=num > 0, other=0) * SPARSE
+
+
+@triton.jit
+def _next_tile(start, j, idx_base, num, SUBS: tl.constexpr, SPARSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Start row of flat iteration j + 1 from iteration j's: the next tile of the same block, or the first of
+    the next listed block. Carried from one iteration to the next (as flex does), so the addresses of the
+    next tiles are known before their iteration and the pipeliner can prefetch them; an index loaded inside
+    the iteration that uses it leaves the tile loads waiting on it."""
+    i_next = (j + 1) // SUBS
+    nb_next = tl.load(idx_base + i_next, mask=i_next < num, other=0)
+    return tl.where((j + 1) % SUBS == 0, nb_next * SPARSE, start + BLOCK)
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k,
                 qk_scale, cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p,
                 idx_base, num, bits_base, row0,
@@ -28,16 +45,17 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, 
     SUBS: tl.constexpr = SPARSE_N // BLOCK_N
     # one flat loop over (block, kernel tile) pairs: Triton pipelines only innermost loops, and a nested loop
     # of SUBS = 2 tiles would drain the pipeline at every block
+    start_n = _first_tile(idx_base, num, SPARSE_N)
     for j in range(num * SUBS):
-        i = j // SUBS
-        nb = tl.load(idx_base + i)
         acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, nb * SPARSE_N + (j % SUBS) * BLOCK_N,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n,
             offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset,
             rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False,
             False, HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC,
-            bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8, PARTIAL,
+            bits_base + (j // SUBS) * (SPARSE_M * SPARSE_N // 8), row0, start_n // SPARSE_N * SPARSE_N,
+            SPARSE_N // 8, PARTIAL,
         )
+        start_n = _next_tile(start_n, j, idx_base, num, SUBS, SPARSE_N, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -129,28 +147,32 @@ def sparse_dkdv_kernel(
         slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
         col = slab * n_kblocks + nk
         # -- query blocks that see this key block fully (flat loops of (block, tile) pairs, see _fwd_blocks)
-        for j in range(tl.load(Q_FULL_NUM + col) * SUBS):
-            mb = tl.load(Q_FULL_IDX + col * max_qfull + j // SUBS)
+        num = tl.load(Q_FULL_NUM + col)
+        start_m = _first_tile(Q_FULL_IDX + col * max_qfull, num, SPARSE_M)
+        for j in range(num * SUBS):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
-                mb * SPARSE_M + (j % SUBS) * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
                 qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
                 HAS_DROPOUT, DOT_PREC,
             )
+            start_m = _next_tile(start_m, j, Q_FULL_IDX + col * max_qfull, num, SUBS, SPARSE_M, BLOCK_M)
         # -- partially: the bitmask of the pair (mb, nk) sits in slot q_part_slot of query block mb's list
-        for j in range(tl.load(Q_PART_NUM + col) * SUBS):
-            t = j // SUBS
-            mb = tl.load(Q_PART_IDX + col * max_qpart + t)
-            slot = tl.load(Q_PART_SLOT + col * max_qpart + t)
+        num = tl.load(Q_PART_NUM + col)
+        start_m = _first_tile(Q_PART_IDX + col * max_qpart, num, SPARSE_M)
+        for j in range(num * SUBS):
+            mb = start_m // SPARSE_M
+            slot = tl.load(Q_PART_SLOT + col * max_qpart + j // SUBS)
             bits = PART_BITS + ((slab * n_qblocks + mb) * max_part + slot) * (SPARSE_M * SPARSE_N // 8)
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
-                mb * SPARSE_M + (j % SUBS) * BLOCK_M, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
                 qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
                 HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8, True,
             )
+            start_m = _next_tile(start_m, j, Q_PART_IDX + col * max_qpart, num, SUBS, SPARSE_M, BLOCK_M)
     store_tile(DK + off_b64 * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,
                seqlen_k, HEAD_DIM)
     store_tile(DV + off_b64 * stride_dvb + off_hk * stride_dvh, dv, offs_n, offs_dv, stride_dvn, seqlen_k,
@@ -167,17 +189,17 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs
                DOT_PREC: tl.constexpr):
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused: block-sparse attention has no sink
     SUBS: tl.constexpr = SPARSE_N // BLOCK_N
-    for j in range(num * SUBS):  # flat, as in _fwd_blocks
-        i = j // SUBS
-        nb = tl.load(idx_base + i)
+    start_n = _first_tile(idx_base, num, SPARSE_N)
+    for j in range(num * SUBS):  # flat, the next tile's start carried: see _fwd_blocks, _next_tile
         dq, pdp = _dq_tile(
             dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-            nb * SPARSE_N + (j % SUBS) * BLOCK_N, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale,
+            start_n, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale,
             cap_in, cap_out, 0.0, rng_seed, rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM,
             HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT,
-            False, DOT_PREC, bits_base + i * (SPARSE_M * SPARSE_N // 8), row0, nb * SPARSE_N, SPARSE_N // 8,
-            PARTIAL,
+            False, DOT_PREC, bits_base + (j // SUBS) * (SPARSE_M * SPARSE_N // 8), row0,
+            start_n // SPARSE_N * SPARSE_N, SPARSE_N // 8, PARTIAL,
         )
+        start_n = _next_tile(start_n, j, idx_base, num, SUBS, SPARSE_N, BLOCK_N)
     return dq
 
 

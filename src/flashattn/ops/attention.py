@@ -14,7 +14,7 @@ import torch
 from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
 from flashattn.ops import host, tma
-from flashattn.ops.configs import tile_config
+from flashattn.ops.configs import TileConfig, tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
 _INT32_MAX = 2**31 - 1
@@ -48,11 +48,12 @@ class _Problem:
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
 
-    def descriptors(self, block_rows: int, *tensors: torch.Tensor) -> tuple[bool, list]:
+    def descriptors(self, cfg: TileConfig, block_rows: int, *tensors: torch.Tensor) -> tuple[bool, list]:
         """(USE_TMA, one descriptor per streamed tensor, or None each when the pointer path runs)."""
-        # d = 256 descriptors crash ptxas in Triton 3.6 (scripts/sm90_compile_check.py): pointers there
+        # the ptxas of Triton 3.6 crashes (SIGSEGV) on descriptor loads pipelined over 2 stages, which every
+        # d = 256 config uses (found by scripts/sm90_compile_check.py): pointers there
         exact = self.flags["BLOCK_D"] == self.d and self.flags["BLOCK_DV"] == self.dv
-        exact = exact and max(self.d, self.dv) <= 128
+        exact = exact and max(self.d, self.dv) <= 128 and cfg.num_stages >= 3
         if tma.usable(*tensors, varlen=self.varlen, exact_widths=exact):
             return True, [tma.descriptor(t, block_rows) for t in tensors]
         return False, [None] * len(tensors)
@@ -114,7 +115,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device)
     grid = (host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
-    use_tma, descs = pb.descriptors(cfg.block_n, k, v)
+    use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
     attn_fwd_kernel[grid](
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
@@ -158,7 +159,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
     cfg = tile_config("dkdv", block_d, q.device)
-    use_tma, descs = pb.descriptors(cfg.block_m, q, dout)
+    use_tma, descs = pb.descriptors(cfg, cfg.block_m, q, dout)
     attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *descs,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
@@ -170,7 +171,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     cfg = tile_config("dq", block_d, q.device)
-    use_tma, descs = pb.descriptors(cfg.block_n, k, v)
+    use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
     attn_bwd_dq_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
         *descs,

@@ -7,7 +7,8 @@ d) with a (1, rows, 1, d) block; rows past seqlen read as zero, as the masked po
 
 Used when every streamed tensor qualifies: CUDA, compute capability >= 9, fp16/bf16, padded layout (varlen
 packs sequences back to back, so a tile would read the next sequence's rows instead of zeros), head dims that
-are their own tile width (no column padding) up to 128, 16-byte aligned base and strides.
+are their own tile width (no column padding) up to 128, pipelines of 3 or more stages (attention.py says
+why), 16-byte aligned base and strides.
 `FLASHATTN_TMA=0` turns the path off (A/B timing; the pointer path is always there).
 """
 
