@@ -117,7 +117,10 @@ if [ "$stage" = tma ]; then
 fi
 if [ "$stage" = train_ab ]; then
   mkdir -p "$OUT/res"
-  timeout 540 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+  timeout 420 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,flashattn-ptr,sdpa-flash,sdpa-cudnn,flex --out "$OUT/res/train" 2>&1 | tail -40
+  # the short-sequence tile rows and TMA at the GPU test sizes (N = 1K, odd lengths, GQA)
+  timeout 120 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "n1k or odd or gqa or strided" 2>&1 \
+    | tee "$OUT/res/pytest_short.log" | tail -5
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

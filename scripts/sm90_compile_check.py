@@ -66,7 +66,7 @@ from flashattn.ops import configs, tma  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 _entry = configs._table_entry
-configs._table_entry = lambda kernel, block_d, cuda: _entry(kernel, block_d, True)
+configs._table_entry = lambda kernel, block_d, cuda, short=False: _entry(kernel, block_d, True, short)
 _dconf = decode_ops._decode_config
 decode_ops._decode_config = lambda bd, es, paged, dev, env: _dconf(bd, es, paged, "cuda", env)
 merge_ops.sm_count = decode_ops.sm_count = lambda device: 132
@@ -109,10 +109,13 @@ def dense_cases():
         dims = (64, 128, 256) if QUICK else (40, 64, 96, 128, 192, 256) if dtype != torch.float32 else (64,)
         for d in dims:
             for causal in (False, True):
-                for path in ("0", "1") if dtype != torch.float32 else ("0",):
-                    q = _t(2, 130, 4, d, dtype=dtype, grad=True)
-                    k, v = (_t(2, 70, 2, d, dtype=dtype, grad=True) for _ in range(2))
-                    yield f"dense {dtype} d={d} causal={causal} tma={path}", partial(
+                # (sq, sk, path): short-sequence tile rows on both load paths, the long rows (N > 2K) on TMA
+                for sq, sk, path in ((130, 70, "0"), (130, 70, "1"), (2100, 2060, "1")):
+                    if dtype == torch.float32 and path == "1":
+                        continue
+                    q = _t(1, sq, 2, d, dtype=dtype, grad=True)
+                    k, v = (_t(1, sk, 1, d, dtype=dtype, grad=True) for _ in range(2))
+                    yield f"dense {dtype} d={d} causal={causal} sq={sq} tma={path}", partial(
                         _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path)
     # 2-stage pipelines must take the pointer path: ptxas crashes on them with descriptors (ops/attention.py)
     q, k, v = (_t(2, 130, 4, 64, grad=True) for _ in range(3))

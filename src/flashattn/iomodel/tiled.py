@@ -37,11 +37,11 @@ def padded_headdim(d: int) -> int:
 _FALLBACK_TILES = {"fwd": (128, 128), "dkdv": (64, 128), "dq": (128, 64)}
 
 
-def kernel_tiles(kernel: str, headdim: int) -> tuple[int, int]:
+def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None) -> tuple[int, int]:
     """(block_m, block_n) our launcher picks on a GPU for `kernel` ("fwd", "dkdv" or "dq") at `headdim`.
 
     Read from the launchers' own table (flashattn.ops.configs, FLASHATTN_CONFIG overrides included), so the
-    model follows tuning without a second copy of the numbers.
+    model follows tuning without a second copy of the numbers; `seqlen` (max of sq, sk) as the launcher's.
     """
     try:
         import torch
@@ -50,7 +50,7 @@ def kernel_tiles(kernel: str, headdim: int) -> tuple[int, int]:
     except ImportError:
         block_m, block_n = _FALLBACK_TILES[kernel]
         return block_m, block_n if headdim <= 128 or kernel != "fwd" else 64
-    cfg = tile_config(kernel, padded_headdim(headdim), torch.device("cuda"))
+    cfg = tile_config(kernel, padded_headdim(headdim), torch.device("cuda"), seqlen)
     return cfg.block_m, cfg.block_n
 
 
@@ -128,7 +128,7 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
 
     Tile sizes default to what the launcher uses (`kernel_tiles`).
     """
-    default_m, default_n = kernel_tiles("fwd", shape.headdim)
+    default_m, default_n = kernel_tiles("fwd", shape.headdim, max(shape.seqlen_q, shape.seqlen_k))
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)
@@ -158,8 +158,9 @@ def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int 
 
     (block_m1, block_n1) tile the dK/dV kernel, (block_m2, block_n2) the dQ kernel; defaults as the launcher.
     """
-    m1, n1 = kernel_tiles("dkdv", shape.headdim)
-    m2, n2 = kernel_tiles("dq", shape.headdim)
+    longest = max(shape.seqlen_q, shape.seqlen_k)
+    m1, n1 = kernel_tiles("dkdv", shape.headdim, longest)
+    m2, n2 = kernel_tiles("dq", shape.headdim, longest)
     block_m1, block_n1, block_m2, block_n2 = block_m1 or m1, block_n1 or n1, block_m2 or m2, block_n2 or n2
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)

@@ -39,6 +39,11 @@ class _Problem:
     scalars: tuple  # qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset
     flags: dict
 
+    @property
+    def longest(self) -> int:
+        """The longer padded sequence: picks the short-sequence tile rows (ops/configs.py)."""
+        return max(self.seqlen_q, self.seqlen_k)
+
     def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, row, head) strides of a q/k/v/o-like tensor in this layout."""
         if self.varlen:
@@ -113,7 +118,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
-    cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device)
+    cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device, pb.longest)
     grid = (host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
     use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
     attn_fwd_kernel[grid](
@@ -158,7 +163,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
     )
     common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
-    cfg = tile_config("dkdv", block_d, q.device)
+    cfg = tile_config("dkdv", block_d, q.device, pb.longest)
     use_tma, descs = pb.descriptors(cfg, cfg.block_m, q, dout)
     attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *descs,
@@ -170,7 +175,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
-    cfg = tile_config("dq", block_d, q.device)
+    cfg = tile_config("dq", block_d, q.device, pb.longest)
     use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
     attn_bwd_dq_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,

@@ -39,6 +39,18 @@ _H200 = {
     ("dq", 256): TileConfig(128, 32, 8, 2),
 }
 
+# Sequences of at most SHORT_SEQLEN (max of sq, sk): few key tiles per program, so a program's prologue and
+# epilogue weigh; 64x64 tiles (about 112 KiB of shared memory) let two programs share an SM and overlap them.
+# From `scripts/tune.py --short` (results/h200-2026-11-29-s3/tune_short.json, N = 1K and 2K): forward d=128
+# +8% / +24% at N=1K (causal), +2% / +12% at 2K; d=64 -2% to +7%; the d=64 backward +11% to +18% through the
+# dQ kernel alone. Entries not listed keep the long-sequence row.
+SHORT_SEQLEN = 2048
+_H200_SHORT = {
+    ("fwd", 64): TileConfig(64, 64, 4, 3),
+    ("fwd", 128): TileConfig(64, 64, 4, 3),
+    ("dq", 64): TileConfig(64, 64, 4, 3),
+}
+
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
     "dkdv": TileConfig(16, 32, 4, 1),
@@ -59,19 +71,22 @@ def _parse_overrides(text: str) -> dict[str, TileConfig]:
     return out
 
 
-def tile_config(kernel: str, block_d: int, device: torch.device) -> TileConfig:
-    """The config for `kernel` ('fwd' | 'dkdv' | 'dq') at padded head dim `block_d`."""
+def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | None = None) -> TileConfig:
+    """The config for `kernel` ('fwd' | 'dkdv' | 'dq') at padded head dim `block_d`; `seqlen` (the longer of
+    sq and sk; None: long) picks the short-sequence rows."""
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
-    return _table_entry(kernel, block_d, device.type == "cuda")
+    return _table_entry(kernel, block_d, device.type == "cuda", seqlen is not None and seqlen <= SHORT_SEQLEN)
 
 
 @functools.lru_cache(maxsize=64)
-def _table_entry(kernel: str, block_d: int, cuda: bool) -> TileConfig:
+def _table_entry(kernel: str, block_d: int, cuda: bool, short: bool = False) -> TileConfig:
     # cached: this runs on every call, and small problems are bound by the host-side launch cost
     if not cuda:
         return _INTERPRETER[kernel]
     keys = sorted(d for (k, d) in _H200 if k == kernel)
     key = max([d for d in keys if d <= block_d], default=keys[0])
+    if short and (kernel, key) in _H200_SHORT:
+        return _H200_SHORT[(kernel, key)]
     return _H200[(kernel, key)]
