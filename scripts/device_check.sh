@@ -8,6 +8,7 @@
 #   bash scripts/device_check.sh tma                       TMA loads: GPU tests, memcheck, sparse beside flex,
 #                                                          short-N tile sweep
 #   bash scripts/device_check.sh train_ab                  train grid, TMA vs pointer loads beside the others
+#   bash scripts/device_check.sh final                     leftover GPU tests, the 64K block-sparse row
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -122,5 +123,14 @@ if [ "$stage" = train_ab ]; then
   # the short-sequence tile rows and TMA at the GPU test sizes (N = 1K, odd lengths, GQA)
   timeout 120 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "n1k or odd or gqa or strided" 2>&1 \
     | tee "$OUT/res/pytest_short.log" | tail -5
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+if [ "$stage" = final ]; then
+  mkdir -p "$OUT/res"
+  # the GPU tests the earlier calls' timeouts cut short, then the Path-256 row with this session's kernels
+  timeout 100 python3 -m pytest -m gpu -q -rs "tests/test_decode_gpu.py::test_paged_varlen_prefill_equals_packed" \
+    tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_final.log" | tail -5
+  timeout 70 python3 -m flashattn bench --suite sparse --seqlens 65536 --modes fwd+bwd --quiet --no-plots \
+    --providers flashattn,flashattn-sparse --out "$OUT/res/sparse64k" 2>&1 | tail -12
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
