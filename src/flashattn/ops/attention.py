@@ -55,11 +55,13 @@ class _Problem:
 
     def descriptors(self, cfg: TileConfig, block_rows: int, *tensors: torch.Tensor) -> tuple[bool, list]:
         """(USE_TMA, one descriptor per streamed tensor, or None each when the pointer path runs)."""
-        # the ptxas of Triton 3.6 crashes (SIGSEGV) on descriptor loads pipelined over 2 stages, which every
-        # d = 256 config uses (found by scripts/sm90_compile_check.py): pointers there
-        exact = self.flags["BLOCK_D"] == self.d and self.flags["BLOCK_DV"] == self.dv
-        exact = exact and max(self.d, self.dv) <= 128 and cfg.num_stages >= 3
-        if tma.usable(*tensors, varlen=self.varlen, exact_widths=exact):
+        # d = 128 only: in one H200 run (results/h200-2026-11-29-s3/train) descriptors gave the d = 128
+        # backward +1-3% over pointer loads, but cost d = 64 7-10% (forward and backward, N >= 4K); d = 256
+        # configs pipeline over 2 stages, and the ptxas of Triton 3.6 crashes (SIGSEGV) on descriptor loads
+        # pipelined over 2 stages (scripts/sm90_compile_check.py), which FLASHATTN_CONFIG could also ask for
+        if self.d != 128 or self.dv != 128 or cfg.num_stages < 3:
+            return False, [None] * len(tensors)
+        if tma.usable(*tensors, varlen=self.varlen):
             return True, [tma.descriptor(t, block_rows) for t in tensors]
         return False, [None] * len(tensors)
 

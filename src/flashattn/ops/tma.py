@@ -6,9 +6,9 @@ registers and issue slots for the softmax. A descriptor covers a padded-layout t
 d) with a (1, rows, 1, d) block; rows past seqlen read as zero, as the masked pointer loads do.
 
 Used when every streamed tensor qualifies: CUDA, compute capability >= 9, fp16/bf16, padded layout (varlen
-packs sequences back to back, so a tile would read the next sequence's rows instead of zeros), head dims that
-are their own tile width (no column padding) up to 128, pipelines of 3 or more stages (attention.py says
-why), 16-byte aligned base and strides.
+packs sequences back to back, so a tile would read the next sequence's rows instead of zeros), 16-byte
+aligned base and strides; and only for d = 128 with pipelines of 3 or more stages (ops/attention.py says why:
+measured slower at d = 64, a compiler crash at 2 stages).
 `FLASHATTN_TMA=0` turns the path off (A/B timing; the pointer path is always there).
 """
 
@@ -36,10 +36,11 @@ def _aligned(t: torch.Tensor) -> bool:
             and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
-def usable(*tensors: torch.Tensor, varlen: bool, exact_widths: bool) -> bool:
-    """Whether the kernels may take their streamed tiles through descriptors for these tensors."""
+def usable(*tensors: torch.Tensor, varlen: bool) -> bool:
+    """Whether the kernels may take their streamed tiles through descriptors for these tensors (the caller
+    decides for which head dims and tiles)."""
     t0 = tensors[0]
-    if varlen or not exact_widths or t0.dtype not in _DTYPES or os.environ.get("FLASHATTN_TMA", "1") == "0":
+    if varlen or t0.dtype not in _DTYPES or os.environ.get("FLASHATTN_TMA", "1") == "0":
         return False
     return device_ok(t0) and all(_aligned(t) for t in tensors)
 
