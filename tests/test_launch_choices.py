@@ -1,0 +1,123 @@
+"""What the launchers choose before a kernel runs: the tile row (long or short sequences) and whether the
+streamed tiles go through TMA descriptors. Pure host logic, so it is tested on the CPU; the kernels on both
+load paths are compiled for sm_90 by tests/test_sm90_compile.py and run on the GPU by `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashattn.bench import providers
+from flashattn.iomodel import kernel_tiles
+from flashattn.ops import tma
+from flashattn.ops.attention import _problem
+from flashattn.ops.configs import _H200, _H200_SHORT, SHORT_SEQLEN, TileConfig, tile_config
+
+CUDA = torch.device("cuda")  # the table is read on the host: no GPU needed
+
+
+@pytest.fixture(autouse=True)
+def _no_overrides(monkeypatch):
+    monkeypatch.delenv("FLASHATTN_CONFIG", raising=False)
+    monkeypatch.delenv("FLASHATTN_TMA", raising=False)
+
+
+@pytest.mark.parametrize("kernel, d", sorted(_H200))
+def test_short_rows_apply_up_to_short_seqlen_only(kernel, d):
+    long_row = _H200[(kernel, d)]
+    short_row = _H200_SHORT.get((kernel, d), long_row)
+    assert tile_config(kernel, d, CUDA) == long_row  # no length given: the long row
+    assert tile_config(kernel, d, CUDA, SHORT_SEQLEN) == short_row
+    assert tile_config(kernel, d, CUDA, 1) == short_row
+    assert tile_config(kernel, d, CUDA, SHORT_SEQLEN + 1) == long_row
+
+
+def test_short_rows_differ_where_tuned():
+    # the rows the short-N sweep changed (results/h200-2026-11-29-s3/tune_short.json)
+    assert tile_config("fwd", 128, CUDA, 1024) == TileConfig(64, 64, 4, 3)
+    assert tile_config("fwd", 128, CUDA, 4096) == TileConfig(128, 128, 8, 3)
+    assert tile_config("dq", 64, CUDA, 2048) == TileConfig(64, 64, 4, 3)
+    assert tile_config("dkdv", 128, CUDA, 1024) == _H200[("dkdv", 128)]
+
+
+def test_override_beats_the_short_row(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_CONFIG", "fwd=32,32,4,2")
+    assert tile_config("fwd", 128, CUDA, 1024) == TileConfig(32, 32, 4, 2)
+
+
+def test_io_model_follows_the_short_rows():
+    assert kernel_tiles("fwd", 128, 1024) == (64, 64)
+    assert kernel_tiles("fwd", 128, 8192) == (128, 128)
+
+
+def _tensors(b=1, s=130, h=4, d=128, dtype=torch.bfloat16):
+    return [torch.randn(b, s, h, d, dtype=dtype) for _ in range(3)]
+
+
+def _descriptors(q, k, v, cfg, varlen=False, **kw):
+    pb = _problem(q, k, v, 0.1, False, (-1, -1), 0.0, None, 0.0, 0, 0,
+                  torch.zeros(2, dtype=torch.int32) if varlen else None, 130, 130)
+    return pb.descriptors(cfg, cfg.block_n, k, v)
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    monkeypatch.setattr(tma, "device_ok", lambda t: True)
+
+
+def test_cpu_tensors_take_the_pointer_path():
+    q, k, v = _tensors()
+    use, descs = _descriptors(q, k, v, TileConfig(128, 128, 8, 3))
+    assert use is False and descs == [None, None]
+
+
+def test_descriptors_at_d128_with_three_stages(fake_sm90):
+    q, k, v = _tensors()
+    use, descs = _descriptors(q, k, v, TileConfig(128, 64, 8, 3))
+    assert use is True
+    assert descs[0].block_shape == [1, 64, 1, 128]
+    assert descs[0].shape == list(k.shape) and descs[0].strides == list(k.stride())
+
+
+@pytest.mark.parametrize("why, d, cfg, dtype", [
+    ("d = 64 is faster on pointers", 64, TileConfig(128, 64, 8, 3), torch.bfloat16),
+    ("d = 256 tiles pipeline over 2 stages", 256, TileConfig(128, 64, 8, 3), torch.bfloat16),
+    ("2 stages crash ptxas", 128, TileConfig(128, 64, 8, 2), torch.bfloat16),
+    ("fp32 has no descriptor path", 128, TileConfig(128, 64, 8, 3), torch.float32),
+])
+def test_pointer_path_kept(fake_sm90, why, d, cfg, dtype):
+    q, k, v = _tensors(d=d, dtype=dtype)
+    assert _descriptors(q, k, v, cfg)[0] is False, why
+
+
+def test_env_switch_and_alignment(fake_sm90, monkeypatch):
+    q, k, v = _tensors()
+    cfg = TileConfig(128, 64, 8, 3)
+    monkeypatch.setenv("FLASHATTN_TMA", "0")
+    assert _descriptors(q, k, v, cfg)[0] is False
+    monkeypatch.delenv("FLASHATTN_TMA")
+    # a view starting one element in: its base is not 16-byte aligned
+    flat = torch.randn(k.numel() + 1, dtype=torch.bfloat16)
+    k_off = flat[1:].view(k.shape)
+    assert _descriptors(q, k_off, v, cfg)[0] is False
+    assert _descriptors(q, k, v, cfg)[0] is True
+
+
+def test_varlen_takes_the_pointer_path(fake_sm90):
+    # packed sequences: a tile past a sequence's end would read the next sequence, not zeros
+    assert tma.usable(*_tensors(), varlen=True) is False
+
+
+def test_pointer_provider_turns_descriptors_off():
+    import os
+
+    prepared = providers.get("flashattn-ptr").setup(_case(), *_tensors(d=64))
+    with prepared.context():
+        assert os.environ["FLASHATTN_TMA"] == "0"
+    assert "FLASHATTN_TMA" not in os.environ
+
+
+def _case():
+    from flashattn.bench.case import Case
+
+    return Case(1, 4, 4, 130, 130, 64, False, "bf16", {})
