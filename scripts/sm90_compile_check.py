@@ -66,7 +66,7 @@ from flashattn.ops import configs, tma  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 _entry = configs._table_entry
-configs._table_entry = lambda kernel, block_d, cuda, short=False: _entry(kernel, block_d, True, short)
+configs._table_entry = lambda kernel, block_d, cuda, seqlen=None: _entry(kernel, block_d, True, seqlen)
 _dconf = decode_ops._decode_config
 decode_ops._decode_config = lambda bd, es, paged, dev, env: _dconf(bd, es, paged, "cuda", env)
 merge_ops.sm_count = decode_ops.sm_count = lambda device: 132

@@ -23,13 +23,15 @@ def _no_overrides(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel, d", sorted(_H200))
-def test_short_rows_apply_up_to_short_seqlen_only(kernel, d):
+def test_short_rows_apply_up_to_their_limit_only(kernel, d):
     long_row = _H200[(kernel, d)]
-    short_row = _H200_SHORT.get((kernel, d), long_row)
+    limit, short_row = _H200_SHORT.get((kernel, d), (0, long_row))
+    assert limit <= SHORT_SEQLEN
     assert tile_config(kernel, d, CUDA) == long_row  # no length given: the long row
-    assert tile_config(kernel, d, CUDA, SHORT_SEQLEN) == short_row
-    assert tile_config(kernel, d, CUDA, 1) == short_row
-    assert tile_config(kernel, d, CUDA, SHORT_SEQLEN + 1) == long_row
+    assert tile_config(kernel, d, CUDA, 1) == (short_row if limit else long_row)
+    assert tile_config(kernel, d, CUDA, limit) == (short_row if limit else long_row)
+    assert tile_config(kernel, d, CUDA, limit + 1) == long_row
+    assert tile_config(kernel, d, CUDA, 10**6) == long_row
 
 
 def test_short_rows_differ_where_tuned():
@@ -37,6 +39,8 @@ def test_short_rows_differ_where_tuned():
     assert tile_config("fwd", 128, CUDA, 1024) == TileConfig(64, 64, 4, 3)
     assert tile_config("fwd", 128, CUDA, 4096) == TileConfig(128, 128, 8, 3)
     assert tile_config("dq", 64, CUDA, 2048) == TileConfig(64, 64, 4, 3)
+    assert tile_config("fwd", 64, CUDA, 1024) == TileConfig(64, 64, 4, 3)
+    assert tile_config("fwd", 64, CUDA, 2048) == _H200[("fwd", 64)]  # measured slower at 2K
     assert tile_config("dkdv", 128, CUDA, 1024) == _H200[("dkdv", 128)]
 
 

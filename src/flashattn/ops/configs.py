@@ -39,16 +39,17 @@ _H200 = {
     ("dq", 256): TileConfig(128, 32, 8, 2),
 }
 
-# Sequences of at most SHORT_SEQLEN (max of sq, sk): few key tiles per program, so a program's prologue and
-# epilogue weigh; 64x64 tiles (about 112 KiB of shared memory) let two programs share an SM and overlap them.
-# From `scripts/tune.py --short` (results/h200-2026-11-29-s3/tune_short.json, N = 1K and 2K): forward d=128
-# +8% / +24% at N=1K (causal), +2% / +12% at 2K; d=64 -2% to +7%; the d=64 backward +11% to +18% through the
-# dQ kernel alone. Entries not listed keep the long-sequence row.
-SHORT_SEQLEN = 2048
-_H200_SHORT = {
-    ("fwd", 64): TileConfig(64, 64, 4, 3),
-    ("fwd", 128): TileConfig(64, 64, 4, 3),
-    ("dq", 64): TileConfig(64, 64, 4, 3),
+# Short sequences (max of sq, sk up to the row's limit): few key tiles per program, so a program's prologue
+# and epilogue weigh; 64x64 tiles (about 112 KiB of shared memory) let two programs share an SM and overlap
+# them. From `scripts/tune.py --short` (results/h200-2026-11-29-s3/tune_short.json, N = 1K and 2K): forward
+# d=128 +8% / +24% at N=1K (non-causal / causal), +2% / +12% at 2K; the d=64 backward +11% to +18% through
+# the dQ kernel alone. The d=64 forward gains only at 1K: +2% / +5%, but -8% / -2% at 2K (the bench, long and
+# short rows side by side: results/h200-2026-11-29-s3/recheck). Entries not listed keep the long row.
+SHORT_SEQLEN = 2048  # the longest limit below
+_H200_SHORT = {  # (kernel, head dim) -> (longest sequence it is used for, config)
+    ("fwd", 64): (1024, TileConfig(64, 64, 4, 3)),
+    ("fwd", 128): (2048, TileConfig(64, 64, 4, 3)),
+    ("dq", 64): (2048, TileConfig(64, 64, 4, 3)),
 }
 
 _INTERPRETER = {
@@ -77,16 +78,16 @@ def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | N
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
-    return _table_entry(kernel, block_d, device.type == "cuda", seqlen is not None and seqlen <= SHORT_SEQLEN)
+    short = min(seqlen, SHORT_SEQLEN + 1) if seqlen is not None else None  # few distinct cache keys
+    return _table_entry(kernel, block_d, device.type == "cuda", short)
 
 
-@functools.lru_cache(maxsize=64)
-def _table_entry(kernel: str, block_d: int, cuda: bool, short: bool = False) -> TileConfig:
+@functools.lru_cache(maxsize=128)
+def _table_entry(kernel: str, block_d: int, cuda: bool, seqlen: int | None = None) -> TileConfig:
     # cached: this runs on every call, and small problems are bound by the host-side launch cost
     if not cuda:
         return _INTERPRETER[kernel]
     keys = sorted(d for (k, d) in _H200 if k == kernel)
     key = max([d for d in keys if d <= block_d], default=keys[0])
-    if short and (kernel, key) in _H200_SHORT:
-        return _H200_SHORT[(kernel, key)]
-    return _H200[(kernel, key)]
+    limit, cfg = _H200_SHORT.get((kernel, key), (0, _H200[(kernel, key)]))
+    return cfg if seqlen is not None and seqlen <= limit else _H200[(kernel, key)]
