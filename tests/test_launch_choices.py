@@ -11,7 +11,7 @@ from flashattn.bench import providers
 from flashattn.iomodel import kernel_tiles
 from flashattn.ops import tma
 from flashattn.ops.attention import _problem
-from flashattn.ops.configs import _H200, _H200_SHORT, SHORT_SEQLEN, TileConfig, tile_config
+from flashattn.ops.configs import _H200, _H200_SHORT, TileConfig, tile_config
 
 CUDA = torch.device("cuda")  # the table is read on the host: no GPU needed
 
@@ -26,7 +26,6 @@ def _no_overrides(monkeypatch):
 def test_short_rows_apply_up_to_their_limit_only(kernel, d):
     long_row = _H200[(kernel, d)]
     limit, short_row = _H200_SHORT.get((kernel, d), (0, long_row))
-    assert limit <= SHORT_SEQLEN
     assert tile_config(kernel, d, CUDA) == long_row  # no length given: the long row
     assert tile_config(kernel, d, CUDA, 1) == (short_row if limit else long_row)
     assert tile_config(kernel, d, CUDA, limit) == (short_row if limit else long_row)

@@ -45,12 +45,12 @@ _H200 = {
 # d=128 +8% / +24% at N=1K (non-causal / causal), +2% / +12% at 2K; the d=64 backward +11% to +18% through
 # the dQ kernel alone. The d=64 forward gains only at 1K: +2% / +5%, but -8% / -2% at 2K (the bench, long and
 # short rows side by side: results/h200-2026-11-29-s3/recheck). Entries not listed keep the long row.
-SHORT_SEQLEN = 2048  # the longest limit below
 _H200_SHORT = {  # (kernel, head dim) -> (longest sequence it is used for, config)
     ("fwd", 64): (1024, TileConfig(64, 64, 4, 3)),
     ("fwd", 128): (2048, TileConfig(64, 64, 4, 3)),
     ("dq", 64): (2048, TileConfig(64, 64, 4, 3)),
 }
+_LIMITS = sorted({limit for limit, _ in _H200_SHORT.values()})
 
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
@@ -78,11 +78,12 @@ def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | N
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
-    short = min(seqlen, SHORT_SEQLEN + 1) if seqlen is not None else None  # few distinct cache keys
-    return _table_entry(kernel, block_d, device.type == "cuda", short)
+    # the smallest row limit that covers seqlen (None: long): a handful of distinct cache keys
+    bucket = next((lim for lim in _LIMITS if seqlen is not None and seqlen <= lim), None)
+    return _table_entry(kernel, block_d, device.type == "cuda", bucket)
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=64)
 def _table_entry(kernel: str, block_d: int, cuda: bool, seqlen: int | None = None) -> TileConfig:
     # cached: this runs on every call, and small problems are bound by the host-side launch cost
     if not cuda:
