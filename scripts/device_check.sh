@@ -10,6 +10,7 @@
 #   bash scripts/device_check.sh train_ab                  train grid, TMA vs pointer loads beside the others
 #   bash scripts/device_check.sh final                     leftover GPU tests, the 64K block-sparse row
 #   bash scripts/device_check.sh recheck                   d=64 short forward row; random-5% sparse walk
+#   bash scripts/device_check.sh sparse_rule               block-sparse partial blocks by rule vs bitmask
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -150,5 +151,16 @@ if [ "$stage" = recheck ]; then
     FLASHATTN_CONFIG="$cfg" timeout 60 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd \
       --providers flashattn-sparse --quiet --no-plots --out "$OUT/res/sparse_$tag" 2>&1 | grep -A14 "fwd: ms"
   done
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+# next session, issue 5: partial blocks by rule (the default for causal / window / local + global masks) beside
+# the bitmasks they used until now, and flex, at 16K; then the 64K rows
+if [ "$stage" = sparse_rule ]; then
+  mkdir -p "$OUT/res"
+  timeout 200 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
+    --providers flashattn-sparse,flashattn-sparse-bits,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
+  timeout 120 python3 -m flashattn bench --suite sparse --seqlens 65536 --modes fwd+bwd --quiet --no-plots \
+    --providers flashattn,flashattn-sparse,flashattn-sparse-bits --out "$OUT/res/sparse64k" 2>&1 | tail -12
+  timeout 120 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" | tail -4
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

@@ -18,7 +18,7 @@ from utils import assert_close_to_ref, make_qkv
 import flashattn
 from flashattn.block_sparse import _ops, _torch, block_sparse_attn_func
 from flashattn.block_sparse.reference import masked_attention_ref as dense_mask_attention
-from flashattn.masks import BlockMask
+from flashattn.masks import BlockMask, MaskRule
 
 
 def _leaves(*ts):
@@ -74,6 +74,52 @@ def test_matches_dense_oracle(pattern, dtype):
     sq, sk, bs = 70, 113, (32, 16)
     q, k, v = make_qkv(2, sq, sk, 4, 2, 40, dtype=dtype, generator=torch.Generator().manual_seed(0))
     check_against_oracle(q, k, v, PATTERNS[pattern](sq, sk, bs))
+
+
+RULE_MASKS = {  # the constructors whose partial blocks the Triton kernels compute from a MaskRule
+    "local_global": lambda n, bs: BlockMask.local_global(n, (20, 7), 19, block_size=bs),
+    "local_global_causal": lambda n, bs: BlockMask.local_global(n, 24, 40, causal=True, block_size=bs),
+    "local_global_left_only": lambda n, bs: BlockMask.local_global(n, (30, -1), 5, block_size=bs),
+    "causal": lambda n, bs: BlockMask.causal(n - 9, n, block_size=bs),
+    "window_sq>sk": lambda n, bs: BlockMask.sliding_window(n + 13, n, (11, 3), block_size=bs),
+    "full_tail": lambda n, bs: BlockMask.full(n, n, block_size=bs),
+}
+
+
+@pytest.mark.parametrize("name", RULE_MASKS)
+def test_rule_masks_match_oracle_and_bits(name, monkeypatch):
+    """Partial blocks by the rule (the default for these masks) against the oracle, and bitwise equal to
+    the same call reading the bitmasks (FLASHATTN_SPARSE_RULE=0): the two differ only in where the
+    predicate comes from."""
+    n, bs = 83, (32, 16)
+    mask = RULE_MASKS[name](n, bs)
+    assert mask.to_kernel_tensors().rule is not None
+    sq, sk = mask.seqlen_q, mask.seqlen_k
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 32, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
+    check_against_oracle(q, k, v, mask)
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FLASHATTN_SPARSE_RULE", flag)
+        qq, kk, vv = _leaves(q, k, v)
+        out = block_sparse_attn_func(qq, kk, vv, mask)
+        runs.append((out, *torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))))
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rule_follows_the_mask():
+    lg = BlockMask.local_global(256, (20, 7), 19, causal=True, block_size=32)
+    rule = lg.to_kernel_tensors().rule
+    assert (rule.diag, rule.left, rule.right, rule.global_tokens, rule.global_causal) == (0, 20, 0, 19, True)
+    assert BlockMask.causal(100, 160).to_kernel_tensors().rule.as_list() == [1, 60, -1, 0, 0, 0]
+    assert BlockMask.sliding_window(50, 50, (-1, 4)).to_kernel_tensors().rule.as_list() == [1, 0, -1, 4, 0, 0]
+    assert MaskRule.from_list(rule.as_list()) == rule and MaskRule.from_list(MaskRule.NONE) is None
+    # kept where the element mask is unchanged, dropped where it is rebuilt from bits
+    assert lg.with_block_size(64).to_kernel_tensors().rule == rule
+    assert lg.to("cpu").to_kernel_tensors().rule == rule
+    assert (lg & BlockMask.causal(256, 256, block_size=32)).to_kernel_tensors().rule is None
+    assert BlockMask.from_dense(lg.to_dense(), block_size=32).to_kernel_tensors().rule is None
+    assert BlockMask.strided(256, 16, block_size=32).to_kernel_tensors().rule is None
 
 
 @pytest.mark.parametrize("softcap,scale", [(3.0, None), (0.0, 0.3), (1.5, 0.9)])
@@ -256,7 +302,7 @@ def test_opcheck():
     q, k, v = make_qkv(1, 40, 56, 2, 1, 16, generator=torch.Generator().manual_seed(10))
     q, k, v = _leaves(q, k, v)
     kt = BlockMask.sliding_window(40, 56, (10, 10), block_size=16).to_kernel_tensors()
-    args = (q, k, v, kt.tensors(), kt.block_m, kt.block_n, 0.25, 1.0, 0.0)
+    args = (q, k, v, kt.tensors(), kt.block_m, kt.block_n, kt.rule.as_list(), 0.25, 1.0, 0.0)
     # aot_dispatch is what test_torch_compile_fullgraph_matches_eager exercises, at a fraction of the cost
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(_ops.block_sparse_fwd, args, test_utils=utils)

@@ -124,3 +124,17 @@ def _case():
     from flashattn.bench.case import Case
 
     return Case(1, 4, 4, 130, 130, 64, False, "bf16", {})
+
+
+def test_bits_provider_turns_the_rule_off():
+    import os
+
+    from flashattn.bench.case import Case
+
+    case = Case(1, 2, 2, 256, 256, 32, False, "fp32",
+                {"pattern": "local_global", "target_density": 0.5, "window": 32, "global_tokens": 128})
+    q, k, v = (torch.randn(1, 256, 2, 32) for _ in range(3))
+    prepared = providers.get("flashattn-sparse-bits").setup(case, q, k, v)
+    with prepared.context():
+        assert os.environ["FLASHATTN_SPARSE_RULE"] == "0"
+    assert "FLASHATTN_SPARSE_RULE" not in os.environ

@@ -1,7 +1,8 @@
 """Block-sparse attention as torch.library ops (flashattn::block_sparse_fwd / _bwd) with their autograd.
 
-The mask travels as the list of kernel tensors (BlockMaskKernelTensors.TENSORS order) plus the block size,
-so the ops take tensors and scalars only and torch.compile traces them without a graph break. The op bodies
+The mask travels as the list of kernel tensors (BlockMaskKernelTensors.TENSORS order) plus the block size
+and its rule as a list of ints (MaskRule.as_list, or MaskRule.NONE), so the ops take tensors and scalars
+only and torch.compile traces them without a graph break. The op bodies
 call the launchers chosen by `launchers(q)`, the one place that decides between the Triton kernels and the
 torch path.
 """
@@ -16,7 +17,7 @@ from torch import Tensor
 from flashattn.autograd import _draw_rng_state
 from flashattn.backend import backend_name
 from flashattn.block_sparse import _torch
-from flashattn.masks import BlockMaskKernelTensors
+from flashattn.masks import BlockMaskKernelTensors, MaskRule
 
 _TRITON_LAUNCHERS = "flashattn.ops.block_sparse"
 
@@ -30,8 +31,9 @@ def launchers(q: Tensor):
     return _torch
 
 
-def _kernel_tensors(q, k, mask, block_m, block_n) -> BlockMaskKernelTensors:
-    return BlockMaskKernelTensors.from_tensors(mask, block_m, block_n, q.shape[1], k.shape[1])
+def _kernel_tensors(q, k, mask, block_m, block_n, rule) -> BlockMaskKernelTensors:
+    return BlockMaskKernelTensors.from_tensors(mask, block_m, block_n, q.shape[1], k.shape[1],
+                                               MaskRule.from_list(rule))
 
 
 def _options(softmax_scale, softcap, dropout_p, rng_state):
@@ -42,21 +44,21 @@ def _options(softmax_scale, softcap, dropout_p, rng_state):
 
 @torch.library.custom_op("flashattn::block_sparse_fwd", mutates_args=())
 def block_sparse_fwd(
-    q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], block_m: int, block_n: int, softmax_scale: float,
-    softcap: float, dropout_p: float,
+    q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], block_m: int, block_n: int, rule: list[int],
+    softmax_scale: float, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rng_state = torch.zeros(2, dtype=torch.int64)
     if dropout_p > 0:
         b, sq, h, _ = q.shape
         rng_state = _draw_rng_state(q.device, b * h * sq * k.shape[1])
-    kt = _kernel_tensors(q, k, mask, block_m, block_n)
+    kt = _kernel_tensors(q, k, mask, block_m, block_n, rule)
     out, lse = launchers(q).block_sparse_forward(q, k, v, kt, **_options(softmax_scale, softcap, dropout_p,
                                                                           rng_state))
     return out, lse, rng_state
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, mask, block_m, block_n, softmax_scale, softcap, dropout_p):
+def _(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p):
     b, sq, h, _ = q.shape
     out = q.new_empty((b, sq, h, v.shape[-1]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -66,16 +68,17 @@ def _(q, k, v, mask, block_m, block_n, softmax_scale, softcap, dropout_p):
 @torch.library.custom_op("flashattn::block_sparse_bwd", mutates_args=())
 def block_sparse_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
-    mask: list[Tensor], block_m: int, block_n: int, softmax_scale: float, softcap: float, dropout_p: float,
+    mask: list[Tensor], block_m: int, block_n: int, rule: list[int], softmax_scale: float, softcap: float,
+    dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    kt = _kernel_tensors(q, k, mask, block_m, block_n)
+    kt = _kernel_tensors(q, k, mask, block_m, block_n, rule)
     dq, dk, dv = launchers(q).block_sparse_backward(dout, q, k, v, out, lse, kt, **_options(
         softmax_scale, softcap, dropout_p, rng_state))
     return dq, dk, dv
 
 
 @block_sparse_bwd.register_fake
-def _(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, softmax_scale, softcap, dropout_p):
+def _(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -90,7 +93,7 @@ def _backward(ctx, dout, dlse, drng):
     # like flash_attn, the LSE output is not differentiated
     q, k, v, out, lse, rng_state, *mask = ctx.saved_tensors
     dq, dk, dv = block_sparse_bwd(dout, q, k, v, out, lse, rng_state, mask, *ctx.scalars)
-    return dq, dk, dv, [None] * len(mask), None, None, None, None, None
+    return dq, dk, dv, [None] * len(mask), None, None, None, None, None, None
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -65,8 +65,10 @@ def _dkdv_tile(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
     q_desc=None, do_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
+    glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False,
 ):
-    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
+    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
+    # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
     # USE_TMA: Q/dO tiles come through tensor descriptors (load_rows), the padded layout only
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_rows(q_base, q_desc, desc_b, desc_h, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM,
@@ -77,7 +79,7 @@ def _dkdv_tile(
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s_t, t_t = tile_scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_k, diag, left, right, qk_scale,
                                cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP,
-                               HAS_ALIBI, False)
+                               HAS_ALIBI, False, glob, HAS_GLOBAL, GLOBAL_CAUSAL)
         if MASK_BITS:
             keep_t = bits_keep(bits_base, offs_m[None, :], offs_n[:, None], bits_row0, bits_col0, BITS_BYTES)
             s_t = tl.where(keep_t, s_t, float("-inf"))
@@ -203,8 +205,10 @@ def _dq_tile(
     DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
     k_desc=None, v_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
+    glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False,
 ):
-    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
+    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
+    # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
     # USE_TMA: K/V tiles come through tensor descriptors (load_rows), the padded layout only
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASK_BITS:
@@ -219,7 +223,7 @@ def _dq_tile(
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, t = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
                            cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                           True)
+                           True, glob, HAS_GLOBAL, GLOBAL_CAUSAL)
         if MASK_BITS:
             keep = bits_keep(bits_base, offs_m[:, None], offs_n[None, :], bits_row0, bits_col0, BITS_BYTES)
             s = tl.where(keep, s, float("-inf"))

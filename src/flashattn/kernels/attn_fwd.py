@@ -36,8 +36,10 @@ def _fwd_tile(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
     k_desc=None, v_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
+    glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False,
 ):
-    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py)
+    # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
+    # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
     # USE_TMA: K/V tiles come through tensor descriptors (load_rows), the padded layout only
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASK_BITS:
@@ -49,7 +51,7 @@ def _fwd_tile(
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, _ = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
                            cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                           True)
+                           True, glob, HAS_GLOBAL, GLOBAL_CAUSAL)
         if MASK_BITS:
             keep = bits_keep(bits_base, offs_m[:, None], offs_n[None, :], bits_row0, bits_col0, BITS_BYTES)
             s = tl.where(keep, s, float("-inf"))

@@ -3,9 +3,11 @@ program walks the block lists of a flashattn.BlockMask instead of a contiguous k
 K/V (or Q/dO) tiles of empty blocks are never loaded.
 
 Mask tensors (the kernel contract in flashattn/masks/_kernel.py, all contiguous): a (batch, head) slab of the
-mask is slab = (b % MB)·MH + h % MH (MB, MH are 1 when the mask broadcasts). Full blocks need no predicate;
-partial blocks read their element predicate from a (SPARSE_M, SPARSE_N / 8) bitmask. Kernel tiles subdivide
-mask blocks: BLOCK_M divides SPARSE_M and BLOCK_N divides SPARSE_N.
+mask is slab = (b % MB)·MH + h % MH (MB, MH are 1 when the mask broadcasts). Full blocks need no predicate.
+Partial blocks get their element predicate one of two ways (PART_BY): 1, from a (SPARSE_M, SPARSE_N / 8)
+bitmask (any mask); 2, computed in the kernel from the mask's rule (causal, sliding-window and local +
+global masks: a window around the diagonal, plus global tokens), which skips the bitmask loads. Kernel
+tiles subdivide mask blocks: BLOCK_M divides SPARSE_M and BLOCK_N divides SPARSE_N.
 """
 
 import triton
@@ -36,24 +38,27 @@ def _next_tile(start, j, idx_base, num, SUBS: tl.constexpr, SPARSE: tl.constexpr
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k,
                 qk_scale, cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p,
-                idx_base, num, bits_base, row0,
+                idx_base, num, bits_base, row0, rule_diag, rule_left, rule_right, rule_glob,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PARTIAL: tl.constexpr,
-                DOT_PREC: tl.constexpr):
-    """Online softmax over the key blocks idx_base[0:num] (partial ones with their bitmasks)."""
+                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PART_BY: tl.constexpr,
+                RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
+                RULE_GLOBAL_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax over the key blocks idx_base[0:num]: full ones (PART_BY 0), partial ones with their
+    bitmasks (1) or with the mask's rule (2)."""
     SUBS: tl.constexpr = SPARSE_N // BLOCK_N
     # one flat loop over (block, kernel tile) pairs: Triton pipelines only innermost loops, and a nested loop
     # of SUBS = 2 tiles would drain the pipeline at every block
     start_n = _first_tile(idx_base, num, SPARSE_N)
     for j in range(num * SUBS):
         acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n,
-            offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset,
-            rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False,
-            False, HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, offs_m, offs_d, offs_dv,
+            seqlen_k, rule_diag, rule_left, rule_right, qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset,
+            rng_row_base, seqlen_k, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, PART_BY == 2,
+            RULE_LEFT, RULE_RIGHT, HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC,
             bits_base + (j // SUBS) * (SPARSE_M * SPARSE_N // 8), row0, start_n // SPARSE_N * SPARSE_N,
-            SPARSE_N // 8, PARTIAL,
+            SPARSE_N // 8, PART_BY == 1, glob=rule_glob, HAS_GLOBAL=RULE_GLOBAL,
+            GLOBAL_CAUSAL=RULE_GLOBAL_CAUSAL,
         )
         start_n = _next_tile(start_n, j, idx_base, num, SUBS, SPARSE_N, BLOCK_N)
     return acc, l_i, m_i
@@ -65,10 +70,12 @@ def sparse_fwd_kernel(
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
-    MB, MH, n_qblocks, max_full, max_part,
+    MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right, rule_glob,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
+    RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
@@ -90,19 +97,21 @@ def sparse_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # -- full blocks first: no predicate; then the partial ones with their bitmasks
+    # -- full blocks first: no predicate; then the partial ones (bitmasks or the rule)
     acc, l_i, m_i = _fwd_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k, qk_scale,
         cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p, FULL_IDX + row * max_full,
-        tl.load(FULL_NUM + row), PART_BITS, mq * SPARSE_M, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
-        SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, False, DOT_PREC,
+        tl.load(FULL_NUM + row), PART_BITS, mq * SPARSE_M, rule_diag, rule_left, rule_right, rule_glob,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, 0,
+        RULE_LEFT, RULE_RIGHT, RULE_GLOBAL, RULE_GLOBAL_CAUSAL, DOT_PREC,
     )
     acc, l_i, m_i = _fwd_blocks(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k, qk_scale,
         cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p, PART_IDX + row * max_part,
         tl.load(PART_NUM + row), PART_BITS + row * max_part * (SPARSE_M * SPARSE_N // 8), mq * SPARSE_M,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, True,
-        DOT_PREC,
+        rule_diag, rule_left, rule_right, rule_glob, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV,
+        SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, PART_BY, RULE_LEFT, RULE_RIGHT, RULE_GLOBAL,
+        RULE_GLOBAL_CAUSAL, DOT_PREC,
     )
     out, lse = fwd_finish(acc, l_i, m_i, None, off_h, dropout_p, False, HAS_DROPOUT)
     tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
@@ -119,9 +128,12 @@ def sparse_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
     sm_scale, MB, MH, n_qblocks, n_kblocks, max_part, max_qfull, max_qpart,
+    rule_diag, rule_left, rule_right, rule_glob,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
+    RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
@@ -158,19 +170,24 @@ def sparse_dkdv_kernel(
                 HAS_DROPOUT, DOT_PREC,
             )
             start_m = _next_tile(start_m, j, Q_FULL_IDX + col * max_qfull, num, SUBS, SPARSE_M, BLOCK_M)
-        # -- partially: the bitmask of the pair (mb, nk) sits in slot q_part_slot of query block mb's list
+        # -- partially: by the rule, or by the bitmask of the pair (mb, nk), in slot q_part_slot of query
+        # block mb's list
         num = tl.load(Q_PART_NUM + col)
         start_m = _first_tile(Q_PART_IDX + col * max_qpart, num, SPARSE_M)
         for j in range(num * SUBS):
             mb = start_m // SPARSE_M
-            slot = tl.load(Q_PART_SLOT + col * max_qpart + j // SUBS)
-            bits = PART_BITS + ((slab * n_qblocks + mb) * max_part + slot) * (SPARSE_M * SPARSE_N // 8)
+            if PART_BY == 1:
+                slot = tl.load(Q_PART_SLOT + col * max_qpart + j // SUBS)
+                bits = PART_BITS + ((slab * n_qblocks + mb) * max_part + slot) * (SPARSE_M * SPARSE_N // 8)
+            else:
+                bits = PART_BITS
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, q_base, do_base, LSE + row_base, Delta + row_base, stride_qm, stride_dom,
-                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
+                start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, rule_diag, rule_left, rule_right,
                 qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
-                HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8, True,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, PART_BY == 2, RULE_LEFT, RULE_RIGHT,
+                HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8,
+                PART_BY == 1, glob=rule_glob, HAS_GLOBAL=RULE_GLOBAL, GLOBAL_CAUSAL=RULE_GLOBAL_CAUSAL,
             )
             start_m = _next_tile(start_m, j, Q_PART_IDX + col * max_qpart, num, SUBS, SPARSE_M, BLOCK_M)
     store_tile(DK + off_b64 * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,
@@ -182,22 +199,24 @@ def sparse_dkdv_kernel(
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, seqlen_k,
                qk_scale, cap_in, cap_out, rng_seed, rng_offset, rng_row_base, dropout_p,
-               idx_base, num, bits_base, row0,
+               idx_base, num, bits_base, row0, rule_diag, rule_left, rule_right, rule_glob,
                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PARTIAL: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PART_BY: tl.constexpr,
+               RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
+               RULE_GLOBAL_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused: block-sparse attention has no sink
     SUBS: tl.constexpr = SPARSE_N // BLOCK_N
     start_n = _first_tile(idx_base, num, SPARSE_N)
     for j in range(num * SUBS):  # flat, the next tile's start carried: see _fwd_blocks, _next_tile
         dq, pdp = _dq_tile(
             dq, pdp, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn,
-            start_n, offs_m, offs_d, offs_dv, seqlen_k, 0, 0, 0, qk_scale,
+            start_n, offs_m, offs_d, offs_dv, seqlen_k, rule_diag, rule_left, rule_right, qk_scale,
             cap_in, cap_out, 0.0, rng_seed, rng_offset, rng_row_base, seqlen_k, dropout_p, HEAD_DIM,
-            HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False, HAS_DROPOUT,
-            False, DOT_PREC, bits_base + (j // SUBS) * (SPARSE_M * SPARSE_N // 8), row0,
-            start_n // SPARSE_N * SPARSE_N, SPARSE_N // 8, PARTIAL,
+            HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, PART_BY == 2, RULE_LEFT, RULE_RIGHT, HAS_SOFTCAP, False,
+            HAS_DROPOUT, False, DOT_PREC, bits_base + (j // SUBS) * (SPARSE_M * SPARSE_N // 8), row0,
+            start_n // SPARSE_N * SPARSE_N, SPARSE_N // 8, PART_BY == 1, glob=rule_glob,
+            HAS_GLOBAL=RULE_GLOBAL, GLOBAL_CAUSAL=RULE_GLOBAL_CAUSAL,
         )
         start_n = _next_tile(start_n, j, idx_base, num, SUBS, SPARSE_N, BLOCK_N)
     return dq
@@ -209,10 +228,12 @@ def sparse_dq_kernel(
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset, sm_scale,
-    MB, MH, n_qblocks, max_full, max_part,
+    MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right, rule_glob,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
+    RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
@@ -237,14 +258,16 @@ def sparse_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
                     seqlen_k, qk_scale, cap_in, cap_out, rng_seed, rng_offset, row_base, dropout_p,
-                    FULL_IDX + row * max_full, tl.load(FULL_NUM + row), PART_BITS, mq * SPARSE_M, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP,
-                    HAS_DROPOUT, False, DOT_PREC)
+                    FULL_IDX + row * max_full, tl.load(FULL_NUM + row), PART_BITS, mq * SPARSE_M, rule_diag,
+                    rule_left, rule_right, rule_glob, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D,
+                    BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, 0, RULE_LEFT, RULE_RIGHT,
+                    RULE_GLOBAL, RULE_GLOBAL_CAUSAL, DOT_PREC)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
                     seqlen_k, qk_scale, cap_in, cap_out, rng_seed, rng_offset, row_base, dropout_p,
                     PART_IDX + row * max_part, tl.load(PART_NUM + row),
-                    PART_BITS + row * max_part * (SPARSE_M * SPARSE_N // 8), mq * SPARSE_M, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP,
-                    HAS_DROPOUT, True, DOT_PREC)
+                    PART_BITS + row * max_part * (SPARSE_M * SPARSE_N // 8), mq * SPARSE_M, rule_diag,
+                    rule_left, rule_right, rule_glob, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D,
+                    BLOCK_DV, SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, PART_BY, RULE_LEFT, RULE_RIGHT,
+                    RULE_GLOBAL, RULE_GLOBAL_CAUSAL, DOT_PREC)
     store_tile(DQ + off_b64 * stride_dqb + off_h64 * stride_dqh, dq * sm_scale, offs_m, offs_d, stride_dqm,
                seqlen_q, HEAD_DIM)

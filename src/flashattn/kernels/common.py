@@ -118,12 +118,15 @@ def query_range(start_n, seqlen_q, diag, left, right, BLOCK_M: tl.constexpr, BLO
 @triton.jit
 def tile_scores(qk, qi, kj, seqlen_k, diag, left, right, qk_scale, cap_in, cap_out, slope,
                 MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, CHECK_KEYS: tl.constexpr):
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, CHECK_KEYS: tl.constexpr,
+                glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False):
     """Base-2 scores of a tile of raw q·k products, and tanh(·) of the softcap (for its derivative).
 
     qi, kj: query and key indices broadcastable to qk's shape (either orientation, so the dK/dV pass can work
     on transposed tiles). Masked entries are -inf. softcap: s = c·tanh(scale·qk / c), cap_in = scale / c,
     cap_out = c / ln 2. ALiBi subtracts slope·|i + diag - j| (slope already in base 2).
+    HAS_GLOBAL (block-sparse local + global masks): the first `glob` keys and queries are also visible,
+    only where j <= i + diag when GLOBAL_CAUSAL.
     """
     if HAS_SOFTCAP:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): one exp2, saturates to ±1 without NaN
@@ -137,14 +140,18 @@ def tile_scores(qk, qi, kj, seqlen_k, diag, left, right, qk_scale, cap_in, cap_o
     if MASKED:
         # keys past seqlen_k read as zero rows; they must not reach the forward's softmax nor dQ (where
         # exp2(0 - lse) can overflow against a very negative lse), but the dK/dV pass never stores their rows
-        if WINDOW_RIGHT:
-            keep = kj <= qi + diag + right
-            if WINDOW_LEFT:
-                keep = keep & (kj >= qi + diag - left)
-            if CHECK_KEYS:
-                keep = keep & (kj < seqlen_k)
-        elif WINDOW_LEFT:
-            keep = kj >= qi + diag - left
+        if WINDOW_RIGHT or WINDOW_LEFT:
+            if WINDOW_RIGHT:
+                keep = kj <= qi + diag + right
+                if WINDOW_LEFT:
+                    keep = keep & (kj >= qi + diag - left)
+            else:
+                keep = kj >= qi + diag - left
+            if HAS_GLOBAL:
+                seen = (kj < glob) | (qi < glob)
+                if GLOBAL_CAUSAL:
+                    seen = seen & (kj <= qi + diag)
+                keep = keep | seen
             if CHECK_KEYS:
                 keep = keep & (kj < seqlen_k)
         else:

@@ -46,6 +46,36 @@ def block_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
+class MaskRule:
+    """The element predicate of a causal, sliding-window or local + global mask, in the form the Triton
+    kernels evaluate for partial blocks instead of reading their bits. Query i sees key j iff
+
+        (j >= i + diag - left, when left >= 0) and (j <= i + diag + right, when right >= 0)
+        or ((j < global_tokens or i < global_tokens) and (j <= i + diag, when global_causal))
+
+    (a window with neither side bounded sees everything). Bits are still built: every other backend and
+    to_dense read them."""
+
+    diag: int
+    left: int  # -1: unbounded
+    right: int  # -1: unbounded
+    global_tokens: int = 0
+    global_causal: bool = False
+
+    NONE = (0, 0, 0, 0, 0, 0)  # as_list of no rule: always six ints (autograd takes an empty list apart)
+
+    def as_list(self) -> list[int]:
+        """The ints the registered ops carry (torch.library takes no dataclasses): a 1, then the fields."""
+        return [1, self.diag, self.left, self.right, self.global_tokens, int(self.global_causal)]
+
+    @classmethod
+    def from_list(cls, values) -> MaskRule | None:
+        """The inverse of as_list; NONE (a leading 0) is no rule."""
+        has, diag, left, right, glob, causal = (int(v) for v in values)
+        return cls(diag, left, right, glob, bool(causal)) if has else None
+
+
+@dataclass(frozen=True)
 class BlockMaskKernelTensors:
     """What the block-sparse kernels read. All tensors int32 (part_bits uint8), contiguous, on one device.
 
@@ -71,6 +101,9 @@ class BlockMaskKernelTensors:
     it sees all block_n keys, so a block holding keys >= seqlen_k is never full (always partial when
     visible): full blocks may be processed with no predicate at all, and rows >= seqlen_q of a full block
     are harmless because the kernels never store them (their LSE is +inf in the backward).
+
+    rule: the mask's MaskRule when it has one (causal, sliding_window, local_global, full): the Triton kernels
+    then compute the predicate of partial blocks rather than load part_bits.
     """
 
     kv_full_num: torch.Tensor
@@ -87,6 +120,7 @@ class BlockMaskKernelTensors:
     block_n: int
     seqlen_q: int
     seqlen_k: int
+    rule: MaskRule | None = None
 
     TENSORS = (
         "kv_full_num", "kv_full_idx", "kv_part_num", "kv_part_idx", "part_bits",
@@ -110,8 +144,10 @@ class BlockMaskKernelTensors:
         return [getattr(self, name) for name in self.TENSORS]
 
     @classmethod
-    def from_tensors(cls, tensors, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int):
-        return cls(*tensors, block_m=block_m, block_n=block_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    def from_tensors(cls, tensors, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                     rule: MaskRule | None = None):
+        return cls(*tensors, block_m=block_m, block_n=block_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                   rule=rule)
 
     def to(self, device) -> BlockMaskKernelTensors:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

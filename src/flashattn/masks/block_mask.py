@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
 
 import torch
 
 from . import _patterns as P
-from ._kernel import EMPTY, FULL, PARTIAL, BlockMaskKernelTensors, _check_lists, kernel_tensors, unpack_bits
+from ._kernel import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    BlockMaskKernelTensors,
+    MaskRule,
+    _check_lists,
+    kernel_tensors,
+    unpack_bits,
+)
 
 _MIN_BLOCK, _MAX_BLOCK = 16, 256
 
@@ -86,9 +96,12 @@ class BlockMask:
     the attention call's batch / number of query heads.
     """
 
-    def __init__(self, state, part_index, part_bits, seqlen_q: int, seqlen_k: int, block_size):
+    def __init__(self, state, part_index, part_bits, seqlen_q: int, seqlen_k: int, block_size,
+                 rule: MaskRule | None = None):
         # the canonical form (use the constructors): state int8 (B, H, Mq, Nk) of EMPTY / PARTIAL / FULL,
-        # part_index int32 (B, H, Mq, Nk) = row of part_bits (P, block_m, block_n // 8) or -1
+        # part_index int32 (B, H, Mq, Nk) = row of part_bits (P, block_m, block_n // 8) or -1; rule: the
+        # element predicate in closed form (causal / window / local + global), for the Triton kernels
+        self._rule = rule
         self._state = state
         self._part_index = part_index
         self._part_bits = part_bits
@@ -124,23 +137,26 @@ class BlockMask:
         return P.Geometry(self.seqlen_q, self.seqlen_k, bm, bn, self.device)
 
     @classmethod
-    def _build(cls, pattern: P.Pattern, seqlen_q, seqlen_k, block_size, device, batch=1, heads=1):
+    def _build(cls, pattern: P.Pattern, seqlen_q, seqlen_k, block_size, device, batch=1, heads=1,
+               rule: MaskRule | None = None):
         bm, bn = _block_size(block_size)
         g = P.Geometry(_length("seqlen_q", seqlen_q), _length("seqlen_k", seqlen_k), bm, bn,
                        torch.device(device))
-        return cls(*P.materialize(pattern, g, batch, heads), g.seqlen_q, g.seqlen_k, (bm, bn))
+        return cls(*P.materialize(pattern, g, batch, heads), g.seqlen_q, g.seqlen_k, (bm, bn), rule)
 
     # -- constructors
     @classmethod
     def full(cls, seqlen_q: int, seqlen_k: int, block_size=(128, 128), device=None) -> BlockMask:
         """Every query sees every key (dense attention as a block mask)."""
-        return cls._build(P.band(0, None, None), seqlen_q, seqlen_k, block_size, _device(device))
+        return cls._build(P.band(0, None, None), seqlen_q, seqlen_k, block_size, _device(device),
+                          rule=MaskRule(0, -1, -1))
 
     @classmethod
     def causal(cls, seqlen_q: int, seqlen_k: int, block_size=(128, 128), device=None) -> BlockMask:
         """Query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned)."""
         diag = _length("seqlen_k", seqlen_k) - _length("seqlen_q", seqlen_q)
-        return cls._build(P.band(diag, None, 0), seqlen_q, seqlen_k, block_size, _device(device))
+        return cls._build(P.band(diag, None, 0), seqlen_q, seqlen_k, block_size, _device(device),
+                          rule=MaskRule(diag, -1, 0))
 
     @classmethod
     def sliding_window(cls, seqlen_q: int, seqlen_k: int, window=(-1, -1), causal: bool = False,
@@ -153,7 +169,9 @@ class BlockMask:
         if causal:
             right = 0 if right is None else min(right, 0)
         diag = _length("seqlen_k", seqlen_k) - _length("seqlen_q", seqlen_q)
-        return cls._build(P.band(diag, left, right), seqlen_q, seqlen_k, block_size, _device(device))
+        rule = MaskRule(diag, -1 if left is None else left, -1 if right is None else right)
+        return cls._build(P.band(diag, left, right), seqlen_q, seqlen_k, block_size, _device(device),
+                          rule=rule)
 
     @classmethod
     def local_global(cls, seqlen: int, window, global_tokens: int, causal: bool = False,
@@ -172,7 +190,10 @@ class BlockMask:
         pattern = P.band(0, left, right) | P.key_prefix(g) | P.query_prefix(g)
         if causal:
             pattern = pattern & P.band(0, None, 0)
-        return cls._build(pattern, seqlen, seqlen, block_size, _device(device))
+            # (band | globals) & causal = (band & causal) | (globals & causal)
+            right = 0 if right is None else min(right, 0)
+        rule = MaskRule(0, -1 if left is None else left, -1 if right is None else right, g, causal)
+        return cls._build(pattern, seqlen, seqlen, block_size, _device(device), rule=rule)
 
     @classmethod
     def strided(cls, seqlen: int, stride: int, causal: bool = True, block_size=(128, 128),
@@ -410,14 +431,14 @@ class BlockMask:
         if bs == self.block_size:
             return self
         return BlockMask._build(self._as_pattern(), self.seqlen_q, self.seqlen_k, bs, self.device,
-                                *self._state.shape[:2])
+                                *self._state.shape[:2], rule=self._rule)
 
     def to(self, device) -> BlockMask:
         device = torch.device(device)
         if device == self.device:
             return self
         return BlockMask(self._state.to(device), self._part_index.to(device), self._part_bits.to(device),
-                         self.seqlen_q, self.seqlen_k, self.block_size)
+                         self.seqlen_q, self.seqlen_k, self.block_size, self._rule)
 
     # -- inspection
     def to_dense(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -473,6 +494,7 @@ class BlockMask:
             if own is None:
                 own = kernel_tensors(self._state, self._part_index, self._part_bits, *self.block_size,
                                      self.seqlen_q, self.seqlen_k)
+                own = dataclasses.replace(own, rule=self._rule)
                 self._kernel_cache[str(self.device)] = own
             kt = own if device == self.device else own.to(device)
             self._kernel_cache[key] = kt

@@ -4,6 +4,8 @@ Same signatures as flashattn.block_sparse._torch (flashattn.block_sparse._ops pi
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
 """
 
+import os
+
 import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
@@ -31,6 +33,19 @@ def _common(q, k, v, kt, softmax_scale, softcap, dropout_p, rng_seed, rng_offset
     return b, sq, h, block_d, flags, scalars, mask_dims
 
 
+def _rule(kt) -> tuple[tuple[int, int, int, int], dict]:
+    """(runtime ints, constexpr flags) that tell the kernels how partial blocks get their predicate: the
+    mask's MaskRule when it has one (FLASHATTN_SPARSE_RULE=0 forces the bitmasks, for A/B timing), else
+    bits."""
+    r = kt.rule
+    if r is None or os.environ.get("FLASHATTN_SPARSE_RULE", "1") == "0":
+        return (0, 0, 0, 0), dict(PART_BY=1, RULE_LEFT=False, RULE_RIGHT=False, RULE_GLOBAL=False,
+                                  RULE_GLOBAL_CAUSAL=False)
+    return (r.diag, r.left, r.right, r.global_tokens), dict(
+        PART_BY=2, RULE_LEFT=r.left >= 0, RULE_RIGHT=r.right >= 0, RULE_GLOBAL=r.global_tokens > 0,
+        RULE_GLOBAL_CAUSAL=r.global_causal)
+
+
 def _tiles(kernel, block_d, device, kt):
     """The table's tile config, shrunk so that kernel tiles subdivide the mask's blocks (powers of two)."""
     cfg = tile_config(kernel, block_d, device)
@@ -50,11 +65,13 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     block_m, block_n, cfg = _tiles("fwd", block_d, q.device, kt)
+    rule_args, rule_flags = _rule(kt)
     sparse_fwd_kernel[(host.cdiv(sq, block_m), b * h)](
         q, k, v, out, lse, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), h, sq, k.shape[1], *scalars,
-        mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3],
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -74,6 +91,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False,
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
+    rule_args, rule_flags = _rule(kt)
     block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
     sparse_dkdv_kernel[(host.cdiv(sk, block_n), b * hk)](
         q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
@@ -81,7 +99,8 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
         h, hk, sq, sk, *scalars, softmax_scale,
         mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *rule_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
     sparse_dq_kernel[(host.cdiv(sq, block_m), b * h)](
@@ -89,7 +108,8 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         kt.part_bits,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq),
         h, sq, sk, *scalars, softmax_scale,
-        mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3],
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return dq, dk, dv

@@ -1,6 +1,7 @@
 """Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex.
 
-`flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask; `flex-sparse` runs
+`flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (`flashattn-sparse-bits`:
+the same, its partial blocks reading bitmasks even where the mask has a rule); `flex-sparse` runs
 torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and a mask_mod of the
 same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel is the plain
 `flashattn` provider; the suite skips it where it cannot express the mask. The mask is described by the
@@ -24,7 +25,7 @@ import torch
 from flashattn.masks._kernel import FULL, PARTIAL
 
 from ..case import Case
-from .base import Prepared, Provider, make_leaves
+from .base import Prepared, Provider, env_var, make_leaves
 from .flex import _compiled_flex
 
 BLOCK = 128
@@ -171,6 +172,12 @@ def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: tor
     return Prepared(fwd=lambda: flashattn.block_sparse_attn_func(qb, kb, vb, mask), leaves=leaves)
 
 
+def _setup_flashattn_sparse_bits(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    prepared = _setup_flashattn_sparse(case, q, k, v)
+    prepared.context = lambda: env_var("FLASHATTN_SPARSE_RULE", "0")
+    return prepared
+
+
 def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -187,6 +194,9 @@ def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 PROVIDERS = [
     Provider("flashattn-sparse", _setup_flashattn_sparse,
              "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
+    Provider("flashattn-sparse-bits", _setup_flashattn_sparse_bits,
+             "the same with FLASHATTN_SPARSE_RULE=0: partial blocks read their bitmasks even when the mask "
+             "has a rule (A/B timing)"),
     Provider("flex-sparse", _setup_flex_sparse,
              "torch.compile(flex_attention) with our BlockMask's block lists and the same element rule"),
 ]
