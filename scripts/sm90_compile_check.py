@@ -62,6 +62,7 @@ import flashattn.ops.attention  # noqa: E402, F401
 import flashattn.ops.block_sparse  # noqa: E402, F401
 import flashattn.ops.decode as decode_ops  # noqa: E402
 import flashattn.ops.merge as merge_ops  # noqa: E402
+from flashattn.bench.providers.base import env_var  # noqa: E402
 from flashattn.ops import configs, tma  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -81,21 +82,15 @@ def _t(*shape, dtype=torch.bfloat16, grad=False):
 
 def _fwd_bwd(fn, *tensors, tma_path="1", **kw):
     # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths)
-    os.environ["FLASHATTN_TMA"] = tma_path
-    try:
+    with env_var("FLASHATTN_TMA", tma_path):
         out = fn(*tensors, **kw)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
-    finally:
-        os.environ.pop("FLASHATTN_TMA")
 
 
 def _with_config(spec, fn, *args, **kw):
-    os.environ["FLASHATTN_CONFIG"] = spec
-    try:
+    with env_var("FLASHATTN_CONFIG", spec):
         fn(*args, **kw)
-    finally:
-        os.environ.pop("FLASHATTN_CONFIG")
 
 
 QUICK = "--quick" in sys.argv  # bf16 at the table's head dims only: the CI test's subset

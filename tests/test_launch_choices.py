@@ -57,9 +57,8 @@ def _tensors(b=1, s=130, h=4, d=128, dtype=torch.bfloat16):
     return [torch.randn(b, s, h, d, dtype=dtype) for _ in range(3)]
 
 
-def _descriptors(q, k, v, cfg, varlen=False, **kw):
-    pb = _problem(q, k, v, 0.1, False, (-1, -1), 0.0, None, 0.0, 0, 0,
-                  torch.zeros(2, dtype=torch.int32) if varlen else None, 130, 130)
+def _descriptors(q, k, v, cfg):
+    pb = _problem(q, k, v, 0.1, False, (-1, -1), 0.0, None, 0.0, 0, 0, None, 130, 130)
     return pb.descriptors(cfg, cfg.block_n, k, v)
 
 

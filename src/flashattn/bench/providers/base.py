@@ -57,6 +57,18 @@ def env_var(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
+def env_variant(setup: Callable[..., Prepared], name: str, value: str) -> Callable[..., Prepared]:
+    """The provider setup `setup` with its check and timing run under `name=value`: the same call down another
+    path of the library (a backend, a load path), for A/B rows."""
+
+    def variant(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+        prepared = setup(case, q, k, v)
+        prepared.context = lambda: env_var(name, value)
+        return prepared
+
+    return variant
+
+
 def make_leaves(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..case import Case
-from .base import Prepared, Provider, env_var, first_tensor, make_leaves
+from .base import Prepared, Provider, env_variant, first_tensor, make_leaves
 
 
 def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -23,20 +23,12 @@ def _setup_torch_backend(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.
     # fail here, with the import's own message, if the backend is missing, rather than timing another backend
     import flashattn.torch_backend  # noqa: F401
 
-    prepared = _setup_public(case, q, k, v)
-    prepared.context = lambda: env_var("FLASHATTN_BACKEND", "torch")
-    return prepared
-
-
-def _setup_pointer_loads(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    prepared = _setup_public(case, q, k, v)
-    prepared.context = lambda: env_var("FLASHATTN_TMA", "0")
-    return prepared
+    return env_variant(_setup_public, "FLASHATTN_BACKEND", "torch")(case, q, k, v)
 
 
 PROVIDERS = [
     Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
-    Provider("flashattn-ptr", _setup_pointer_loads,
+    Provider("flashattn-ptr", env_variant(_setup_public, "FLASHATTN_TMA", "0"),
              "this project with FLASHATTN_TMA=0: pointer loads instead of TMA descriptors (A/B timing)"),
     Provider(
         "torch-backend",

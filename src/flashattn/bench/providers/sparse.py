@@ -25,7 +25,7 @@ import torch
 from flashattn.masks._kernel import FULL, PARTIAL
 
 from ..case import Case
-from .base import Prepared, Provider, env_var, make_leaves
+from .base import Prepared, Provider, env_variant, make_leaves
 from .flex import _compiled_flex
 
 BLOCK = 128
@@ -172,12 +172,6 @@ def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: tor
     return Prepared(fwd=lambda: flashattn.block_sparse_attn_func(qb, kb, vb, mask), leaves=leaves)
 
 
-def _setup_flashattn_sparse_bits(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    prepared = _setup_flashattn_sparse(case, q, k, v)
-    prepared.context = lambda: env_var("FLASHATTN_SPARSE_RULE", "0")
-    return prepared
-
-
 def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -194,7 +188,7 @@ def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 PROVIDERS = [
     Provider("flashattn-sparse", _setup_flashattn_sparse,
              "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
-    Provider("flashattn-sparse-bits", _setup_flashattn_sparse_bits,
+    Provider("flashattn-sparse-bits", env_variant(_setup_flashattn_sparse, "FLASHATTN_SPARSE_RULE", "0"),
              "the same with FLASHATTN_SPARSE_RULE=0: partial blocks read their bitmasks even when the mask "
              "has a rule (A/B timing)"),
     Provider("flex-sparse", _setup_flex_sparse,
