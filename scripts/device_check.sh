@@ -109,7 +109,7 @@ if [ "$stage" = tma ]; then
   # block-sparse and paged varlen first: the dense GPU tests take minutes (their first run here hit the timeout)
   timeout 90 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py \
     "tests/test_decode_gpu.py::test_paged_varlen_prefill_equals_packed" 2>&1 | tee "$OUT/res/pytest_sparse.log" | tail -8
-  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
+  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
     | tee "$OUT/res/memcheck_sparse.log"
   timeout 100 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
     --out "$OUT/res/sparse" 2>&1 | tail -12
@@ -159,8 +159,11 @@ if [ "$stage" = sparse_rule ]; then
   mkdir -p "$OUT/res"
   timeout 200 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
     --providers flashattn-sparse,flashattn-sparse-bits,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
-  timeout 120 python3 -m flashattn bench --suite sparse --seqlens 65536 --modes fwd+bwd --quiet --no-plots \
+  timeout 110 python3 -m flashattn bench --suite sparse --seqlens 65536 --modes fwd+bwd --quiet --no-plots \
     --providers flashattn,flashattn-sparse,flashattn-sparse-bits --out "$OUT/res/sparse64k" 2>&1 | tail -12
-  timeout 120 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" | tail -4
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" | tail -4
+  timeout 80 python3 scripts/sparse_profile.py --out "$OUT/res/sparse_profile.json" 2>&1 | tail -12
+  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
+    | tee "$OUT/res/memcheck_sparse.log"
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

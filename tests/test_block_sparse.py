@@ -298,6 +298,37 @@ def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
 
 
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "flashattn":
+            self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_registered_ops_and_match_them(monkeypatch):
+    # eager calls run the op bodies through a plain autograd.Function (the custom-op dispatch costs more host
+    # time than a sparse mask's kernels); torch.compile goes through the ops: both must compute the same
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 16, generator=torch.Generator().manual_seed(11))
+    mask = BlockMask.local_global(40, 6, 3, block_size=16)
+    dout = torch.randn(1, 40, 2, 16, generator=torch.Generator().manual_seed(12))
+    results = {}
+    for through_ops in (False, True):
+        monkeypatch.setattr(flashattn.autograd, "_through_custom_op", lambda flag=through_ops: flag)
+        leaves = _leaves(q, k, v)
+        with _RecordOps() as rec:
+            out = block_sparse_attn_func(*leaves, mask, softcap=3.0)
+            grads = torch.autograd.grad(out, leaves, dout)
+        results[through_ops] = (out, *grads)
+        ops = {"flashattn::block_sparse_fwd", "flashattn::block_sparse_bwd"}
+        assert (ops <= set(rec.names)) if through_ops else not ops & set(rec.names)
+    for a, b in zip(results[False], results[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_opcheck():
     q, k, v = make_qkv(1, 40, 56, 2, 1, 16, generator=torch.Generator().manual_seed(10))
     q, k, v = _leaves(q, k, v)

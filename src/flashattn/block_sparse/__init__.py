@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flashattn import _validate
-from flashattn.block_sparse._ops import block_sparse_fwd, launchers
+from flashattn.block_sparse._ops import block_sparse_attention, launchers
 from flashattn.dropout import dropout_keep_mask
 from flashattn.masks import BlockMask, MaskRule
 from flashattn.ops.attention import default_scale
@@ -77,8 +77,8 @@ def block_sparse_attn_func(
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kt = block_mask.to_kernel_tensors(q.device)
     rule = list(MaskRule.NONE) if kt.rule is None else kt.rule.as_list()
-    out, lse, rng_state = block_sparse_fwd(q, k, v, kt.tensors(), kt.block_m, kt.block_n, rule, scale,
-                                           float(softcap), float(dropout_p))
+    out, lse, rng_state = block_sparse_attention(q, k, v, kt.tensors(), kt.block_m, kt.block_n, rule, scale,
+                                                 float(softcap), float(dropout_p))
     if not return_attn_probs:
         return out
     s_dmask = None
