@@ -222,3 +222,64 @@ def test_return_attn_probs():
     assert out.shape == (2, 24, 4, 32) and out.dtype == torch.float16
     assert lse.shape == (2, 4, 24) and lse.dtype == torch.float32
     assert s_dmask is None or isinstance(s_dmask, torch.Tensor)
+
+
+# ------------------------------------------------------------------- the two backward paths (atomic dQ)
+
+
+def _grads_both_paths(run):
+    """run(deterministic) -> grads, for the default (atomic dQ) and the deterministic backward."""
+    return run(False), run(True)
+
+
+@pytest.mark.parametrize("case", ["gqa-causal-tails", "varlen-window-softcap", "dropout-alibi-mqa"])
+def test_atomic_dq_path_matches_the_deterministic_path(case, monkeypatch, launches):
+    """The default backward adds dQ atomically inside the dK/dV kernel; here its float32 accumulator budget is
+    forced below one kv head, so every kv head runs as its own chunk. dK and dV must equal the deterministic
+    path's bitwise (same kernel and tiles under the interpreter); dQ must agree to the rounding of its sum,
+    and (padded cases) pass the oracle."""
+    from flashattn import flash_attn_varlen_func
+    from flashattn.ops import attention
+
+    monkeypatch.setattr(attention, "_DQ_ACC_BYTES", 1)
+    torch.manual_seed(3)
+    dtype = torch.float16
+    if case == "varlen-window-softcap":
+        lens = [37, 1, 70]
+        cu = torch.tensor([0, 37, 38, 108], dtype=torch.int32)
+        q, k, v = (torch.randn(108, h, 40).to(dtype).requires_grad_() for h in (4, 2, 2))
+        dout = torch.randn(108, 4, 40).to(dtype)
+        opts = dict(window_size=(20, 5), softcap=2.0)
+
+        def run(deterministic):
+            out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), deterministic=deterministic,
+                                         **opts)
+            return torch.autograd.grad(out, (q, k, v), dout)
+    else:
+        if case == "gqa-causal-tails":
+            q, k, v = _qkv(2, 45, 70, 4, 2, 59, dtype)
+            opts = dict(causal=True)
+        else:
+            q, k, v = _qkv(1, 50, 50, 3, 1, 32, dtype)
+            opts = dict(dropout_p=0.3, alibi_slopes=torch.rand(3))
+        dout = torch.randn(*q.shape[:-1], v.shape[-1]).to(dtype)
+
+        def run(deterministic):
+            torch.manual_seed(11)  # the same dropout mask in both runs
+            out = flash_attn_func(q, k, v, deterministic=deterministic, **opts)
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+        if "dropout" not in case:
+            check_against_oracle(q, k, v, **opts)
+    launches.clear()
+    atomic, det = _grads_both_paths(run)
+    hk = k.shape[-2]
+    assert launches["dq_from_acc_kernel"] == hk, dict(launches)  # one chunk per kv head
+    assert launches["attn_bwd_dq_kernel"] == 1, dict(launches)  # the deterministic run only
+    for name, a, c in zip(("dq", "dk", "dv"), atomic, det, strict=True):
+        if name == "dq":
+            a32, c32 = a.float(), c.float()
+            bound = torch.finfo(dtype).eps * torch.maximum(a32.abs(), c32.abs()) + 1e-4 * c32.abs().max()
+            assert ((a32 - c32).abs() <= bound).all(), f"{case}: dq paths differ by more than 1 ulp"
+        else:
+            assert torch.equal(a, c), f"{case}: {name} differs between the backward paths"
