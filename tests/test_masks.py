@@ -57,6 +57,15 @@ def check_contract(mask: BlockMask) -> None:
         assert t.dtype == (torch.uint8 if name == "part_bits" else torch.int32), name
         assert t.shape[:2] == (nb, nh), name
     assert kt.part_bits.shape[2:] == (mq, kt.kv_part_idx.shape[-1], bm, bn // 8)
+    # launch orders: permutations of the blocks, longest lists first, ties by index
+    for order, count in ((kt.q_order, kt.kv_full_num + kt.kv_part_num),
+                         (kt.k_order, kt.q_full_num + kt.q_part_num)):
+        blocks = torch.arange(order.shape[-1], dtype=torch.int32).expand_as(order)
+        assert torch.equal(order.sort(-1).values, blocks)
+        ranked = count.gather(-1, order.long())
+        assert (ranked[..., :-1] >= ranked[..., 1:]).all()
+        ties = ranked[..., :-1] == ranked[..., 1:]
+        assert (order[..., :-1] < order[..., 1:])[ties].all()
     assert kt.q_part_slot.shape == kt.q_part_idx.shape
     dense = mask.to_dense()
     assert torch.equal(dense_from_kernel_tensors(kt, nb, nh), dense)

@@ -8,6 +8,10 @@ Partial blocks get their element predicate one of two ways (PART_BY): 1, from a 
 bitmask (any mask); 2, computed in the kernel from the mask's rule (causal, sliding-window and local +
 global masks: a window around the diagonal, plus global tokens), which skips the bitmask loads. Kernel
 tiles subdivide mask blocks: BLOCK_M divides SPARSE_M and BLOCK_N divides SPARSE_N.
+
+Grids are (batch·heads, tiles) and program t of a head takes the (t // subtiles)-th block of the mask's
+launch order (q_order / k_order: longest block lists first), so the heaviest programs of every head start
+first (_ordered_tile).
 """
 
 import triton
@@ -33,6 +37,13 @@ def _next_tile(start, j, idx_base, num, SUBS: tl.constexpr, SPARSE: tl.constexpr
     i_next = (j + 1) // SUBS
     nb_next = tl.load(idx_base + i_next, mask=i_next < num, other=0)
     return tl.where((j + 1) % SUBS == 0, nb_next * SPARSE, start + BLOCK)
+
+
+@triton.jit
+def _ordered_tile(order_base, tile, SPARSE: tl.constexpr, BLOCK: tl.constexpr):
+    """(block, start row) of program `tile`: its mask block from the launch order, and its sub-tile."""
+    block = tl.load(order_base + tile // (SPARSE // BLOCK))
+    return block, block * SPARSE + (tile % (SPARSE // BLOCK)) * BLOCK
 
 
 @triton.jit
@@ -66,7 +77,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, 
 
 @triton.jit
 def sparse_fwd_kernel(
-    Q, K, V, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS,
+    Q, K, V, O, LSE, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS, Q_ORDER,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
@@ -77,10 +88,13 @@ def sparse_fwd_kernel(
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(0)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
+    slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
+    mq, start_m = _ordered_tile(Q_ORDER + slab * n_qblocks, tl.program_id(1), SPARSE_M, BLOCK_M)
+    if start_m >= seqlen_q:
+        return
     off_b64 = off_b.to(tl.int64)
     off_h64 = off_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -90,9 +104,7 @@ def sparse_fwd_kernel(
                   HEAD_DIM, BLOCK_D, True)
     k_base = K + off_b64 * stride_kb + (off_h64 // GROUP) * stride_kh
     v_base = V + off_b64 * stride_vb + (off_h64 // GROUP) * stride_vh
-
-    mq = start_m // SPARSE_M
-    row = ((off_b % MB) * MH + off_h % MH).to(tl.int64) * n_qblocks + mq
+    row = slab * n_qblocks + mq
     rng_row_base = off_bh.to(tl.int64) * seqlen_q
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -122,7 +134,7 @@ def sparse_fwd_kernel(
 @triton.jit
 def sparse_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV,
-    Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, PART_BITS,
+    Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, PART_BITS, K_ORDER,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
@@ -135,10 +147,14 @@ def sparse_dkdv_kernel(
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
+    off_bhk = tl.program_id(0)
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
+    # the launch order of the group's first query head (any permutation is correct; this one is its LPT)
+    slab0 = ((off_b % MB) * MH + (off_hk * GROUP) % MH).to(tl.int64)
+    nk, start_n = _ordered_tile(K_ORDER + slab0 * n_kblocks, tl.program_id(1), SPARSE_N, BLOCK_N)
+    if start_n >= seqlen_k:
+        return
     off_b64 = off_b.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -149,7 +165,6 @@ def sparse_dkdv_kernel(
                   HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    nk = start_n // SPARSE_N
     SUBS: tl.constexpr = SPARSE_M // BLOCK_M
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
@@ -224,7 +239,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs
 
 @triton.jit
 def sparse_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS,
+    Q, K, V, DO, LSE, Delta, DQ, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS, Q_ORDER,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset, sm_scale,
@@ -235,10 +250,13 @@ def sparse_dq_kernel(
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    off_bh = tl.program_id(0)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
+    slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
+    mq, start_m = _ordered_tile(Q_ORDER + slab * n_qblocks, tl.program_id(1), SPARSE_M, BLOCK_M)
+    if start_m >= seqlen_q:
+        return
     off_b64 = off_b.to(tl.int64)
     off_h64 = off_h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -253,8 +271,7 @@ def sparse_dq_kernel(
     delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
     k_base = K + off_b64 * stride_kb + (off_h64 // GROUP) * stride_kh
     v_base = V + off_b64 * stride_vb + (off_h64 // GROUP) * stride_vh
-    mq = start_m // SPARSE_M
-    row = ((off_b % MB) * MH + off_h % MH).to(tl.int64) * n_qblocks + mq
+    row = slab * n_qblocks + mq
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
                     seqlen_k, qk_scale, cap_in, cap_out, rng_seed, rng_offset, row_base, dropout_p,

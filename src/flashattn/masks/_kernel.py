@@ -95,6 +95,11 @@ class BlockMaskKernelTensors:
       q_part_num (B, H, Nk), q_part_idx (B, H, Nk, Lqp)   ... partially
       q_part_slot (B, H, Nk, Lqp)     for the partial pair (m = q_part_idx[b, h, n, t], n): the slot s of
                   part_bits that holds it, so its bits are part_bits[b, h, m, s] (no transposed copy).
+    Launch order (longest processing time first: the programs with the longest block lists start first, so
+    that a few heavy rows, such as local + global's global-token rows, do not finish last on an idle GPU):
+      q_order (B, H, Mq)              the query blocks, by descending number of listed key blocks (ties:
+                  ascending index); the forward and dQ programs take their query block from it
+      k_order (B, H, Nk)              the key blocks, likewise by listed query blocks, for dK/dV
     L* = max(1, the longest list); each list is sorted strictly ascending within its num.
 
     Tails: bits of rows >= seqlen_q and keys >= seqlen_k are 0. A block is full iff every row < seqlen_q of
@@ -116,6 +121,8 @@ class BlockMaskKernelTensors:
     q_part_num: torch.Tensor
     q_part_idx: torch.Tensor
     q_part_slot: torch.Tensor
+    q_order: torch.Tensor
+    k_order: torch.Tensor
     block_m: int
     block_n: int
     seqlen_q: int
@@ -124,7 +131,7 @@ class BlockMaskKernelTensors:
 
     TENSORS = (
         "kv_full_num", "kv_full_idx", "kv_part_num", "kv_part_idx", "part_bits",
-        "q_full_num", "q_full_idx", "q_part_num", "q_part_idx", "q_part_slot",
+        "q_full_num", "q_full_idx", "q_part_num", "q_part_idx", "q_part_slot", "q_order", "k_order",
     )
 
     @property
@@ -179,8 +186,14 @@ def kernel_tensors(state, part_index, part_bits, block_m, block_n, seqlen_q, seq
     return BlockMaskKernelTensors(
         kv_full_num.contiguous(), kv_full_idx, kv_part_num.contiguous(), kv_part_idx, bits.contiguous(),
         q_full_num.contiguous(), q_full_idx, q_part_num.contiguous(), q_part_idx, q_part_slot.contiguous(),
+        longest_first(kv_full_num + kv_part_num), longest_first(q_full_num + q_part_num),
         block_m, block_n, seqlen_q, seqlen_k,
     )
+
+
+def longest_first(count: torch.Tensor) -> torch.Tensor:
+    """int32 (..., n): the indices of the last axis by descending count, ties in ascending index."""
+    return torch.sort(-count.to(torch.int64), dim=-1, stable=True).indices.to(torch.int32).contiguous()
 
 
 def _check_lists(name_num: str, num: torch.Tensor, name_idx: str, idx: torch.Tensor, rows: int, limit: int,

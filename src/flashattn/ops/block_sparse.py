@@ -66,8 +66,9 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     block_m, block_n, cfg = _tiles("fwd", block_d, q.device, kt)
     rule_args, rule_flags = _rule(kt)
-    sparse_fwd_kernel[(host.cdiv(sq, block_m), b * h)](
+    sparse_fwd_kernel[(b * h, kt.n_qblocks * (kt.block_m // block_m))](
         q, k, v, out, lse, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits,
+        kt.q_order,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), h, sq, k.shape[1], *scalars,
         mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
         BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
@@ -93,9 +94,9 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     rule_args, rule_flags = _rule(kt)
     block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
-    sparse_dkdv_kernel[(host.cdiv(sk, block_n), b * hk)](
+    sparse_dkdv_kernel[(b * hk, n_kblocks * (kt.block_n // block_n))](
         q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
-        kt.q_part_slot, kt.part_bits,
+        kt.q_part_slot, kt.part_bits, kt.k_order,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
         h, hk, sq, sk, *scalars, softmax_scale,
         mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
@@ -103,9 +104,9 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         num_stages=cfg.num_stages,
     )
     block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
-    sparse_dq_kernel[(host.cdiv(sq, block_m), b * h)](
+    sparse_dq_kernel[(b * h, n_qblocks * (kt.block_m // block_m))](
         q, k, v, dout, lse, delta, dq, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx,
-        kt.part_bits,
+        kt.part_bits, kt.q_order,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq),
         h, sq, sk, *scalars, softmax_scale,
         mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
