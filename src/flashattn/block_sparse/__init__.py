@@ -41,7 +41,6 @@ def block_sparse_attn_func(
     dropout_p=0.0,
     softcap=0.0,
     return_attn_probs=False,
-    deterministic=False,
 ):
     """Attention where query i sees key j only where block_mask allows it; tiles the mask leaves empty cost
     nothing. Equal to dense attention with block_mask.to_dense() as the mask.
@@ -61,9 +60,6 @@ def block_sparse_attn_func(
         dropout_p: float in [0, 1), default 0.0. Same Philox mask convention as flash_attn_func.
         softcap: float >= 0, default 0.0 = off. Scores become softcap·tanh(score / softcap) before masking.
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask.
-        deterministic: bool, default False. As in flash_attn_func: by default the backward adds dQ with
-            float32 atomics (its last bits may vary from run to run); True computes it in a separate pass,
-            bitwise reproducible.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), q's dtype. Rows that see no key are 0 (their gradients
@@ -82,7 +78,7 @@ def block_sparse_attn_func(
     kt = block_mask.to_kernel_tensors(q.device)
     rule = list(MaskRule.NONE) if kt.rule is None else kt.rule.as_list()
     out, lse, rng_state = block_sparse_attention(q, k, v, kt.tensors(), kt.block_m, kt.block_n, rule, scale,
-                                                 float(softcap), float(dropout_p), bool(deterministic))
+                                                 float(softcap), float(dropout_p))
     if not return_attn_probs:
         return out
     s_dmask = None

@@ -43,8 +43,7 @@ def _options(softmax_scale, softcap, dropout_p, rng_state):
                 rng_offset=offset)
 
 
-def _fwd_impl(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p, deterministic):
-    # deterministic only concerns the backward; it is an input here so that autograd can hand it on
+def _fwd_impl(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p):
     rng_state = torch.zeros(2, dtype=torch.int64)
     if dropout_p > 0:
         b, sq, h, _ = q.shape
@@ -58,13 +57,13 @@ def _fwd_impl(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dro
 @torch.library.custom_op("flashattn::block_sparse_fwd", mutates_args=())
 def block_sparse_fwd(
     q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], block_m: int, block_n: int, rule: list[int],
-    softmax_scale: float, softcap: float, dropout_p: float, deterministic: bool,
+    softmax_scale: float, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _fwd_impl(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p, deterministic)
+    return _fwd_impl(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p)
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p, deterministic):
+def _(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p):
     b, sq, h, _ = q.shape
     out = q.new_empty((b, sq, h, v.shape[-1]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -72,10 +71,10 @@ def _(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p, 
 
 
 def _bwd_impl(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, rule, softmax_scale, softcap,
-              dropout_p, deterministic):
+              dropout_p):
     kt = _kernel_tensors(q, k, mask, block_m, block_n, rule)
     dq, dk, dv = launchers(q).block_sparse_backward(dout, q, k, v, out, lse, kt, **_options(
-        softmax_scale, softcap, dropout_p, rng_state), deterministic=deterministic)
+        softmax_scale, softcap, dropout_p, rng_state))
     return dq, dk, dv
 
 
@@ -83,15 +82,14 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, rule, 
 def block_sparse_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor,
     mask: list[Tensor], block_m: int, block_n: int, rule: list[int], softmax_scale: float, softcap: float,
-    dropout_p: float, deterministic: bool,
+    dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _bwd_impl(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, rule, softmax_scale, softcap,
-                     dropout_p, deterministic)
+                     dropout_p)
 
 
 @block_sparse_bwd.register_fake
-def _(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p,
-      deterministic):
+def _(dout, q, k, v, out, lse, rng_state, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -111,7 +109,7 @@ def _grads(ctx, dout, bwd):
 def _backward(ctx, dout, dlse, drng):
     # a custom op's backward returns one None per tensor of a list input
     (dq, dk, dv), n_mask = _grads(ctx, dout, block_sparse_bwd)
-    return dq, dk, dv, [None] * n_mask, None, None, None, None, None, None, None
+    return dq, dk, dv, [None] * n_mask, None, None, None, None, None, None
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -132,11 +130,10 @@ class _EagerBlockSparse(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, drng):
         (dq, dk, dv), _ = _grads(ctx, dout, _bwd_impl)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def block_sparse_attention(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p,
-                           deterministic):
+def block_sparse_attention(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p):
     """(out, lse, rng_state) with autograd: through the registered op under torch.compile, else directly."""
     op = block_sparse_fwd if autograd._through_custom_op() else _EagerBlockSparse.apply
-    return op(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p, deterministic)
+    return op(q, k, v, mask, block_m, block_n, rule, softmax_scale, softcap, dropout_p)

@@ -134,25 +134,22 @@ def sparse_fwd_kernel(
 @triton.jit
 def sparse_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV,
-    Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, PART_BITS, K_ORDER, DQ_ACC, DQ_DESC,
+    Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, PART_BITS, K_ORDER,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_accb, stride_accm, stride_acch,
-    nheads, nheads_k, hk0, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
+    nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
     sm_scale, MB, MH, n_qblocks, n_kblocks, max_part, max_qfull, max_qpart,
     rule_diag, rule_left, rule_right, rule_glob,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
-    RULE_GLOBAL_CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    # kv heads [hk0, hk0 + nheads_k); ATOMIC_DQ: also adds dS K into the float32 DQ_ACC (heads from
-    # hk0 · GROUP), as the dense dK/dV kernel does (ops/dq_accum.py)
     off_bhk = tl.program_id(0)
     off_b = off_bhk // nheads_k
-    off_hk = hk0 + off_bhk % nheads_k
+    off_hk = off_bhk % nheads_k
     # the launch order of the group's first query head (any permutation is correct; this one is its LPT)
     slab0 = ((off_b % MB) * MH + (off_hk * GROUP) % MH).to(tl.int64)
     nk, start_n = _ordered_tile(K_ORDER + slab0 * n_kblocks, tl.program_id(1), SPARSE_N, BLOCK_N)
@@ -176,8 +173,6 @@ def sparse_dkdv_kernel(
         row_base = (off_b64 * nheads + off_h) * seqlen_q
         slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
         col = slab * n_kblocks + nk
-        acc_h = off_h - hk0 * GROUP
-        acc = DQ_ACC + off_b64 * stride_accb + acc_h * stride_acch
         # -- query blocks that see this key block fully (flat loops of (block, tile) pairs, see _fwd_blocks)
         num = tl.load(Q_FULL_NUM + col)
         start_m = _first_tile(Q_FULL_IDX + col * max_qfull, num, SPARSE_M)
@@ -187,8 +182,7 @@ def sparse_dkdv_kernel(
                 start_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, 0, 0, 0,
                 qk_scale, cap_in, cap_out, 0.0, rng_seed, rng_offset, row_base, seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, False, False, HAS_SOFTCAP, False,
-                HAS_DROPOUT, DOT_PREC, dq_acc=acc, stride_accm=stride_accm, dq_desc=DQ_DESC, acc_b=off_b,
-                acc_h=acc_h, ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
+                HAS_DROPOUT, DOT_PREC,
             )
             start_m = _next_tile(start_m, j, Q_FULL_IDX + col * max_qfull, num, SUBS, SPARSE_M, BLOCK_M)
         # -- partially: by the rule, or by the bitmask of the pair (mb, nk), in slot q_part_slot of query
@@ -209,8 +203,6 @@ def sparse_dkdv_kernel(
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, PART_BY == 2, RULE_LEFT, RULE_RIGHT,
                 HAS_SOFTCAP, False, HAS_DROPOUT, DOT_PREC, bits, mb * SPARSE_M, nk * SPARSE_N, SPARSE_N // 8,
                 PART_BY == 1, glob=rule_glob, HAS_GLOBAL=RULE_GLOBAL, GLOBAL_CAUSAL=RULE_GLOBAL_CAUSAL,
-                dq_acc=acc, stride_accm=stride_accm, dq_desc=DQ_DESC, acc_b=off_b, acc_h=acc_h,
-                ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
             )
             start_m = _next_tile(start_m, j, Q_PART_IDX + col * max_qpart, num, SUBS, SPARSE_M, BLOCK_M)
     store_tile(DK + off_b64 * stride_dkb + off_hk * stride_dkh, dk * sm_scale, offs_n, offs_d, stride_dkn,

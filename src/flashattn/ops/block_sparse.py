@@ -10,7 +10,7 @@ import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_sparse import sparse_dkdv_kernel, sparse_dq_kernel, sparse_fwd_kernel
-from flashattn.ops import dq_accum, host
+from flashattn.ops import host
 from flashattn.ops.attention import LOG2E
 from flashattn.ops.configs import tile_config
 
@@ -78,10 +78,8 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
 
 
 def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0,
-                          rng_seed=0, rng_offset=0, deterministic=False):
-    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). dQ by float32 atomics in the dK/dV
-    kernel unless deterministic (ops/dq_accum.py): then a dQ kernel, and the gradients are bitwise
-    reproducible."""
+                          rng_seed=0, rng_offset=0):
+    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). No atomics: deterministic."""
     b, sq, h, block_d, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
                                                             rng_seed, rng_offset)
     sk, hk = k.shape[1], k.shape[2]
@@ -95,24 +93,16 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     rule_args, rule_flags = _rule(kt)
-
-    def dkdv(hk0, n_hk, acc=None):
-        block_m, block_n, cfg = _tiles("dkdv" if acc is None else "dkdv_atomic", block_d, q.device, kt)
-        dq_tma, acc_desc = dq_accum.descriptor(acc, False, block_m) if acc is not None else (False, None)
-        sparse_dkdv_kernel[(b * n_hk, n_kblocks * (kt.block_n // block_n))](
-            q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
-            kt.q_part_slot, kt.part_bits, kt.k_order, acc if acc is not None else lse, acc_desc,
-            *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
-            *(_rows(acc) if acc is not None else (0, 0, 0)), h, n_hk, hk0, sq, sk, *scalars, softmax_scale,
-            mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3],
-            kt.q_part_idx.shape[3], *rule_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags,
-            ATOMIC_DQ=acc is not None, DQ_TMA=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    if dq_accum.atomic_dq(deterministic, has_sink=False):
-        dq_accum.accumulate(q, dq, hk, flags["BLOCK_D"], softmax_scale, False, dkdv)
-        return dq, dk, dv
-    dkdv(0, hk)
+    block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
+    sparse_dkdv_kernel[(b * hk, n_kblocks * (kt.block_n // block_n))](
+        q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
+        kt.q_part_slot, kt.part_bits, kt.k_order,
+        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
+        h, hk, sq, sk, *scalars, softmax_scale,
+        mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
+        *rule_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
     sparse_dq_kernel[(b * h, n_qblocks * (kt.block_m // block_m))](
         q, k, v, dout, lse, delta, dq, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx,
