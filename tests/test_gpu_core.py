@@ -94,10 +94,10 @@ def test_backward_paths(deterministic, chunked, monkeypatch):
     """The default backward (dQ added by float32 TMA-reduce atomics inside the dK/dV kernel; `chunked`: its
     accumulator budget forced below one kv head, so each kv head is its own launch) and the deterministic
     one (a dQ kernel) against the oracle, GQA, causal, tails on both axes."""
-    from flashattn.ops import dq_accum
+    from flashattn.ops import attention
 
     if chunked:
-        monkeypatch.setattr(dq_accum, "_DQ_ACC_BYTES", 1)
+        monkeypatch.setattr(attention, "_DQ_ACC_BYTES", 1)
     for d in (64, 128):
         q, k, v = _qkv(2, 1000, 1100, 8, 2, d, torch.bfloat16)
 

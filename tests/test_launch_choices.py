@@ -122,7 +122,7 @@ def test_pointer_provider_turns_descriptors_off():
 def test_det_provider_turns_atomic_dq_off():
     import os
 
-    from flashattn.ops.dq_accum import atomic_dq
+    from flashattn.ops.attention import atomic_dq
 
     prepared = providers.get("flashattn-det").setup(_case(), *_tensors(d=64))
     assert atomic_dq(deterministic=False, has_sink=False)
@@ -133,7 +133,7 @@ def test_det_provider_turns_atomic_dq_off():
 
 
 def test_atomic_dq_choice():
-    from flashattn.ops.dq_accum import atomic_dq
+    from flashattn.ops.attention import atomic_dq
 
     assert atomic_dq(deterministic=False, has_sink=False)
     assert not atomic_dq(deterministic=True, has_sink=False)  # the caller asked for reproducible bits

@@ -239,9 +239,9 @@ def test_atomic_dq_path_matches_the_deterministic_path(case, monkeypatch, launch
     path's bitwise (same kernel and tiles under the interpreter); dQ must agree to the rounding of its sum,
     and (padded cases) pass the oracle."""
     from flashattn import flash_attn_varlen_func
-    from flashattn.ops import dq_accum
+    from flashattn.ops import attention
 
-    monkeypatch.setattr(dq_accum, "_DQ_ACC_BYTES", 1)
+    monkeypatch.setattr(attention, "_DQ_ACC_BYTES", 1)
     torch.manual_seed(3)
     dtype = torch.float16
     if case == "varlen-window-softcap":

@@ -7,17 +7,27 @@ Any strides with a contiguous last dim.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from flashattn.kernels.attn_bwd import (
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dq_kernel,
+    attn_bwd_preprocess_kernel,
+    dq_from_acc_kernel,
+)
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
-from flashattn.ops import dq_accum, host, tma
+from flashattn.ops import host, tma
 from flashattn.ops.configs import TileConfig, tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
 _INT32_MAX = 2**31 - 1
+# the atomic-dQ backward's float32 accumulator holds at most this many bytes: larger problems run their kv
+# heads in chunks, so that at N = 128K (b = 1, h = 16, d = 128) the forward+backward peak stays within issue
+# 3's 2.2 GiB (outputs and gradients take 2.0; a whole accumulator would add 1 GiB)
+_DQ_ACC_BYTES = 128 * 2**20
 
 
 def default_scale(head_dim: int) -> float:
@@ -135,6 +145,14 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     return out, lse
 
 
+def atomic_dq(deterministic: bool, has_sink: bool) -> bool:
+    """Whether the backward adds dQ with float32 atomics inside the dK/dV kernel (5 matmuls per tile pair,
+    like flash_attn's default backward) rather than in a second kernel that recomputes S and dP (7 matmuls,
+    bitwise reproducible). `deterministic=True` and learnable sinks (whose gradient the dQ kernel computes)
+    take the second kernel; `FLASHATTN_ATOMIC_DQ=0` forces it (A/B timing)."""
+    return not deterministic and not has_sink and os.environ.get("FLASHATTN_ATOMIC_DQ", "1") != "0"
+
+
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                        learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -163,9 +181,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     cu_k = cu_seqlens_k if pb.varlen else q
     args = _BwdArgs(pb, q, k, v, dout, lse, delta, cu_q, cu_k, alibi, stride_alibi, softmax_scale)
-    if dq_accum.atomic_dq(deterministic, learnable_sink is not None):
-        dq_accum.accumulate(q, dq, pb.nheads_k, flags["BLOCK_D"], softmax_scale, pb.varlen,
-                            lambda hk0, n, acc: _dkdv(args, dk, dv, "dkdv_atomic", hk0, n, acc))
+    if atomic_dq(deterministic, learnable_sink is not None):
+        _dkdv_atomic_dq(args, dq, dk, dv)
         return dq, dk, dv, None
     _dkdv(args, dk, dv, "dkdv", hk0=0, n_hk=pb.nheads_k)
     dsink = _dq(args, dq, learnable_sink)
@@ -202,17 +219,40 @@ def _dkdv(a: _BwdArgs, dk, dv, kernel: str, hk0: int, n_hk: int, acc=None):
     pb, q = a.pb, a.q
     cfg = tile_config(kernel, a.block_d, q.device, pb.longest)
     use_tma, descs = pb.descriptors(cfg, cfg.block_m, q, a.dout)
-    dq_tma, acc_desc = dq_accum.descriptor(acc, pb.varlen, cfg.block_m) if acc is not None else (False, None)
-    acc_rows = dq_accum.rows(acc, pb.varlen) if acc is not None else (0, 0, 0)
+    dq_tma = acc is not None and tma.device_ok(acc) and tma.enabled()
+    acc_desc = tma.descriptor(acc if not pb.varlen else acc.unsqueeze(0), cfg.block_m) if dq_tma else None
     attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * n_hk)](
         q, a.k, a.v, a.dout, a.lse, a.delta, dk, dv, a.cu_q, a.cu_k, a.alibi, *descs,
         acc if acc is not None else a.lse, acc_desc,
         *pb.rows(q), *pb.rows(a.k), *pb.rows(a.v), *pb.rows(a.dout), *pb.rows(dk), *pb.rows(dv),
-        *pb.lse_strides(a.lse), a.stride_alibi, *acc_rows,
+        *pb.lse_strides(a.lse), a.stride_alibi, *(pb.rows(acc) if acc is not None else (0, 0, 0)),
         pb.nheads, n_hk, hk0, *a.common(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=use_tma, ATOMIC_DQ=acc is not None, DQ_TMA=dq_tma,
         **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _dkdv_atomic_dq(a: _BwdArgs, dq, dk, dv):
+    """dK/dV and, by float32 atomics in the same kernel, dQ: kv heads in chunks whose accumulator fits
+    _DQ_ACC_BYTES, each chunk's accumulator then scaled into dq."""
+    pb = a.pb
+    group, block_d = pb.flags["GROUP"], pb.flags["BLOCK_D"]
+    rows = a.q.shape[:-2]  # (b, sq) or (total_q,)
+    per_kv_head = math.prod(rows) * group * block_d * 4
+    chunk = max(1, min(pb.nheads_k, _DQ_ACC_BYTES // per_kv_head))
+    acc_all = torch.empty((*rows, chunk * group, block_d), dtype=torch.float32, device=a.q.device)
+    for hk0 in range(0, pb.nheads_k, chunk):
+        n_hk = min(chunk, pb.nheads_k - hk0)
+        acc = acc_all[..., : n_hk * group, :]
+        acc.zero_()
+        _dkdv(a, dk, dv, "dkdv_atomic", hk0, n_hk, acc)
+        dq_part = dq[..., hk0 * group:(hk0 + n_hk) * group, :]
+        n_rows, batch = (dq.shape[0], 1) if pb.varlen else (pb.seqlen_q, pb.batch)
+        conv_m = 64 if a.q.device.type == "cuda" else 32
+        dq_from_acc_kernel[(host.cdiv(n_rows, conv_m), batch * n_hk * group)](
+            acc, dq_part, *pb.rows(acc), *pb.rows(dq_part), n_hk * group, n_rows, a.softmax_scale,
+            HEAD_DIM=pb.d, BLOCK_D=block_d, BLOCK_M=conv_m,
+        )
 
 
 def _dq(a: _BwdArgs, dq, learnable_sink):
