@@ -174,12 +174,9 @@ if [ "$stage" = atomic ]; then
   mkdir -p "$OUT/res"
   timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
     | tee "$OUT/res/memcheck_dense.log"
-  timeout 110 python3 scripts/tune.py --kernels dkdv_atomic --headdims 64,128 --out "$OUT/res/tune_atomic.json" \
-    2>&1 | tail -10
-  timeout 190 python3 -m flashattn bench --suite train --headdims 64,128 --modes bwd --quiet --no-plots \
+  timeout 200 python3 -m flashattn bench --suite train --headdims 64,128 --modes bwd --quiet --no-plots \
     --providers flashattn,flashattn-det,sdpa-flash,flex --out "$OUT/res/train_bwd" 2>&1 | tail -40
-  timeout ${TEST_S:-170} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py \
-    -k "${TEST_K:-bf16 and (realistic or gqa or odd_head) or backward_paths or 128k}" 2>&1 \
+  timeout ${TEST_S:-240} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "${TEST_K:-not fp16}" 2>&1 \
     | tee "$OUT/res/pytest_core.log" | tail -15
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

@@ -22,9 +22,6 @@ CANDIDATES = {
              (32, 64, 4, 3)],
     "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
            (128, 128, 8, 3)],
-    # the dK/dV kernel with atomic dQ (the default backward): a fifth matmul and its float32 tile
-    "dkdv_atomic": [(64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3),
-                    (128, 128, 8, 2)],
 }
 SHORT = {  # N <= 2K: few key tiles per program, so prologue/epilogue weigh; small tiles fit 2 programs/SM
     "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
@@ -61,8 +58,7 @@ def main():
         cands = {name: c for name, c in table.items()
                  if name in args.kernels.split(",")}
         if args.table_only:
-            # no override: dkdv times the whole deterministic backward, dkdv_atomic the default one
-            cands = {"fwd": [None], "dkdv": [None], "dkdv_atomic": [None]}
+            cands = {"fwd": [None], "dkdv": [None]}  # dkdv with no override times the whole backward
         for n in (int(x) for x in args.seqlens.split(",")):
             b, h = 16384 // n, 2048 // d
             q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -73,9 +69,7 @@ def main():
                     for cfg in configs:
                         if cfg is not None:
                             os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}"
-                        # the dkdv and dq sweeps time the deterministic backward (their two kernels)
-                        kw = dict(softmax_scale=d**-0.5, causal=causal,
-                                  **({"deterministic": True} if kernel in ("dkdv", "dq") else {}))
+                        kw = dict(softmax_scale=d**-0.5, causal=causal)
                         if kernel == "fwd":
                             fn = functools.partial(attention_forward, q, k, v, **kw)
                             work = fl
