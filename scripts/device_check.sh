@@ -11,7 +11,6 @@
 #   bash scripts/device_check.sh final                     leftover GPU tests, the 64K block-sparse row
 #   bash scripts/device_check.sh recheck                   d=64 short forward row; random-5% sparse walk
 #   bash scripts/device_check.sh sparse_rule               block-sparse partial blocks by rule vs bitmask
-#   bash scripts/device_check.sh atomic                    backward with atomic dQ vs the dQ kernel
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -166,17 +165,5 @@ if [ "$stage" = sparse_rule ]; then
   timeout 80 python3 scripts/sparse_profile.py --out "$OUT/res/sparse_profile.json" 2>&1 | tail -12
   timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
     | tee "$OUT/res/memcheck_sparse.log"
-  tar -C "$OUT" -czf "$OUT/res.tgz" res
-fi
-
-# the backward's atomic dQ (5 matmuls per tile pair) against its dQ kernel (7): memcheck, the A/B, GPU tests
-if [ "$stage" = atomic ]; then
-  mkdir -p "$OUT/res"
-  timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
-    | tee "$OUT/res/memcheck_dense.log"
-  timeout 200 python3 -m flashattn bench --suite train --headdims 64,128 --modes bwd --quiet --no-plots \
-    --providers flashattn,flashattn-det,sdpa-flash,flex --out "$OUT/res/train_bwd" 2>&1 | tail -40
-  timeout ${TEST_S:-240} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "${TEST_K:-not fp16}" 2>&1 \
-    | tee "$OUT/res/pytest_core.log" | tail -15
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

@@ -85,30 +85,6 @@ def test_fp32_inputs():
     check_against_oracle(*_qkv(2, 1023, 1023, 4, 2, 64, torch.float32), causal=True)
 
 
-# ----------------------------------------------------------------------- both backward paths (dQ atomics)
-
-
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-launch", "head-chunks"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-kernel"])
-def test_backward_paths(deterministic, chunked, monkeypatch):
-    """The default backward (dQ added by float32 TMA-reduce atomics inside the dK/dV kernel; `chunked`: its
-    accumulator budget forced below one kv head, so each kv head is its own launch) and the deterministic
-    one (a dQ kernel) against the oracle, GQA, causal, tails on both axes."""
-    from flashattn.ops import attention
-
-    if chunked:
-        monkeypatch.setattr(attention, "_DQ_ACC_BYTES", 1)
-    for d in (64, 128):
-        q, k, v = _qkv(2, 1000, 1100, 8, 2, d, torch.bfloat16)
-
-        def attn(q, k, v):
-            out, lse, _ = flash_attn_func(q, k, v, causal=True, deterministic=deterministic,
-                                          return_attn_probs=True)
-            return out, lse
-
-        check_against_oracle(q, k, v, causal=True, attn=attn)
-
-
 # ---------------------------------------------------------------------------------- 128K tokens, causal
 
 

@@ -119,27 +119,6 @@ def test_pointer_provider_turns_descriptors_off():
     assert "FLASHATTN_TMA" not in os.environ
 
 
-def test_det_provider_turns_atomic_dq_off():
-    import os
-
-    from flashattn.ops.attention import atomic_dq
-
-    prepared = providers.get("flashattn-det").setup(_case(), *_tensors(d=64))
-    assert atomic_dq(deterministic=False, has_sink=False)
-    with prepared.context():
-        assert os.environ["FLASHATTN_ATOMIC_DQ"] == "0"
-        assert not atomic_dq(deterministic=False, has_sink=False)
-    assert "FLASHATTN_ATOMIC_DQ" not in os.environ
-
-
-def test_atomic_dq_choice():
-    from flashattn.ops.attention import atomic_dq
-
-    assert atomic_dq(deterministic=False, has_sink=False)
-    assert not atomic_dq(deterministic=True, has_sink=False)  # the caller asked for reproducible bits
-    assert not atomic_dq(deterministic=False, has_sink=True)  # the dQ kernel computes the sink's gradient
-
-
 def _case():
     from flashattn.bench.case import Case
 

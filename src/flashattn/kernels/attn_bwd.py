@@ -66,15 +66,10 @@ def _dkdv_tile(
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
     q_desc=None, do_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
     glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False,
-    dq_acc=None, stride_accm=0, dq_desc=None, acc_b=0, acc_row0=0, acc_h=0,
-    ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
     # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
     # USE_TMA: Q/dO tiles come through tensor descriptors (load_rows), the padded layout only
-    # ATOMIC_DQ: also add this pair's dS K into a float32 dQ accumulator (dq_acc: this head's rows, BLOCK_D
-    # columns), through a TMA reduce (DQ_TMA: dq_desc, a (batch, rows, heads, BLOCK_D) descriptor, block
-    # (1, BLOCK_M, 1, BLOCK_D), tile at [acc_b, acc_row0 + start_m, acc_h, 0]) or per-element atomics
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_rows(q_base, q_desc, desc_b, desc_h, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM,
                   BLOCK_D, True, USE_TMA)
@@ -107,45 +102,33 @@ def _dkdv_tile(
     ds_t = p_t * (dp_t - delta[None, :])
     if HAS_SOFTCAP:
         ds_t = ds_t * (1.0 - t_t * t_t)
-    ds_t = ds_t.to(q.dtype)
-    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) x (BLOCK_M, d)
-    if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
-        if DQ_TMA:
-            # rows past the sequence carry dS = 0 (their LSE is +inf): adding them is harmless, and the
-            # descriptor drops rows past the tensor
-            dq_desc.atomic_add([acc_b, acc_row0 + start_m, acc_h, 0], dq.reshape(1, BLOCK_M, 1, BLOCK_D))
-        else:
-            tl.atomic_add(dq_acc + offs_m[:, None] * stride_accm + offs_d[None, :], dq,
-                          mask=offs_m[:, None] < seqlen_q, sem="relaxed")
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M) x (BLOCK_M, d)
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC, DQ_ACC, DQ_DESC,
+    Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b, stride_accb, stride_accm, stride_acch,
-    nheads, nheads_k, hk0, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
     qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    # one launch covers kv heads [hk0, hk0 + nheads_k) (the atomic-dQ path runs head chunks, so that its
-    # float32 accumulator DQ_ACC, heads counted from hk0 · GROUP, stays small; ops/attention.py)
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = off_bhk // nheads_k
-    off_hk = hk0 + off_bhk % nheads_k
+    off_hk = off_bhk % nheads_k
     q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, IS_VARLEN)
     if start_n >= seqlen_k:
@@ -175,9 +158,6 @@ def attn_bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
         rng_row_base = (off_b64 * nheads + off_h) * max_seqlen_q
-        acc_h = off_h - hk0 * GROUP
-        acc = DQ_ACC + off_b64 * stride_accb + q_row0 * stride_accm + acc_h * stride_acch
-        acc_b = 0 if IS_VARLEN else off_b
         # -- query tiles cut by the right edge / the diagonal
         for start_m in range(m_start, m_lo, BLOCK_M):
             dk, dv = _dkdv_tile(
@@ -187,8 +167,6 @@ def attn_bwd_dkdv_kernel(
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
                 q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
-                dq_acc=acc, stride_accm=stride_accm, dq_desc=DQ_DESC, acc_b=acc_b, acc_row0=q_start,
-                acc_h=acc_h, ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
             )
         # -- query tiles that see the whole key tile
         for start_m in range(m_lo, tl.minimum(m_hi, m_end), BLOCK_M):
@@ -199,8 +177,6 @@ def attn_bwd_dkdv_kernel(
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
                 q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
-                dq_acc=acc, stride_accm=stride_accm, dq_desc=DQ_DESC, acc_b=acc_b, acc_row0=q_start,
-                acc_h=acc_h, ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
             )
         # -- query tiles cut by the window's left edge
         for start_m in range(tl.maximum(m_hi, m_lo), m_end, BLOCK_M):
@@ -211,8 +187,6 @@ def attn_bwd_dkdv_kernel(
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
                 q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
-                dq_acc=acc, stride_accm=stride_accm, dq_desc=DQ_DESC, acc_b=acc_b, acc_row0=q_start,
-                acc_h=acc_h, ATOMIC_DQ=ATOMIC_DQ, DQ_TMA=DQ_TMA,
             )
     store_tile(DK + off_b64 * stride_dkb + k_row0 * stride_dkn + off_hk * stride_dkh, dk * sm_scale, offs_n,
                offs_d, stride_dkn, seqlen_k, HEAD_DIM)
@@ -351,20 +325,3 @@ def attn_bwd_dq_kernel(
         # this row's share of d loss / d sink = -P_sink · D (the softmax gradient of a logit with no value)
         p_sink = tl.math.exp2(tl.load(SINK + off_h) * LOG2E - lse)
         tl.store(DSINK_ROWS + row_base + offs_m, -p_sink * pdp, mask=offs_m < seqlen_q)
-
-
-@triton.jit
-def dq_from_acc_kernel(
-    ACC, DQ, stride_accb, stride_accm, stride_acch, stride_dqb, stride_dqm, stride_dqh, nheads, n_rows,
-    sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dQ = sm_scale · the float32 accumulator of the atomic-dQ path, in dQ's dtype."""
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // nheads).to(tl.int64)
-    off_h = (off_bh % nheads).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    acc = load_tile(ACC + off_b * stride_accb + off_h * stride_acch, offs_m, offs_d, stride_accm, n_rows,
-                    BLOCK_D, BLOCK_D, True)
-    store_tile(DQ + off_b * stride_dqb + off_h * stride_dqh, acc * sm_scale, offs_m, offs_d, stride_dqm,
-               n_rows, HEAD_DIM)

@@ -7,27 +7,17 @@ Any strides with a contiguous last dim.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
-from flashattn.kernels.attn_bwd import (
-    attn_bwd_dkdv_kernel,
-    attn_bwd_dq_kernel,
-    attn_bwd_preprocess_kernel,
-    dq_from_acc_kernel,
-)
+from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
 from flashattn.ops import host, tma
 from flashattn.ops.configs import TileConfig, tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
 _INT32_MAX = 2**31 - 1
-# the atomic-dQ backward's float32 accumulator holds at most this many bytes: larger problems run their kv
-# heads in chunks, so that at N = 128K (b = 1, h = 16, d = 128) the forward+backward peak stays within issue
-# 3's 2.2 GiB (outputs and gradients take 2.0; a whole accumulator would add 1 GiB)
-_DQ_ACC_BYTES = 128 * 2**20
 
 
 def default_scale(head_dim: int) -> float:
@@ -145,23 +135,15 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     return out, lse
 
 
-def atomic_dq(deterministic: bool, has_sink: bool) -> bool:
-    """Whether the backward adds dQ with float32 atomics inside the dK/dV kernel (5 matmuls per tile pair,
-    like flash_attn's default backward) rather than in a second kernel that recomputes S and dP (7 matmuls,
-    bitwise reproducible). `deterministic=True` and learnable sinks (whose gradient the dQ kernel computes)
-    take the second kernel; `FLASHATTN_ATOMIC_DQ=0` forces it (A/B timing)."""
-    return not deterministic and not has_sink and os.environ.get("FLASHATTN_ATOMIC_DQ", "1") != "0"
-
-
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                        learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                        max_seqlen_k=None, deterministic=False):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
 
-    `deterministic=False` (flash_attn's default): dQ is summed with float32 atomics, so its last bits may
-    vary from run to run (dK, dV never do); True: every gradient element is written by one program.
+    Deterministic whatever `deterministic` says: no atomics, every gradient element is written by one program.
     """
+    del deterministic
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if dout.stride(-1) != 1:
@@ -171,105 +153,40 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse)
     cu_q = cu_seqlens_q if pb.varlen else q
+    cu_k = cu_seqlens_k if pb.varlen else q
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
+    lse_strides = pb.lse_strides(lse)
     flags = pb.flags
+    block_d = max(flags["BLOCK_D"], flags["BLOCK_DV"])
 
     pre_m = 64 if q.device.type == "cuda" else 32
     attn_bwd_preprocess_kernel[(host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
-        out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *pb.lse_strides(lse), pb.nheads, pb.seqlen_q,
+        out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
         HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
     )
-    cu_k = cu_seqlens_k if pb.varlen else q
-    args = _BwdArgs(pb, q, k, v, dout, lse, delta, cu_q, cu_k, alibi, stride_alibi, softmax_scale)
-    if atomic_dq(deterministic, learnable_sink is not None):
-        _dkdv_atomic_dq(args, dq, dk, dv)
-        return dq, dk, dv, None
-    _dkdv(args, dk, dv, "dkdv", hk0=0, n_hk=pb.nheads_k)
-    dsink = _dq(args, dq, learnable_sink)
-    return dq, dk, dv, dsink
-
-
-@dataclass(frozen=True)
-class _BwdArgs:
-    pb: _Problem
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    dout: torch.Tensor
-    lse: torch.Tensor
-    delta: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    alibi: torch.Tensor
-    stride_alibi: int
-    softmax_scale: float
-
-    def common(self) -> tuple:
-        pb = self.pb
-        return (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, self.softmax_scale)
-
-    @property
-    def block_d(self) -> int:
-        return max(self.pb.flags["BLOCK_D"], self.pb.flags["BLOCK_DV"])
-
-
-def _dkdv(a: _BwdArgs, dk, dv, kernel: str, hk0: int, n_hk: int, acc=None):
-    """The dK/dV kernel over kv heads [hk0, hk0 + n_hk); with acc (float32, q's layout with the chunk's
-    query heads and BLOCK_D columns) it also adds dS K into acc."""
-    pb, q = a.pb, a.q
-    cfg = tile_config(kernel, a.block_d, q.device, pb.longest)
-    use_tma, descs = pb.descriptors(cfg, cfg.block_m, q, a.dout)
-    dq_tma = acc is not None and tma.device_ok(acc) and tma.enabled()
-    acc_desc = tma.descriptor(acc if not pb.varlen else acc.unsqueeze(0), cfg.block_m) if dq_tma else None
-    attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * n_hk)](
-        q, a.k, a.v, a.dout, a.lse, a.delta, dk, dv, a.cu_q, a.cu_k, a.alibi, *descs,
-        acc if acc is not None else a.lse, acc_desc,
-        *pb.rows(q), *pb.rows(a.k), *pb.rows(a.v), *pb.rows(a.dout), *pb.rows(dk), *pb.rows(dv),
-        *pb.lse_strides(a.lse), a.stride_alibi, *(pb.rows(acc) if acc is not None else (0, 0, 0)),
-        pb.nheads, n_hk, hk0, *a.common(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=use_tma, ATOMIC_DQ=acc is not None, DQ_TMA=dq_tma,
-        **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
+    cfg = tile_config("dkdv", block_d, q.device, pb.longest)
+    use_tma, descs = pb.descriptors(cfg, cfg.block_m, q, dout)
+    attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *descs,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
+        *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=use_tma, **flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-def _dkdv_atomic_dq(a: _BwdArgs, dq, dk, dv):
-    """dK/dV and, by float32 atomics in the same kernel, dQ: kv heads in chunks whose accumulator fits
-    _DQ_ACC_BYTES, each chunk's accumulator then scaled into dq."""
-    pb = a.pb
-    group, block_d = pb.flags["GROUP"], pb.flags["BLOCK_D"]
-    rows = a.q.shape[:-2]  # (b, sq) or (total_q,)
-    per_kv_head = math.prod(rows) * group * block_d * 4
-    chunk = max(1, min(pb.nheads_k, _DQ_ACC_BYTES // per_kv_head))
-    acc_all = torch.empty((*rows, chunk * group, block_d), dtype=torch.float32, device=a.q.device)
-    for hk0 in range(0, pb.nheads_k, chunk):
-        n_hk = min(chunk, pb.nheads_k - hk0)
-        acc = acc_all[..., : n_hk * group, :]
-        acc.zero_()
-        _dkdv(a, dk, dv, "dkdv_atomic", hk0, n_hk, acc)
-        dq_part = dq[..., hk0 * group:(hk0 + n_hk) * group, :]
-        n_rows, batch = (dq.shape[0], 1) if pb.varlen else (pb.seqlen_q, pb.batch)
-        conv_m = 64 if a.q.device.type == "cuda" else 32
-        dq_from_acc_kernel[(host.cdiv(n_rows, conv_m), batch * n_hk * group)](
-            acc, dq_part, *pb.rows(acc), *pb.rows(dq_part), n_hk * group, n_rows, a.softmax_scale,
-            HEAD_DIM=pb.d, BLOCK_D=block_d, BLOCK_M=conv_m,
-        )
-
-
-def _dq(a: _BwdArgs, dq, learnable_sink):
-    """The dQ kernel (recomputes S and dP per tile); returns dsink ((h,) float32) or None."""
-    pb, q = a.pb, a.q
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
-    dsink_rows = torch.zeros_like(a.lse) if has_sink else a.lse
-    cfg = tile_config("dq", a.block_d, q.device, pb.longest)
-    use_tma, descs = pb.descriptors(cfg, cfg.block_n, a.k, a.v)
+    dsink_rows = torch.zeros_like(lse) if has_sink else lse
+    cfg = tile_config("dq", block_d, q.device, pb.longest)
+    use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
     attn_bwd_dq_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
-        q, a.k, a.v, a.dout, a.lse, a.delta, dq, a.cu_q, a.cu_k, a.alibi, learnable_sink if has_sink else q,
-        dsink_rows, *descs,
-        *pb.rows(q), *pb.rows(a.k), *pb.rows(a.v), *pb.rows(a.dout), *pb.rows(dq),
-        *pb.lse_strides(a.lse), a.stride_alibi, pb.nheads, *a.common(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=has_sink, USE_TMA=use_tma, **pb.flags,
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
+        *descs,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq),
+        *lse_strides, stride_alibi, pb.nheads, *common,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=has_sink, USE_TMA=use_tma, **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis
-    return dsink_rows.sum(1 if pb.varlen else (0, 2)) if has_sink else None
+    dsink = dsink_rows.sum(1 if pb.varlen else (0, 2)) if has_sink else None
+    return dq, dk, dv, dsink

@@ -37,11 +37,6 @@ _H200 = {
     ("dq", 64): TileConfig(128, 64, 8, 3),
     ("dq", 128): TileConfig(128, 64, 8, 3),
     ("dq", 256): TileConfig(128, 32, 8, 2),
-    # the dK/dV kernel that also adds dQ atomically (ops/attention.py, atomic_dq): one more matmul and its
-    # (BLOCK_M, d) float32 result per step, so smaller query tiles than dkdv's
-    ("dkdv_atomic", 64): TileConfig(32, 128, 4, 3),
-    ("dkdv_atomic", 128): TileConfig(64, 128, 8, 3),
-    ("dkdv_atomic", 256): TileConfig(32, 64, 8, 2),
 }
 
 # Short sequences (max of sq, sk up to the row's limit): few key tiles per program, so a program's prologue
@@ -60,7 +55,6 @@ _LIMITS = sorted({limit for limit, _ in _H200_SHORT.values()})
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
     "dkdv": TileConfig(16, 32, 4, 1),
-    "dkdv_atomic": TileConfig(16, 32, 4, 1),
     "dq": TileConfig(32, 16, 4, 1),
 }
 
@@ -79,8 +73,8 @@ def _parse_overrides(text: str) -> dict[str, TileConfig]:
 
 
 def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | None = None) -> TileConfig:
-    """The config for `kernel` ('fwd' | 'dkdv' | 'dkdv_atomic' | 'dq') at padded head dim `block_d`; `seqlen`
-    (the longer of sq and sk; None: long) picks the short-sequence rows."""
+    """The config for `kernel` ('fwd' | 'dkdv' | 'dq') at padded head dim `block_d`; `seqlen` (the longer of
+    sq and sk; None: long) picks the short-sequence rows."""
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]

@@ -36,16 +36,11 @@ def _aligned(t: torch.Tensor) -> bool:
             and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
-def enabled() -> bool:
-    """False under FLASHATTN_TMA=0."""
-    return os.environ.get("FLASHATTN_TMA", "1") != "0"
-
-
 def usable(*tensors: torch.Tensor, varlen: bool) -> bool:
     """Whether the kernels may take their streamed tiles through descriptors for these tensors (the caller
     decides for which head dims and tiles)."""
     t0 = tensors[0]
-    if varlen or t0.dtype not in _DTYPES or not enabled():
+    if varlen or t0.dtype not in _DTYPES or os.environ.get("FLASHATTN_TMA", "1") == "0":
         return False
     return device_ok(t0) and all(_aligned(t) for t in tensors)
 

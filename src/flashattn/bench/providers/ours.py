@@ -1,6 +1,5 @@
 """`flashattn` (this project, through its public API), `flashattn-ptr` (the same with TMA descriptors off: the
-pointer-load path), `flashattn-det` (the same with FLASHATTN_ATOMIC_DQ=0: the backward's separate dQ kernel
-instead of atomic dQ), both for A/B timing, and `torch-backend` (its pure-PyTorch backend)."""
+pointer-load path, for A/B timing) and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
 
@@ -31,9 +30,6 @@ PROVIDERS = [
     Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
     Provider("flashattn-ptr", env_variant(_setup_public, "FLASHATTN_TMA", "0"),
              "this project with FLASHATTN_TMA=0: pointer loads instead of TMA descriptors (A/B timing)"),
-    Provider("flashattn-det", env_variant(_setup_public, "FLASHATTN_ATOMIC_DQ", "0"),
-             "this project with FLASHATTN_ATOMIC_DQ=0: the deterministic backward, dQ by its own kernel "
-             "(A/B timing)"),
     Provider(
         "torch-backend",
         _setup_torch_backend,
