@@ -11,6 +11,7 @@
 #   bash scripts/device_check.sh final                     leftover GPU tests, the 64K block-sparse row
 #   bash scripts/device_check.sh recheck                   d=64 short forward row; random-5% sparse walk
 #   bash scripts/device_check.sh sparse_rule               block-sparse partial blocks by rule vs bitmask
+#   bash scripts/device_check.sh lpt                       block-sparse longest-first launch order; GPU tests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -165,5 +166,20 @@ if [ "$stage" = sparse_rule ]; then
   timeout 80 python3 scripts/sparse_profile.py --out "$OUT/res/sparse_profile.json" 2>&1 | tail -12
   timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
     | tee "$OUT/res/memcheck_sparse.log"
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+
+# block-sparse programs longest-first: the 16K rows beside flex, the block-sparse GPU tests and memcheck (the
+# kernels' indexing changed), and the dense GPU tests the third session's calls cut short
+if [ "$stage" = lpt ]; then
+  mkdir -p "$OUT/res"
+  timeout 160 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
+    --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" \
+    | tail -4
+  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
+    | tee "$OUT/res/memcheck_sparse.log"
+  timeout 170 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py \
+    -k "odd_head or gqa or strided or fp32 or 128k or compile" 2>&1 | tee "$OUT/res/pytest_core.log" | tail -8
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
