@@ -12,6 +12,7 @@
 #   bash scripts/device_check.sh recheck                   d=64 short forward row; random-5% sparse walk
 #   bash scripts/device_check.sh sparse_rule               block-sparse partial blocks by rule vs bitmask
 #   bash scripts/device_check.sh lpt                       block-sparse longest-first launch order; GPU tests
+#   bash scripts/device_check.sh hoist                     block-sparse: only the heaviest blocks interleaved
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -181,5 +182,18 @@ if [ "$stage" = lpt ]; then
     | tee "$OUT/res/memcheck_sparse.log"
   timeout 170 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py \
     -k "odd_head or gqa or strided or fp32 or 128k or compile" 2>&1 | tee "$OUT/res/pytest_core.log" | tail -8
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+
+# v11: only each head's heaviest blocks start heads interleaved; the rest head-major (the 16K rows, the
+# block-sparse GPU tests, memcheck of the new program mapping)
+if [ "$stage" = hoist ]; then
+  mkdir -p "$OUT/res"
+  timeout 150 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
+    --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" \
+    | tail -4
+  timeout 45 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
+    | tee "$OUT/res/memcheck_sparse.log"
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi

@@ -9,9 +9,11 @@ bitmask (any mask); 2, computed in the kernel from the mask's rule (causal, slid
 global masks: a window around the diagonal, plus global tokens), which skips the bitmask loads. Kernel
 tiles subdivide mask blocks: BLOCK_M divides SPARSE_M and BLOCK_N divides SPARSE_N.
 
-Grids are (batch·heads, tiles) and program t of a head takes the (t // subtiles)-th block of the mask's
-launch order (q_order / k_order: longest block lists first), so the heaviest programs of every head start
-first (_ordered_tile).
+Grids are 1D over (batch·heads) x tiles (_program): the first `hoist` tiles of every head run first, heads
+interleaved, then the rest head by head; tile t of a head takes the (t // subtiles)-th block of the mask's
+launch order (q_order / k_order: longest block lists first). So the heaviest programs of every head (a
+local + global mask's global-token rows) start at once, and the rest keep the head-major order that lets
+concurrent programs share their head's K/V (or Q/dO) in L2.
 """
 
 import triton
@@ -37,6 +39,18 @@ def _next_tile(start, j, idx_base, num, SUBS: tl.constexpr, SPARSE: tl.constexpr
     i_next = (j + 1) // SUBS
     nb_next = tl.load(idx_base + i_next, mask=i_next < num, other=0)
     return tl.where((j + 1) % SUBS == 0, nb_next * SPARSE, start + BLOCK)
+
+
+@triton.jit
+def _program(n_bh, n_tiles, hoist):
+    """(batch·head, tile) of this program: the first n_bh·hoist programs take tiles [0, hoist) of every head,
+    heads fastest; the others the remaining tiles head by head (hoist < n_tiles)."""
+    pid = tl.program_id(0)
+    lead = n_bh * hoist
+    rest = pid - lead
+    bh = tl.where(pid < lead, pid % n_bh, rest // (n_tiles - hoist))
+    tile = tl.where(pid < lead, pid // n_bh, hoist + rest % (n_tiles - hoist))
+    return bh, tile
 
 
 @triton.jit
@@ -81,18 +95,18 @@ def sparse_fwd_kernel(
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
-    MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right, rule_glob,
+    MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right, rule_glob, n_bh, n_tiles, hoist,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    off_bh = tl.program_id(0)
+    off_bh, tile = _program(n_bh, n_tiles, hoist)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
-    mq, start_m = _ordered_tile(Q_ORDER + slab * n_qblocks, tl.program_id(1), SPARSE_M, BLOCK_M)
+    mq, start_m = _ordered_tile(Q_ORDER + slab * n_qblocks, tile, SPARSE_M, BLOCK_M)
     if start_m >= seqlen_q:
         return
     off_b64 = off_b.to(tl.int64)
@@ -140,19 +154,19 @@ def sparse_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
     sm_scale, MB, MH, n_qblocks, n_kblocks, max_part, max_qfull, max_qpart,
-    rule_diag, rule_left, rule_right, rule_glob,
+    rule_diag, rule_left, rule_right, rule_glob, n_bh, n_tiles, hoist,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    off_bhk = tl.program_id(0)
+    off_bhk, tile = _program(n_bh, n_tiles, hoist)
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
     # the launch order of the group's first query head (any permutation is correct; this one is its LPT)
     slab0 = ((off_b % MB) * MH + (off_hk * GROUP) % MH).to(tl.int64)
-    nk, start_n = _ordered_tile(K_ORDER + slab0 * n_kblocks, tl.program_id(1), SPARSE_N, BLOCK_N)
+    nk, start_n = _ordered_tile(K_ORDER + slab0 * n_kblocks, tile, SPARSE_N, BLOCK_N)
     if start_n >= seqlen_k:
         return
     off_b64 = off_b.to(tl.int64)
@@ -243,18 +257,18 @@ def sparse_dq_kernel(
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset, sm_scale,
-    MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right, rule_glob,
+    MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right, rule_glob, n_bh, n_tiles, hoist,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    off_bh = tl.program_id(0)
+    off_bh, tile = _program(n_bh, n_tiles, hoist)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
-    mq, start_m = _ordered_tile(Q_ORDER + slab * n_qblocks, tl.program_id(1), SPARSE_M, BLOCK_M)
+    mq, start_m = _ordered_tile(Q_ORDER + slab * n_qblocks, tile, SPARSE_M, BLOCK_M)
     if start_m >= seqlen_q:
         return
     off_b64 = off_b.to(tl.int64)

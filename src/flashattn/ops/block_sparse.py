@@ -58,6 +58,17 @@ def _tiles(kernel, block_d, device, kt):
     return min(cfg.block_m, kt.block_m), min(block_n, kt.block_n), cfg
 
 
+def _grid(n_bh: int, n_blocks: int, subtiles: int) -> tuple[tuple[int], tuple[int, int, int]]:
+    """(1D grid, (n_bh, n_tiles, hoist)) for the kernels' _program: the heaviest 1/32 of each head's blocks
+    (their launch order puts them first) start heads interleaved. Enough for a local + global mask's global
+    rows (one or two blocks up to 64K tokens), few enough that the rest keeps the head-major order whose
+    concurrent programs share a head's tiles in L2: with every tile interleaved across heads, random masks
+    ran 4-9% slower on the H200 (benchmarks/NOTES.md, v10)."""
+    n_tiles = n_blocks * subtiles
+    hoist = min(max(1, n_blocks // 32) * subtiles, n_tiles - 1)
+    return (n_bh * n_tiles,), (n_bh, n_tiles, hoist)
+
+
 def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0, rng_seed=0, rng_offset=0):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key)."""
     b, sq, h, block_d, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
@@ -66,12 +77,13 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     block_m, block_n, cfg = _tiles("fwd", block_d, q.device, kt)
     rule_args, rule_flags = _rule(kt)
-    sparse_fwd_kernel[(b * h, kt.n_qblocks * (kt.block_m // block_m))](
+    grid, order_args = _grid(b * h, kt.n_qblocks, kt.block_m // block_m)
+    sparse_fwd_kernel[grid](
         q, k, v, out, lse, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits,
         kt.q_order,
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), h, sq, k.shape[1], *scalars,
         mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
+        *order_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out, lse
@@ -94,22 +106,24 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     rule_args, rule_flags = _rule(kt)
     block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
-    sparse_dkdv_kernel[(b * hk, n_kblocks * (kt.block_n // block_n))](
+    grid, order_args = _grid(b * hk, n_kblocks, kt.block_n // block_n)
+    sparse_dkdv_kernel[grid](
         q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
         kt.q_part_slot, kt.part_bits, kt.k_order,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
         h, hk, sq, sk, *scalars, softmax_scale,
         mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
-        *rule_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        *rule_args, *order_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
-    sparse_dq_kernel[(b * h, n_qblocks * (kt.block_m // block_m))](
+    grid, order_args = _grid(b * h, n_qblocks, kt.block_m // block_m)
+    sparse_dq_kernel[grid](
         q, k, v, dout, lse, delta, dq, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx,
         kt.part_bits, kt.q_order,
         *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq),
         h, sq, sk, *scalars, softmax_scale,
-        mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
+        mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args, *order_args,
         BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
