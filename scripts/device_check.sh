@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU has to show, in one device call. Writes logs and JSON under $OUT.
+# Pass the commit literally, FLASHATTN_GIT_SHA=<sha of this checkout> bash scripts/device_check.sh STAGE: the
+# device's copy of .git lagged the working tree in the fourth session, so `git rev-parse HEAD` there named an
+# older commit in every results JSON (benchmarks/results/h200-2026-11-29-s4/README.md).
 #   bash scripts/device_check.sh tune     correctness check, sanitizers, config sweep
 #   bash scripts/device_check.sh full     gpu tests, benchmark suites (train, memory, features)
 #   bash scripts/device_check.sh verify|sparse|e2e_io      the inference, sparse, ecosystem and IO evidence
