@@ -16,6 +16,7 @@
 #   bash scripts/device_check.sh sparse_rule               block-sparse partial blocks by rule vs bitmask
 #   bash scripts/device_check.sh lpt                       block-sparse longest-first launch order; GPU tests
 #   bash scripts/device_check.sh hoist                     block-sparse: only the heaviest blocks interleaved
+#   bash scripts/device_check.sh fused                     block-sparse backward in one launch (no archive)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -199,4 +200,13 @@ if [ "$stage" = hoist ]; then
   timeout 45 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
     | tee "$OUT/res/memcheck_sparse.log"
   tar -C "$OUT" -czf "$OUT/res.tgz" res
+fi
+
+# v12: the block-sparse backward's two roles in one launch; the 16K forward+backward rows and the GPU tests,
+# written straight under $OUT (no archive: a call cut by the device budget still returns them)
+if [ "$stage" = fused ]; then
+  timeout 130 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd+bwd --quiet --no-plots \
+    --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/sparse16k" 2>&1 | tail -16
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/pytest_sparse.log" \
+    | tail -4
 fi

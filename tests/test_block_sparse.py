@@ -107,6 +107,44 @@ def test_rule_masks_match_oracle_and_bits(name, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_backward_one_launch_or_one_per_role(monkeypatch):
+    """The backward's dK/dV and dQ programs share one launch when their tile configs agree on warps and
+    stages, else run as two launches of the same kernel: the gradients must not depend on it."""
+    from flashattn.block_sparse import _ops
+    from flashattn.ops import block_sparse as launchers
+
+    mask = BlockMask.local_global(90, (12, 5), 7, block_size=(32, 16))
+    q, k, v = make_qkv(1, 90, 90, 4, 2, 32, dtype=torch.float16, generator=torch.Generator().manual_seed(4))
+    if _ops.launchers(q) is not launchers:
+        pytest.skip("the Triton launchers run on CUDA or under TRITON_INTERPRET=1")
+    counts = []
+    runs = []
+    for spec in ("dkdv=16,32,4,1;dq=32,16,4,1", "dkdv=16,32,4,1;dq=32,16,2,1"):
+        monkeypatch.setenv("FLASHATTN_CONFIG", spec)
+        calls = []
+        kernel = launchers.sparse_bwd_kernel
+        monkeypatch.setattr(launchers, "sparse_bwd_kernel", _Recorder(kernel, calls))
+        qq, kk, vv = _leaves(q, k, v)
+        out = block_sparse_attn_func(qq, kk, vv, mask)
+        runs.append(torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out)))
+        counts.append(len(calls))
+        monkeypatch.setattr(launchers, "sparse_bwd_kernel", kernel)
+    assert counts == [1, 2]
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Recorder:
+    """Wraps a Triton kernel: kernel[grid](...) is recorded in calls, then launched."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
 def test_rule_follows_the_mask():
     lg = BlockMask.local_global(256, (20, 7), 19, causal=True, block_size=32)
     rule = lg.to_kernel_tensors().rule

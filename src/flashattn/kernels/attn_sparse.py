@@ -42,10 +42,9 @@ def _next_tile(start, j, idx_base, num, SUBS: tl.constexpr, SPARSE: tl.constexpr
 
 
 @triton.jit
-def _program(n_bh, n_tiles, hoist):
-    """(batch·head, tile) of this program: the first n_bh·hoist programs take tiles [0, hoist) of every head,
+def _program(pid, n_bh, n_tiles, hoist):
+    """(batch·head, tile) of program pid: the first n_bh·hoist programs take tiles [0, hoist) of every head,
     heads fastest; the others the remaining tiles head by head (hoist < n_tiles)."""
-    pid = tl.program_id(0)
     lead = n_bh * hoist
     rest = pid - lead
     bh = tl.where(pid < lead, pid % n_bh, rest // (n_tiles - hoist))
@@ -102,7 +101,7 @@ def sparse_fwd_kernel(
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    off_bh, tile = _program(n_bh, n_tiles, hoist)
+    off_bh, tile = _program(tl.program_id(0), n_bh, n_tiles, hoist)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
@@ -146,8 +145,8 @@ def sparse_fwd_kernel(
 
 
 @triton.jit
-def sparse_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+def _dkdv_program(
+    pid, Q, K, V, DO, LSE, Delta, DK, DV,
     Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, PART_BITS, K_ORDER,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
@@ -161,7 +160,8 @@ def sparse_dkdv_kernel(
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    off_bhk, tile = _program(n_bh, n_tiles, hoist)
+    """dK, dV of one key tile (program pid of the dK/dV role) over the query blocks that see it."""
+    off_bhk, tile = _program(pid, n_bh, n_tiles, hoist)
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
     # the launch order of the group's first query head (any permutation is correct; this one is its LPT)
@@ -252,8 +252,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs
 
 
 @triton.jit
-def sparse_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS, Q_ORDER,
+def _dq_program(
+    pid, Q, K, V, DO, LSE, Delta, DQ, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS, Q_ORDER,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset, sm_scale,
@@ -264,7 +264,8 @@ def sparse_dq_kernel(
     PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr, RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr,
     RULE_GLOBAL_CAUSAL: tl.constexpr,
 ):
-    off_bh, tile = _program(n_bh, n_tiles, hoist)
+    """dQ of one query tile (program pid of the dQ role) over its key blocks."""
+    off_bh, tile = _program(pid, n_bh, n_tiles, hoist)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     slab = ((off_b % MB) * MH + off_h % MH).to(tl.int64)
@@ -302,3 +303,53 @@ def sparse_dq_kernel(
                     RULE_GLOBAL, RULE_GLOBAL_CAUSAL, DOT_PREC)
     store_tile(DQ + off_b64 * stride_dqb + off_h64 * stride_dqh, dq * sm_scale, offs_m, offs_d, stride_dqm,
                seqlen_q, HEAD_DIM)
+
+
+@triton.jit
+def sparse_bwd_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, DK, DV,
+    KV_FULL_NUM, KV_FULL_IDX, KV_PART_NUM, KV_PART_IDX, PART_BITS, Q_ORDER,
+    Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, K_ORDER,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
+    sm_scale, MB, MH, n_qblocks, n_kblocks, max_full, max_part, max_qfull, max_qpart,
+    rule_diag, rule_left, rule_right, rule_glob, kv_bh, kv_tiles, kv_hoist, q_bh, q_tiles, q_hoist,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr,
+    RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr, RULE_GLOBAL_CAUSAL: tl.constexpr,
+):
+    """The backward's two roles in one grid, as flex does: programs [0, kv_bh·kv_tiles) compute dK/dV of a key
+    tile, the rest dQ of a query tile. One launch lets the dQ programs fill the SMs the dK/dV programs' tail
+    leaves idle (at low densities every program is short). A launch with kv_bh = 0 (or q_bh = 0) runs one
+    role only: the launcher splits them when the two roles' tile tables ask for different warps."""
+    pid = tl.program_id(0)
+    n_kv = kv_bh * kv_tiles
+    if pid < n_kv:
+        _dkdv_program(
+            pid, Q, K, V, DO, LSE, Delta, DK, DV, Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT,
+            PART_BITS, K_ORDER, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+            stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+            stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+            nheads, nheads_k, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed, rng_offset,
+            sm_scale, MB, MH, n_qblocks, n_kblocks, max_part, max_qfull, max_qpart,
+            rule_diag, rule_left, rule_right, rule_glob, kv_bh, kv_tiles, kv_hoist,
+            GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, SPARSE_M, SPARSE_N,
+            HAS_SOFTCAP, HAS_DROPOUT, DOT_PREC, PART_BY, RULE_LEFT, RULE_RIGHT, RULE_GLOBAL,
+            RULE_GLOBAL_CAUSAL,
+        )
+    else:
+        _dq_program(
+            pid - n_kv, Q, K, V, DO, LSE, Delta, DQ, KV_FULL_NUM, KV_FULL_IDX, KV_PART_NUM, KV_PART_IDX,
+            PART_BITS, Q_ORDER, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+            stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm,
+            stride_dqh, nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed,
+            rng_offset, sm_scale, MB, MH, n_qblocks, max_full, max_part, rule_diag, rule_left, rule_right,
+            rule_glob, q_bh, q_tiles, q_hoist,
+            GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, SPARSE_M, SPARSE_N,
+            HAS_SOFTCAP, HAS_DROPOUT, DOT_PREC, PART_BY, RULE_LEFT, RULE_RIGHT, RULE_GLOBAL,
+            RULE_GLOBAL_CAUSAL,
+        )

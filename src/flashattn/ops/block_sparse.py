@@ -9,7 +9,7 @@ import os
 import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
-from flashattn.kernels.attn_sparse import sparse_dkdv_kernel, sparse_dq_kernel, sparse_fwd_kernel
+from flashattn.kernels.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
 from flashattn.ops import host
 from flashattn.ops.attention import LOG2E
 from flashattn.ops.configs import tile_config
@@ -105,26 +105,24 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     rule_args, rule_flags = _rule(kt)
-    block_m, block_n, cfg = _tiles("dkdv", block_d, q.device, kt)
-    grid, order_args = _grid(b * hk, n_kblocks, kt.block_n // block_n)
-    sparse_dkdv_kernel[grid](
-        q, k, v, dout, lse, delta, dk, dv, kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx,
-        kt.q_part_slot, kt.part_bits, kt.k_order,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dk), *_rows(dv),
-        h, hk, sq, sk, *scalars, softmax_scale,
-        mb, mh, n_qblocks, n_kblocks, kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
-        *rule_args, *order_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    block_m, block_n, cfg = _tiles("dq", block_d, q.device, kt)
-    grid, order_args = _grid(b * h, n_qblocks, kt.block_m // block_m)
-    sparse_dq_kernel[grid](
-        q, k, v, dout, lse, delta, dq, kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx,
-        kt.part_bits, kt.q_order,
-        *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq),
-        h, sq, sk, *scalars, softmax_scale,
-        mb, mh, n_qblocks, kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args, *order_args,
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    kv_m, kv_n, kv_cfg = _tiles("dkdv", block_d, q.device, kt)
+    q_m, q_n, q_cfg = _tiles("dq", block_d, q.device, kt)
+    (n_kv,), kv_args = _grid(b * hk, n_kblocks, kt.block_n // kv_n)
+    (n_q,), q_args = _grid(b * h, n_qblocks, kt.block_m // q_m)
+    # both roles in one launch when their tables agree on warps and stages (flex's layout: the dQ programs
+    # fill what the dK/dV programs' tail leaves idle); else one launch per role (n_bh = 0 disables a role)
+    launches = [(n_kv + n_q, kv_args, q_args, kv_cfg)]
+    if (kv_cfg.num_warps, kv_cfg.num_stages) != (q_cfg.num_warps, q_cfg.num_stages):
+        launches = [(n_kv, kv_args, (0, 1, 0), kv_cfg), (n_q, (0, 1, 0), q_args, q_cfg)]
+    for n_programs, kv_order, q_order, cfg in launches:
+        sparse_bwd_kernel[(n_programs,)](
+            q, k, v, dout, lse, delta, dq, dk, dv,
+            kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits, kt.q_order,
+            kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx, kt.q_part_slot, kt.k_order,
+            *_rows(q), *_rows(k), *_rows(v), *_rows(dout), *_rows(dq), *_rows(dk), *_rows(dv),
+            h, hk, sq, sk, *scalars, softmax_scale, mb, mh, n_qblocks, n_kblocks, kt.kv_full_idx.shape[3],
+            kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3], *rule_args, *kv_order,
+            *q_order, DKDV_BLOCK_M=kv_m, DKDV_BLOCK_N=kv_n, DQ_BLOCK_M=q_m, DQ_BLOCK_N=q_n, **flags,
+            **rule_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return dq, dk, dv
