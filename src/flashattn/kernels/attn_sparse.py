@@ -13,7 +13,8 @@ Grids are 1D over (batch·heads) x tiles (_program): the first `hoist` tiles of 
 interleaved, then the rest head by head; tile t of a head takes the (t // subtiles)-th block of the mask's
 launch order (q_order / k_order: longest block lists first). So the heaviest programs of every head (a
 local + global mask's global-token rows) start at once, and the rest keep the head-major order that lets
-concurrent programs share their head's K/V (or Q/dO) in L2.
+concurrent programs share their head's K/V (or Q/dO) in L2. The backward is one kernel with two roles
+(sparse_bwd_kernel): its dK/dV programs come first in the grid, then its dQ programs.
 """
 
 import triton
