@@ -17,6 +17,7 @@
 #   bash scripts/device_check.sh lpt                       block-sparse longest-first launch order; GPU tests
 #   bash scripts/device_check.sh hoist                     block-sparse: only the heaviest blocks interleaved
 #   bash scripts/device_check.sh fused                     block-sparse backward in one launch (no archive)
+#   bash scripts/device_check.sh fused_check               what the fused call could not run: memcheck, tests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -208,5 +209,14 @@ if [ "$stage" = fused ]; then
   timeout 130 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd+bwd --quiet --no-plots \
     --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/sparse16k" 2>&1 | tail -16
   timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/pytest_sparse.log" \
+    | tail -4
+fi
+
+# what the fused call's device time did not cover: memcheck of the one-launch block-sparse backward and the
+# full block-sparse GPU test file (next session, first)
+if [ "$stage" = fused_check ]; then
+  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_sparse.log"
+  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/pytest_sparse.log" \
     | tail -4
 fi
