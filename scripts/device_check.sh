@@ -25,6 +25,20 @@ stage=${1:-full}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
+# steps the block-sparse stages share: TIMEOUT and the folder their files go to come first
+sparse16k() {  # TIMEOUT DIR MODES PROVIDERS [bench options]: the 16K sparse suite, the summary's tail
+  timeout "$1" python3 -m flashattn bench --suite sparse --seqlens 16384 --modes "$3" --quiet --providers "$4" \
+    --out "$2/sparse16k" "${@:5}" 2>&1 | tail -30
+}
+sparse_gpu_tests() {  # TIMEOUT DIR
+  timeout "$1" python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$2/pytest_sparse.log" \
+    | tail -4
+}
+sparse_memcheck() {  # TIMEOUT DIR
+  timeout "$1" compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
+    | tee "$2/memcheck_sparse.log"
+}
+
 if [ "$stage" = tune ]; then
   python3 -c "import sys; from flashattn.demo import check; sys.exit(check())" 2>&1 | tee "$OUT/check.log"
   python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log"
@@ -116,8 +130,7 @@ if [ "$stage" = tma ]; then
   # block-sparse and paged varlen first: the dense GPU tests take minutes (their first run here hit the timeout)
   timeout 90 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py \
     "tests/test_decode_gpu.py::test_paged_varlen_prefill_equals_packed" 2>&1 | tee "$OUT/res/pytest_sparse.log" | tail -8
-  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
-    | tee "$OUT/res/memcheck_sparse.log"
+  sparse_memcheck 50 "$OUT/res"
   timeout 100 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
     --out "$OUT/res/sparse" 2>&1 | tail -12
   timeout 190 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py 2>&1 | tee "$OUT/res/pytest_core.log" | tail -8
@@ -164,14 +177,12 @@ fi
 # the bitmasks they used until now, and flex, at 16K; then the 64K rows
 if [ "$stage" = sparse_rule ]; then
   mkdir -p "$OUT/res"
-  timeout 200 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
-    --providers flashattn-sparse,flashattn-sparse-bits,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
+  sparse16k 200 "$OUT/res" fwd,fwd+bwd flashattn-sparse,flashattn-sparse-bits,flashattn,flex-sparse
   timeout 110 python3 -m flashattn bench --suite sparse --seqlens 65536 --modes fwd+bwd --quiet --no-plots \
     --providers flashattn,flashattn-sparse,flashattn-sparse-bits --out "$OUT/res/sparse64k" 2>&1 | tail -12
-  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" | tail -4
+  sparse_gpu_tests 100 "$OUT/res"
   timeout 80 python3 scripts/sparse_profile.py --out "$OUT/res/sparse_profile.json" 2>&1 | tail -12
-  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
-    | tee "$OUT/res/memcheck_sparse.log"
+  sparse_memcheck 50 "$OUT/res"
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
 
@@ -179,12 +190,9 @@ fi
 # kernels' indexing changed), and the dense GPU tests the third session's calls cut short
 if [ "$stage" = lpt ]; then
   mkdir -p "$OUT/res"
-  timeout 160 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
-    --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
-  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" \
-    | tail -4
-  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
-    | tee "$OUT/res/memcheck_sparse.log"
+  sparse16k 160 "$OUT/res" fwd,fwd+bwd flashattn-sparse,flashattn,flex-sparse
+  sparse_gpu_tests 100 "$OUT/res"
+  sparse_memcheck 50 "$OUT/res"
   timeout 170 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py \
     -k "odd_head or gqa or strided or fp32 or 128k or compile" 2>&1 | tee "$OUT/res/pytest_core.log" | tail -8
   tar -C "$OUT" -czf "$OUT/res.tgz" res
@@ -194,29 +202,22 @@ fi
 # block-sparse GPU tests, memcheck of the new program mapping)
 if [ "$stage" = hoist ]; then
   mkdir -p "$OUT/res"
-  timeout 150 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd,fwd+bwd --quiet \
-    --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/res/sparse16k" 2>&1 | tail -30
-  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/res/pytest_sparse.log" \
-    | tail -4
-  timeout 45 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
-    | tee "$OUT/res/memcheck_sparse.log"
+  sparse16k 150 "$OUT/res" fwd,fwd+bwd flashattn-sparse,flashattn,flex-sparse
+  sparse_gpu_tests 100 "$OUT/res"
+  sparse_memcheck 45 "$OUT/res"
   tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
 
 # v12: the block-sparse backward's two roles in one launch; the 16K forward+backward rows and the GPU tests,
 # written straight under $OUT (no archive: a call cut by the device budget still returns them)
 if [ "$stage" = fused ]; then
-  timeout 130 python3 -m flashattn bench --suite sparse --seqlens 16384 --modes fwd+bwd --quiet --no-plots \
-    --providers flashattn-sparse,flashattn,flex-sparse --out "$OUT/sparse16k" 2>&1 | tail -16
-  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/pytest_sparse.log" \
-    | tail -4
+  sparse16k 130 "$OUT" fwd+bwd flashattn-sparse,flashattn,flex-sparse --no-plots
+  sparse_gpu_tests 100 "$OUT"
 fi
 
 # what the fused call's device time did not cover: memcheck of the one-launch block-sparse backward and the
 # full block-sparse GPU test file (next session, first)
 if [ "$stage" = fused_check ]; then
-  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py sparse 2>&1 | tail -4 \
-    | tee "$OUT/memcheck_sparse.log"
-  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_block_sparse_gpu.py 2>&1 | tee "$OUT/pytest_sparse.log" \
-    | tail -4
+  sparse_memcheck 60 "$OUT"
+  sparse_gpu_tests 150 "$OUT"
 fi
