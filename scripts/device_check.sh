@@ -18,6 +18,8 @@
 #   bash scripts/device_check.sh hoist                     block-sparse: only the heaviest blocks interleaved
 #   bash scripts/device_check.sh fused                     block-sparse backward in one launch (no archive)
 #   bash scripts/device_check.sh fused_check               what the fused call could not run: memcheck, tests
+#   bash scripts/device_check.sh sched                     dense grouped launch order, one-launch backward: A/B
+#   bash scripts/device_check.sh sched_tests               its GPU tests (block-sparse file, dense core file)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -220,4 +222,21 @@ fi
 if [ "$stage" = fused_check ]; then
   sparse_memcheck 60 "$OUT"
   sparse_gpu_tests 150 "$OUT"
+fi
+
+# v13: dense grids in grouped heaviest-first order and the backward's roles in one launch: memcheck of the new
+# indexing (dense and block-sparse, which v12 left unchecked), then the train grid A/B beside the others
+if [ "$stage" = sched ]; then
+  timeout 90 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_dense.log"
+  sparse_memcheck 60 "$OUT"
+  timeout ${TRAIN_S:-420} python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,flashattn-headmajor,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -50
+fi
+
+# the GPU tests of the new launch order: the dense core file's backward-heavy cases and the block-sparse file
+if [ "$stage" = sched_tests ]; then
+  sparse_gpu_tests 150 "$OUT"
+  timeout ${CORE_S:-380} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py 2>&1 | tee "$OUT/pytest_core.log" \
+    | tail -8
 fi

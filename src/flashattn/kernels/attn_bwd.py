@@ -1,9 +1,10 @@
 """Backward attention kernels: P is recomputed tile by tile from Q, K and the saved LSE, nothing N×N stored.
 
   attn_bwd_preprocess_kernel  D_i = rowsum(dO_i ∘ O_i)
-  attn_bwd_dkdv_kernel        one program per (key tile, batch·kv head): dV += (P∘Z)ᵀ dO, dK += dSᵀ Q over the
+  attn_bwd_kernel             two roles in one 1D grid (common.grouped_program orders each):
+    _dkdv_program             one per (key tile, batch·kv head): dV += (P∘Z)ᵀ dO, dK += dSᵀ Q over the
                               query tiles of every query head in the GQA group (so the group sum is free)
-  attn_bwd_dq_kernel          one program per (query tile, batch·head): dQ += dS K
+    _dq_program               one per (query tile, batch·head): dQ += dS K
 with Z the dropout keep mask scaled by 1/(1-p) (regenerated, never stored), dP = dO Vᵀ, dS = P ∘ (dP∘Z − D),
 times 1 − tanh² under softcap. The softmax scale multiplies dK and dQ once, at the end.
 
@@ -19,6 +20,7 @@ from flashattn.kernels.common import (
     LOG2E,
     bits_keep,
     dropout_keep,
+    grouped_program,
     key_range,
     load_rows,
     load_tile,
@@ -107,8 +109,8 @@ def _dkdv_tile(
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
+def _dkdv_program(
+    pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -117,7 +119,7 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
-    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale, n_bh, lpt_group,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,8 +127,10 @@ def attn_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
+    """dK, dV of one key tile of one (batch, kv head): program pid of the dK/dV role."""
+    off_bhk, rank = grouped_program(pid, n_bh, tl.cdiv(max_seqlen_k, BLOCK_N), lpt_group)
+    # rank 0 is the first key tile, the one every query sees under causal masking
+    start_n = rank * BLOCK_N
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
     q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, IS_VARLEN)
@@ -246,8 +250,8 @@ def _dq_tile(
 
 
 @triton.jit
-def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
+def _dq_program(
+    pid, Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -255,7 +259,7 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
-    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale, n_bh, lpt_group,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -263,12 +267,16 @@ def attn_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    off_bh = tl.program_id(1)
+    """dQ (and the sink gradient's row shares) of one query tile of one (batch, head): program pid of the dQ
+    role."""
+    n_tiles = tl.cdiv(max_seqlen_q, BLOCK_M)
+    off_bh, rank = grouped_program(pid, n_bh, n_tiles, lpt_group)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, IS_VARLEN)
-    start_m = (tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
+    # rank 0 is the last query tile, the one with the most keys under causal masking
+    start_m = (n_tiles - 1 - rank) * BLOCK_M
     if start_m >= seqlen_q:
         return
     off_b64 = off_b.to(tl.int64)
@@ -325,3 +333,60 @@ def attn_bwd_dq_kernel(
         # this row's share of d loss / d sink = -P_sink · D (the softmax gradient of a logit with no value)
         p_sink = tl.math.exp2(tl.load(SINK + off_h) * LOG2E - lse)
         tl.store(DSINK_ROWS + row_base + offs_m, -p_sink * pdp, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def attn_bwd_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, DK, DV, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, Q_DESC, DO_DESC, K_DESC, V_DESC,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+    batch, n_kv, kv_group, q_group,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Programs [0, n_kv) compute dK/dV of a key tile, the rest dQ of a query tile. One launch lets the dQ
+    programs fill the SMs that the dK/dV programs' last wave leaves idle. The launcher runs one role per
+    launch (RUN_DKDV / RUN_DQ, so each compiles only its own) when the roles' tile tables ask for different
+    warps or stages."""
+    pid = tl.program_id(0)
+    if RUN_DKDV:
+        if pid < n_kv:
+            _dkdv_program(
+                pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+                qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+                batch * nheads_k, kv_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                DKDV_BLOCK_M, DKDV_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, DOT_PREC, USE_TMA,
+            )
+    if RUN_DQ:
+        if pid >= n_kv:
+            _dq_program(
+                pid - n_kv, Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+                qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+                batch * nheads, q_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                DQ_BLOCK_M, DQ_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HAS_SINK, DOT_PREC, USE_TMA,
+            )

@@ -1,4 +1,5 @@
-"""Forward attention kernel: one program per (query tile, batch·head), K/V tiles streamed through SRAM.
+"""Forward attention kernel: one program per (query tile, batch·head) in a 1D grid (common.grouped_program),
+K/V tiles streamed through SRAM.
 
 Invariants of the online softmax (base 2, the scale folded into the scores):
   m_i  running row max of the scores seen so far,
@@ -15,6 +16,7 @@ from flashattn.kernels.common import (
     LOG2E,
     bits_keep,
     dropout_keep,
+    grouped_program,
     key_range,
     load_rows,
     load_tile,
@@ -110,7 +112,7 @@ def attn_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
-    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset,
+    qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, n_bh, lpt_group,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -118,13 +120,14 @@ def attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    off_bh = tl.program_id(1)
+    n_tiles = tl.cdiv(max_seqlen_q, BLOCK_M)
+    off_bh, rank = grouped_program(tl.program_id(0), n_bh, n_tiles, lpt_group)
     off_b = off_bh // nheads
     off_h = off_bh % nheads
     q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, IS_VARLEN)
-    # the last query tiles carry the most keys under causal masking: launch them first
-    start_m = (tl.cdiv(max_seqlen_q, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
+    # rank 0 is the last query tile, the one with the most keys under causal masking
+    start_m = (n_tiles - 1 - rank) * BLOCK_M
     if start_m >= seqlen_q:
         return
     off_b64 = off_b.to(tl.int64)

@@ -61,6 +61,21 @@ def seq_bounds(cu_seqlens, off_b, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def grouped_program(pid, n_bh, n_tiles, group):
+    """(batch·head, tile rank) of program pid in a 1D grid of n_bh·n_tiles programs (rank 0: the heaviest
+    tile). Heads go in groups of `group`; inside a group every head's rank 0 comes first, then every head's
+    rank 1, and so on. Under causal masking the last programs of the launch are then the lightest of their
+    group, so the final wave is short (head by head, a head's heavy tile can start just before the end and run
+    alone); the group is sized on the host so that its K/V stays in L2 (ops/attention.py). group = 1 is plain
+    head-major order."""
+    per_group = group * n_tiles
+    g = pid // per_group
+    r = pid - g * per_group
+    heads = tl.minimum(group, n_bh - g * group)
+    return g * group + r % heads, r // heads
+
+
+@triton.jit
 def key_range(start_m, seqlen_k, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
     """Key tiles of the query rows [start_m, start_m + BLOCK_M), as BLOCK_N multiples n_start <= n_lo, n_hi.

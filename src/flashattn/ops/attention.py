@@ -4,20 +4,28 @@ Pure functions (tensors in, tensors out, no autograd): tests, benchmarks and the
 Padded layout: q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), lse (b, h, sq).
 Varlen layout (cu_seqlens_q/k given): q (total_q, h, d), k/v (total_k, h_k, ·), lse (h, total_q).
 Any strides with a contiguous last dim.
+
+Launch order: grids are 1D, and under a window (causal included), where tiles differ in work, heads run in
+groups heaviest tile first (kernels/common.py, grouped_program). `FLASHATTN_SCHEDULE` (comma-separated, A/B
+timing) turns that off with `head-major`, and with `split` launches the backward's two roles one at a time.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-from flashattn.kernels.attn_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from flashattn.kernels.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
 from flashattn.ops import host, tma
 from flashattn.ops.configs import TileConfig, tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
 _INT32_MAX = 2**31 - 1
+# bytes of streamed tiles (K/V, or Q/dO in the dK/dV role) that one group of heads may keep live in L2
+# (50 MiB on the H200): interleaving every head lost 4-9% to L2 misses in the block-sparse kernels (NOTES v10)
+_L2_BUDGET = 16 << 20
 
 
 def default_scale(head_dim: int) -> float:
@@ -50,6 +58,14 @@ class _Problem:
             return 0, t.stride(0), t.stride(1)
         return t.stride(0), t.stride(1), t.stride(2)
 
+    def lpt_group(self, n_bh: int, stream_bytes: int) -> int:
+        """Heads per group of grouped_program's order, each streaming stream_bytes: 1 (head-major) when
+        every tile of a head does the same work (no window), else as many as fit the L2 budget."""
+        uneven = self.flags["WINDOW_LEFT"] or self.flags["WINDOW_RIGHT"]
+        if not uneven or "head-major" in _schedule():
+            return 1
+        return max(1, min(n_bh, _L2_BUDGET // max(stream_bytes, 1)))
+
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
 
@@ -64,6 +80,10 @@ class _Problem:
         if tma.usable(*tensors, varlen=self.varlen):
             return True, [tma.descriptor(t, block_rows) for t in tensors]
         return False, [None] * len(tensors)
+
+
+def _schedule() -> set[str]:
+    return set(filter(None, os.environ.get("FLASHATTN_SCHEDULE", "").split(",")))
 
 
 def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
@@ -121,14 +141,15 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device, pb.longest)
-    grid = (host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)
+    n_bh = pb.batch * pb.nheads
+    group = pb.lpt_group(n_bh, pb.seqlen_k * (pb.d + pb.dv) * k.element_size() // pb.flags["GROUP"])
     use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
-    attn_fwd_kernel[grid](
+    attn_fwd_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,)](
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
         learnable_sink if learnable_sink is not None else q, *descs,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
-        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars,
+        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, n_bh, group,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, USE_TMA=use_tma,
         **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -164,29 +185,36 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
         HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
     )
-    common = (pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, softmax_scale)
-    cfg = tile_config("dkdv", block_d, q.device, pb.longest)
-    use_tma, descs = pb.descriptors(cfg, cfg.block_m, q, dout)
-    attn_bwd_dkdv_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n), pb.batch * pb.nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *descs,
-        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dk), *pb.rows(dv),
-        *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=use_tma, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
     has_sink = learnable_sink is not None
-    # per-row shares of the sink gradient, written by the dQ kernel (which has P and dP in fp32)
+    # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
-    cfg = tile_config("dq", block_d, q.device, pb.longest)
-    use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
-    attn_bwd_dq_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m), pb.batch * pb.nheads)](
-        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, learnable_sink if has_sink else q, dsink_rows,
-        *descs,
-        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq),
-        *lse_strides, stride_alibi, pb.nheads, *common,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=has_sink, USE_TMA=use_tma, **flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    kv_cfg = tile_config("dkdv", block_d, q.device, pb.longest)
+    q_cfg = tile_config("dq", block_d, q.device, pb.longest)
+    kv_tma, (q_desc, do_desc) = pb.descriptors(kv_cfg, kv_cfg.block_m, q, dout)
+    q_tma, (k_desc, v_desc) = pb.descriptors(q_cfg, q_cfg.block_n, k, v)
+    row_bytes = (pb.d + pb.dv) * q.element_size()
+    n_kv = host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k
+    n_q = host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads
+    kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
+    q_group = pb.lpt_group(pb.batch * pb.nheads, pb.seqlen_k * row_bytes // flags["GROUP"])
+    # both roles in one launch when their configs agree on warps, stages and load path; else one each
+    together = ((kv_cfg.num_warps, kv_cfg.num_stages, kv_tma) == (q_cfg.num_warps, q_cfg.num_stages, q_tma)
+                and "split" not in _schedule())
+    kv_descs, q_descs = (q_desc, do_desc), (k_desc, v_desc)
+    launches = ([(n_kv + n_q, n_kv, True, True, kv_cfg, kv_tma, kv_descs + q_descs)] if together else
+                [(n_kv, n_kv, True, False, kv_cfg, kv_tma, kv_descs + (None, None)),
+                 (n_q, 0, False, True, q_cfg, q_tma, (None, None) + q_descs)])
+    for n_programs, n_kv_role, run_dkdv, run_dq, cfg, use_tma, descs in launches:
+        attn_bwd_kernel[(n_programs,)](
+            q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,
+            dsink_rows, *descs,
+            *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq), *pb.rows(dk), *pb.rows(dv),
+            *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q,
+            pb.seqlen_k, *pb.scalars, softmax_scale, pb.batch, n_kv_role, kv_group, q_group,
+            DKDV_BLOCK_M=kv_cfg.block_m, DKDV_BLOCK_N=kv_cfg.block_n, DQ_BLOCK_M=q_cfg.block_m,
+            DQ_BLOCK_N=q_cfg.block_n, RUN_DKDV=run_dkdv, RUN_DQ=run_dq, HAS_SINK=has_sink, USE_TMA=use_tma,
+            **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis
     dsink = dsink_rows.sum(1 if pb.varlen else (0, 2)) if has_sink else None
     return dq, dk, dv, dsink

@@ -1,5 +1,6 @@
 """`flashattn` (this project, through its public API), `flashattn-ptr` (the same with TMA descriptors off: the
-pointer-load path, for A/B timing) and `torch-backend` (its pure-PyTorch backend)."""
+pointer-load path), `flashattn-headmajor` (the same in the former launch order), both for A/B timing, and
+`torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ PROVIDERS = [
     Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
     Provider("flashattn-ptr", env_variant(_setup_public, "FLASHATTN_TMA", "0"),
              "this project with FLASHATTN_TMA=0: pointer loads instead of TMA descriptors (A/B timing)"),
+    Provider("flashattn-headmajor", env_variant(_setup_public, "FLASHATTN_SCHEDULE", "head-major,split"),
+             "this project with FLASHATTN_SCHEDULE=head-major,split: programs head by head and the backward's "
+             "two roles in two launches, the launch order before the grouped one (A/B timing)"),
     Provider(
         "torch-backend",
         _setup_torch_backend,
