@@ -348,45 +348,43 @@ def attn_bwd_kernel(
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
     qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
-    batch, n_kv, kv_group, q_group,
+    batch, kv_group, q_group,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr,
-    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, ROLE_DKDV: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Programs [0, n_kv) compute dK/dV of a key tile, the rest dQ of a query tile. One launch lets the dQ
-    programs fill the SMs that the dK/dV programs' last wave leaves idle. The launcher runs one role per
-    launch (RUN_DKDV / RUN_DQ, so each compiles only its own) when the roles' tile tables ask for different
-    warps or stages."""
+    """dK/dV programs (ROLE_DKDV) or dQ programs: one body, launched once per role. Both roles in one launch
+    (as the block-sparse backward did from v12 to v13) failed on the H200 with a misaligned address at d=64,
+    batch >= 2, 16+ heads, and passed under compute-sanitizer: a timing-dependent fault not understood
+    (benchmarks/NOTES.md, v13), so each role has its own launch."""
     pid = tl.program_id(0)
-    if RUN_DKDV:
-        if pid < n_kv:
-            _dkdv_program(
-                pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-                stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
-                qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
-                batch * nheads_k, kv_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                DKDV_BLOCK_M, DKDV_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, DOT_PREC, USE_TMA,
-            )
-    if RUN_DQ:
-        if pid >= n_kv:
-            _dq_program(
-                pid - n_kv, Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-                stride_lse_b, stride_lse_h, stride_alibi_b,
-                nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
-                qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
-                batch * nheads, q_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                DQ_BLOCK_M, DQ_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, HAS_SINK, DOT_PREC, USE_TMA,
-            )
+    if ROLE_DKDV:
+        _dkdv_program(
+            pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+            stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+            stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
+            nheads, nheads_k, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+            qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+            batch * nheads_k, kv_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+            DKDV_BLOCK_M, DKDV_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, DOT_PREC, USE_TMA,
+        )
+    else:
+        _dq_program(
+            pid, Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+            stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+            stride_lse_b, stride_lse_h, stride_alibi_b,
+            nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
+            qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
+            batch * nheads, q_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+            DQ_BLOCK_M, DQ_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_DROPOUT, HAS_SINK, DOT_PREC, USE_TMA,
+        )

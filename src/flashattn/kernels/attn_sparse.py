@@ -14,7 +14,7 @@ interleaved, then the rest head by head; tile t of a head takes the (t // subtil
 launch order (q_order / k_order: longest block lists first). So the heaviest programs of every head (a
 local + global mask's global-token rows) start at once, and the rest keep the head-major order that lets
 concurrent programs share their head's K/V (or Q/dO) in L2. The backward is one kernel with two roles
-(sparse_bwd_kernel): its dK/dV programs come first in the grid, then its dQ programs.
+(sparse_bwd_kernel), launched once for its dK/dV programs and once for its dQ programs.
 """
 
 import triton
@@ -322,14 +322,13 @@ def sparse_bwd_kernel(
     DQ_BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART_BY: tl.constexpr, RULE_LEFT: tl.constexpr,
     RULE_RIGHT: tl.constexpr, RULE_GLOBAL: tl.constexpr, RULE_GLOBAL_CAUSAL: tl.constexpr,
+    ROLE_DKDV: tl.constexpr,
 ):
-    """The backward's two roles in one grid, as flex does: programs [0, kv_bh·kv_tiles) compute dK/dV of a key
-    tile, the rest dQ of a query tile. One launch lets the dQ programs fill the SMs the dK/dV programs' tail
-    leaves idle (at low densities every program is short). A launch with kv_bh = 0 (or q_bh = 0) runs one
-    role only: the launcher splits them when the two roles' tile tables ask for different warps."""
+    """dK/dV programs of key tiles (ROLE_DKDV) or dQ programs of query tiles: one body, one launch per role.
+    Both roles in one grid (flex's layout) ran here from v12 to v13; the dense backward's version of it failed
+    with a timing-dependent misaligned address on the H200 (benchmarks/NOTES.md, v13)."""
     pid = tl.program_id(0)
-    n_kv = kv_bh * kv_tiles
-    if pid < n_kv:
+    if ROLE_DKDV:
         _dkdv_program(
             pid, Q, K, V, DO, LSE, Delta, DK, DV, Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT,
             PART_BITS, K_ORDER, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -344,7 +343,7 @@ def sparse_bwd_kernel(
         )
     else:
         _dq_program(
-            pid - n_kv, Q, K, V, DO, LSE, Delta, DQ, KV_FULL_NUM, KV_FULL_IDX, KV_PART_NUM, KV_PART_IDX,
+            pid, Q, K, V, DO, LSE, Delta, DQ, KV_FULL_NUM, KV_FULL_IDX, KV_PART_NUM, KV_PART_IDX,
             PART_BITS, Q_ORDER, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
             stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm,
             stride_dqh, nheads, seqlen_q, seqlen_k, qk_scale, cap_in, cap_out, dropout_p, rng_seed,

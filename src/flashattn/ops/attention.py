@@ -6,8 +6,8 @@ Varlen layout (cu_seqlens_q/k given): q (total_q, h, d), k/v (total_k, h_k, ·),
 Any strides with a contiguous last dim.
 
 Launch order: grids are 1D, and under a window (causal included), where tiles differ in work, heads run in
-groups heaviest tile first (kernels/common.py, grouped_program). `FLASHATTN_SCHEDULE` (comma-separated, A/B
-timing) turns that off with `head-major`, and with `split` launches the backward's two roles one at a time.
+groups heaviest tile first (kernels/common.py, grouped_program); `FLASHATTN_SCHEDULE=head-major` restores
+plain head-by-head order (A/B timing).
 """
 
 import math
@@ -62,7 +62,7 @@ class _Problem:
         """Heads per group of grouped_program's order, each streaming stream_bytes: 1 (head-major) when
         every tile of a head does the same work (no window), else as many as fit the L2 budget."""
         uneven = self.flags["WINDOW_LEFT"] or self.flags["WINDOW_RIGHT"]
-        if not uneven or "head-major" in _schedule():
+        if not uneven or os.environ.get("FLASHATTN_SCHEDULE") == "head-major":
             return 1
         return max(1, min(n_bh, _L2_BUDGET // max(stream_bytes, 1)))
 
@@ -80,10 +80,6 @@ class _Problem:
         if tma.usable(*tensors, varlen=self.varlen):
             return True, [tma.descriptor(t, block_rows) for t in tensors]
         return False, [None] * len(tensors)
-
-
-def _schedule() -> set[str]:
-    return set(filter(None, os.environ.get("FLASHATTN_SCHEDULE", "").split(",")))
 
 
 def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
@@ -193,26 +189,23 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     kv_tma, (q_desc, do_desc) = pb.descriptors(kv_cfg, kv_cfg.block_m, q, dout)
     q_tma, (k_desc, v_desc) = pb.descriptors(q_cfg, q_cfg.block_n, k, v)
     row_bytes = (pb.d + pb.dv) * q.element_size()
-    n_kv = host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k
-    n_q = host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads
     kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
     q_group = pb.lpt_group(pb.batch * pb.nheads, pb.seqlen_k * row_bytes // flags["GROUP"])
-    # both roles in one launch when their configs agree on warps, stages and load path; else one each
-    together = ((kv_cfg.num_warps, kv_cfg.num_stages, kv_tma) == (q_cfg.num_warps, q_cfg.num_stages, q_tma)
-                and "split" not in _schedule())
-    kv_descs, q_descs = (q_desc, do_desc), (k_desc, v_desc)
-    launches = ([(n_kv + n_q, n_kv, True, True, kv_cfg, kv_tma, kv_descs + q_descs)] if together else
-                [(n_kv, n_kv, True, False, kv_cfg, kv_tma, kv_descs + (None, None)),
-                 (n_q, 0, False, True, q_cfg, q_tma, (None, None) + q_descs)])
-    for n_programs, n_kv_role, run_dkdv, run_dq, cfg, use_tma, descs in launches:
+    roles = (
+        (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, kv_tma,
+         (q_desc, do_desc, None, None)),
+        (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma,
+         (None, None, k_desc, v_desc)),
+    )
+    for n_programs, role_dkdv, cfg, use_tma, descs in roles:
         attn_bwd_kernel[(n_programs,)](
             q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,
             dsink_rows, *descs,
             *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq), *pb.rows(dk), *pb.rows(dv),
             *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q,
-            pb.seqlen_k, *pb.scalars, softmax_scale, pb.batch, n_kv_role, kv_group, q_group,
+            pb.seqlen_k, *pb.scalars, softmax_scale, pb.batch, kv_group, q_group,
             DKDV_BLOCK_M=kv_cfg.block_m, DKDV_BLOCK_N=kv_cfg.block_n, DQ_BLOCK_M=q_cfg.block_m,
-            DQ_BLOCK_N=q_cfg.block_n, RUN_DKDV=run_dkdv, RUN_DQ=run_dq, HAS_SINK=has_sink, USE_TMA=use_tma,
+            DQ_BLOCK_N=q_cfg.block_n, ROLE_DKDV=role_dkdv, HAS_SINK=has_sink, USE_TMA=use_tma,
             **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis

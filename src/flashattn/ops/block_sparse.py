@@ -109,12 +109,11 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     q_m, q_n, q_cfg = _tiles("dq", block_d, q.device, kt)
     (n_kv,), kv_args = _grid(b * hk, n_kblocks, kt.block_n // kv_n)
     (n_q,), q_args = _grid(b * h, n_qblocks, kt.block_m // q_m)
-    # both roles in one launch when their tables agree on warps and stages (flex's layout: the dQ programs
-    # fill what the dK/dV programs' tail leaves idle); else one launch per role (n_bh = 0 disables a role)
-    launches = [(n_kv + n_q, kv_args, q_args, kv_cfg)]
-    if (kv_cfg.num_warps, kv_cfg.num_stages) != (q_cfg.num_warps, q_cfg.num_stages):
-        launches = [(n_kv, kv_args, (0, 1, 0), kv_cfg), (n_q, (0, 1, 0), q_args, q_cfg)]
-    for n_programs, kv_order, q_order, cfg in launches:
+    # one launch per role (ROLE_DKDV; the other role's order is a dummy). Both in one, flex's layout, ran from
+    # v12 until the dense backward's one-launch variant failed on the H200 with a timing-dependent misaligned
+    # address (kernels/attn_bwd.py, benchmarks/NOTES.md v13); v12 had measured it within noise of two launches
+    launches = [(n_kv, kv_args, (0, 1, 0), kv_cfg, True), (n_q, (0, 1, 0), q_args, q_cfg, False)]
+    for n_programs, kv_order, q_order, cfg, role_dkdv in launches:
         sparse_bwd_kernel[(n_programs,)](
             q, k, v, dout, lse, delta, dq, dk, dv,
             kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits, kt.q_order,
@@ -123,6 +122,6 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
             h, hk, sq, sk, *scalars, softmax_scale, mb, mh, n_qblocks, n_kblocks, kt.kv_full_idx.shape[3],
             kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3], *rule_args, *kv_order,
             *q_order, DKDV_BLOCK_M=kv_m, DKDV_BLOCK_N=kv_n, DQ_BLOCK_M=q_m, DQ_BLOCK_N=q_n, **flags,
-            **rule_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **rule_flags, ROLE_DKDV=role_dkdv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dq, dk, dv

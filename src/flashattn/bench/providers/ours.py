@@ -31,9 +31,9 @@ PROVIDERS = [
     Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
     Provider("flashattn-ptr", env_variant(_setup_public, "FLASHATTN_TMA", "0"),
              "this project with FLASHATTN_TMA=0: pointer loads instead of TMA descriptors (A/B timing)"),
-    Provider("flashattn-headmajor", env_variant(_setup_public, "FLASHATTN_SCHEDULE", "head-major,split"),
-             "this project with FLASHATTN_SCHEDULE=head-major,split: programs head by head and the backward's "
-             "two roles in two launches, the launch order before the grouped one (A/B timing)"),
+    Provider("flashattn-headmajor", env_variant(_setup_public, "FLASHATTN_SCHEDULE", "head-major"),
+             "this project with FLASHATTN_SCHEDULE=head-major: programs head by head, the launch order "
+             "before the grouped heaviest-first one (A/B timing)"),
     Provider(
         "torch-backend",
         _setup_torch_backend,
