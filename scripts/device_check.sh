@@ -234,9 +234,11 @@ if [ "$stage" = sched ]; then
     --providers flashattn,flashattn-headmajor,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -50
 fi
 
-# the GPU tests of the new launch order: the dense core file's backward-heavy cases and the block-sparse file
+# the GPU tests of the new launch order: every training feature (windows take the grouped order), the
+# block-sparse file (ROLE_DKDV launches) and the dense core file
 if [ "$stage" = sched_tests ]; then
-  sparse_gpu_tests 150 "$OUT"
-  timeout ${CORE_S:-380} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py 2>&1 | tee "$OUT/pytest_core.log" \
+  timeout 90 python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log" | tail -6
+  sparse_gpu_tests 130 "$OUT"
+  timeout ${CORE_S:-330} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py 2>&1 | tee "$OUT/pytest_core.log" \
     | tail -8
 fi
