@@ -20,6 +20,7 @@
 #   bash scripts/device_check.sh fused_check               what the fused call could not run: memcheck, tests
 #   bash scripts/device_check.sh sched                     dense grouped launch order, one-launch backward: A/B
 #   bash scripts/device_check.sh sched_tests               its GPU tests (block-sparse file, dense core file)
+#   bash scripts/device_check.sh sched_final               after the dK/dV ptxas crash: checks, d=128 backward
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -241,4 +242,16 @@ if [ "$stage" = sched_tests ]; then
   sparse_gpu_tests 130 "$OUT"
   timeout ${CORE_S:-330} python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py 2>&1 | tee "$OUT/pytest_core.log" \
     | tail -8
+fi
+
+# after the ptxas crash of the dK/dV program's descriptor loads (v13): that program on pointers; memcheck,
+# the feature check that found the crash, the odd-length and GQA core tests, and the d=128 backward re-timed
+if [ "$stage" = sched_final ]; then
+  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -2 \
+    | tee "$OUT/memcheck_dense.log"
+  timeout 70 python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log" | tail -3
+  timeout 90 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "odd or gqa" 2>&1 \
+    | tee "$OUT/pytest_odd_gqa.log" | tail -3
+  timeout 140 python3 -m flashattn bench --suite train --headdims 128 --modes bwd --quiet --no-plots \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train_bwd128" 2>&1 | tail -16
 fi

@@ -112,6 +112,13 @@ def dense_cases():
                     k, v = (_t(1, sk, 1, d, dtype=dtype, grad=True) for _ in range(2))
                     yield f"dense {dtype} d={d} causal={causal} sq={sq} tma={path}", partial(
                         _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path)
+    # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes
+    # (sq = 300 with the third session's kernels; 512 causal with 4 heads as well, in the fifth), so that
+    # program now loads Q/dO through pointers
+    for sq, causal in ((300, False), (300, True), (512, True)):
+        q, k, v = (_t(1, sq, 4, 128, grad=True) for _ in range(3))
+        yield f"dense d=128 mha sq={sq} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
+                                                                  causal=causal)
     # 2-stage pipelines must take the pointer path: ptxas crashes on them with descriptors (ops/attention.py)
     q, k, v = (_t(2, 130, 4, 64, grad=True) for _ in range(3))
     yield "dense tma=1 with 2-stage tiles", partial(_with_config, "fwd=64,64,4,2;dkdv=32,64,4,2;dq=64,64,4,2",

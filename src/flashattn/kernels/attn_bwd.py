@@ -66,15 +66,14 @@ def _dkdv_tile(
     BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
-    q_desc=None, do_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
     glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
     # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
-    # USE_TMA: Q/dO tiles come through tensor descriptors (load_rows), the padded layout only
+    # Q/dO come through pointer loads: with tensor descriptors the ptxas of Triton 3.6 crashed (SIGSEGV) on
+    # this program at some lengths and head counts (benchmarks/NOTES.md, v13)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_rows(q_base, q_desc, desc_b, desc_h, start_m, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM,
-                  BLOCK_D, True, USE_TMA)
+    q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
     # rows past seqlen_q get LSE = +inf, so their P is exactly 0 without a predicate
     lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, d) x (d, BLOCK_M)
@@ -88,8 +87,7 @@ def _dkdv_tile(
         p_t = tl.math.exp2(s_t - lse[None, :])
     else:
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
-    do = load_rows(do_base, do_desc, desc_b, desc_h, start_m, offs_m, offs_dv, stride_dom, seqlen_q,
-                   HEAD_DIM_V, BLOCK_DV, True, USE_TMA)
+    do = load_tile(do_base, offs_m, offs_dv, stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     if HAS_DROPOUT:
         keep_t = dropout_keep(rng_seed, rng_offset, rng_row_base, offs_m[None, :], offs_n[:, None],
                               max_seqlen_k, dropout_p)
@@ -110,7 +108,7 @@ def _dkdv_tile(
 
 @triton.jit
 def _dkdv_program(
-    pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
+    pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -125,7 +123,6 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
     """dK, dV of one key tile of one (batch, kv head): program pid of the dK/dV role."""
     off_bhk, rank = grouped_program(pid, n_bh, tl.cdiv(max_seqlen_k, BLOCK_N), lpt_group)
@@ -170,7 +167,6 @@ def _dkdv_program(
                 cap_out, slope, rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
-                q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
             )
         # -- query tiles that see the whole key tile
         for start_m in range(m_lo, tl.minimum(m_hi, m_end), BLOCK_M):
@@ -180,7 +176,6 @@ def _dkdv_program(
                 cap_out, slope, rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
-                q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
             )
         # -- query tiles cut by the window's left edge
         for start_m in range(tl.maximum(m_hi, m_lo), m_end, BLOCK_M):
@@ -190,7 +185,6 @@ def _dkdv_program(
                 cap_out, slope, rng_seed, rng_offset, rng_row_base, max_seqlen_k, dropout_p,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
-                q_desc=Q_DESC, do_desc=DO_DESC, desc_b=off_b, desc_h=off_h, USE_TMA=USE_TMA,
             )
     store_tile(DK + off_b64 * stride_dkb + k_row0 * stride_dkn + off_hk * stride_dkh, dk * sm_scale, offs_n,
                offs_d, stride_dkn, seqlen_k, HEAD_DIM)
@@ -337,7 +331,7 @@ def _dq_program(
 
 @triton.jit
 def attn_bwd_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, DK, DV, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, Q_DESC, DO_DESC, K_DESC, V_DESC,
+    Q, K, V, DO, LSE, Delta, DQ, DK, DV, CU_Q, CU_K, ALIBI, SINK, DSINK_ROWS, K_DESC, V_DESC,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -364,7 +358,7 @@ def attn_bwd_kernel(
     pid = tl.program_id(0)
     if ROLE_DKDV:
         _dkdv_program(
-            pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI, Q_DESC, DO_DESC,
+            pid, Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K, ALIBI,
             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
             stride_vb, stride_vn, stride_vh,
             stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
@@ -373,7 +367,7 @@ def attn_bwd_kernel(
             qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, sm_scale,
             batch * nheads_k, kv_group, GROUP, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
             DKDV_BLOCK_M, DKDV_BLOCK_N, IS_VARLEN, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_DROPOUT, DOT_PREC, USE_TMA,
+            HAS_DROPOUT, DOT_PREC,
         )
     else:
         _dq_program(

@@ -186,16 +186,14 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     kv_cfg = tile_config("dkdv", block_d, q.device, pb.longest)
     q_cfg = tile_config("dq", block_d, q.device, pb.longest)
-    kv_tma, (q_desc, do_desc) = pb.descriptors(kv_cfg, kv_cfg.block_m, q, dout)
+    # the dK/dV role loads Q/dO through pointers (kernels/attn_bwd.py says why); the dQ role streams K/V
     q_tma, (k_desc, v_desc) = pb.descriptors(q_cfg, q_cfg.block_n, k, v)
     row_bytes = (pb.d + pb.dv) * q.element_size()
     kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
     q_group = pb.lpt_group(pb.batch * pb.nheads, pb.seqlen_k * row_bytes // flags["GROUP"])
     roles = (
-        (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, kv_tma,
-         (q_desc, do_desc, None, None)),
-        (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma,
-         (None, None, k_desc, v_desc)),
+        (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, False, (None, None)),
+        (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma, (k_desc, v_desc)),
     )
     for n_programs, role_dkdv, cfg, use_tma, descs in roles:
         attn_bwd_kernel[(n_programs,)](

@@ -1,6 +1,6 @@
 """Tensor descriptors for the streamed tiles (Hopper's tensor memory accelerator, TMA).
 
-The kernels' inner loops stream K/V (forward, dQ) or Q/dO (dK/dV) tiles. On sm90+ those loads can go through
+The kernels' inner loops stream K/V (forward, dQ) or Q/dO (dK/dV) tiles. On sm90+ the K/V loads can go through
 TMA descriptors: one bulk copy per tile instead of per-thread address arithmetic and cp.async, which frees
 registers and issue slots for the softmax. A descriptor covers a padded-layout tensor (batch, seqlen, heads,
 d) with a (1, rows, 1, d) block; rows past seqlen read as zero, as the masked pointer loads do.
@@ -8,7 +8,8 @@ d) with a (1, rows, 1, d) block; rows past seqlen read as zero, as the masked po
 Used when every streamed tensor qualifies: CUDA, compute capability >= 9, fp16/bf16, padded layout (varlen
 packs sequences back to back, so a tile would read the next sequence's rows instead of zeros), 16-byte
 aligned base and strides; and only for d = 128 with pipelines of 3 or more stages (ops/attention.py says why:
-measured slower at d = 64, a compiler crash at 2 stages).
+measured slower at d = 64, a compiler crash at 2 stages). The dK/dV program's Q/dO stay on pointers (another
+compiler crash, kernels/attn_bwd.py).
 `FLASHATTN_TMA=0` turns the path off (A/B timing; the pointer path is always there).
 """
 
