@@ -1,7 +1,7 @@
 """Backward attention kernels: P is recomputed tile by tile from Q, K and the saved LSE, nothing N×N stored.
 
   attn_bwd_preprocess_kernel  D_i = rowsum(dO_i ∘ O_i)
-  attn_bwd_kernel             two roles in one 1D grid (common.grouped_program orders each):
+  attn_bwd_kernel             two roles, one launch each, 1D grids (common.grouped_program orders them):
     _dkdv_program             one per (key tile, batch·kv head): dV += (P∘Z)ᵀ dO, dK += dSᵀ Q over the
                               query tiles of every query head in the GQA group (so the group sum is free)
     _dq_program               one per (query tile, batch·head): dQ += dS K
