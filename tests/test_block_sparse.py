@@ -16,7 +16,7 @@ from conftest import INTERPRET
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
-from utils import assert_close_to_ref, make_qkv
+from utils import LaunchRecorder, assert_close_to_ref, make_qkv
 
 import flashattn
 from flashattn.block_sparse import _ops, _torch, block_sparse_attn_func
@@ -127,7 +127,7 @@ def test_backward_one_launch_per_role(monkeypatch):
         monkeypatch.setenv("FLASHATTN_CONFIG", spec)
         calls = []
         kernel = launchers.sparse_bwd_kernel
-        monkeypatch.setattr(launchers, "sparse_bwd_kernel", _Recorder(kernel, calls))
+        monkeypatch.setattr(launchers, "sparse_bwd_kernel", LaunchRecorder(kernel, calls))
         qq, kk, vv = _leaves(q, k, v)
         out = block_sparse_attn_func(qq, kk, vv, mask)
         runs.append(torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out)))
@@ -136,17 +136,6 @@ def test_backward_one_launch_per_role(monkeypatch):
     assert counts == [2, 2]
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-class _Recorder:
-    """Wraps a Triton kernel: kernel[grid](...) is recorded in calls, then launched."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 def test_rule_follows_the_mask():

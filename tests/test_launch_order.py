@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from conftest import INTERPRET
-from utils import make_qkv
+from utils import LaunchRecorder, make_qkv
 
 from flashattn import flash_attn_func, flash_attn_varlen_func
 from flashattn.kernels.common import grouped_program
@@ -61,22 +61,11 @@ def test_group_size_follows_the_masking_and_the_l2_budget(monkeypatch):
     assert _pb(causal=True).lpt_group(32, 1 << 20) == 1
 
 
-class _Recorder:
-    """Wraps a Triton kernel: kernel[grid](...) is recorded in calls, then launched."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
-
-
 def _run(q, k, v, monkeypatch, schedule, budget, **kwargs):
     monkeypatch.setenv("FLASHATTN_SCHEDULE", schedule)
     monkeypatch.setattr(launchers, "_L2_BUDGET", budget)
     calls = []
-    monkeypatch.setattr(launchers, "attn_bwd_kernel", _Recorder(launchers.attn_bwd_kernel, calls))
+    monkeypatch.setattr(launchers, "attn_bwd_kernel", LaunchRecorder(launchers.attn_bwd_kernel, calls))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     varlen = kwargs.pop("varlen", None)
     if varlen is None:

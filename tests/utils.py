@@ -1,10 +1,10 @@
-"""Shared test helpers: the tolerance rule and random (optionally non-contiguous) inputs."""
+"""Shared test helpers: the tolerance rule, random (optionally non-contiguous) inputs, a launch recorder."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_close_to_ref", "make_qkv", "max_abs_err"]
+__all__ = ["LaunchRecorder", "assert_close_to_ref", "make_qkv", "max_abs_err"]
 
 
 def max_abs_err(a, b):
@@ -109,3 +109,14 @@ def make_qkv(
         return rand(b, heads, s, dim + 8).transpose(1, 2)[..., :dim]
 
     return strided(sq, h, d), strided(sk, hk, d), strided(sk, hk, dv)
+
+
+class LaunchRecorder:
+    """Wraps a Triton kernel: kernel[grid](...) is recorded in calls, then launched."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
