@@ -21,6 +21,8 @@
 #   bash scripts/device_check.sh sched                     dense grouped launch order, one-launch backward: A/B
 #   bash scripts/device_check.sh sched_tests               its GPU tests (block-sparse file, dense core file)
 #   bash scripts/device_check.sh sched_final               after the dK/dV ptxas crash: checks, d=128 backward
+#   bash scripts/device_check.sh occupancy                 the checks the fifth session's budget cut; register
+#                                                          caps and spill-free tiles swept (NOTES v14)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -254,4 +256,14 @@ if [ "$stage" = sched_final ]; then
     | tee "$OUT/pytest_odd_gqa.log" | tail -3
   timeout 140 python3 -m flashattn bench --suite train --headdims 128 --modes bwd --quiet --no-plots \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train_bwd128" 2>&1 | tail -16
+fi
+
+# sixth session: what the fifth's budget cut (memcheck of the dense kernels after the dK/dV pointer change, the
+# feature check's varlen case), then the register-cap / spill-free tile sweep (NOTES v14), d=64 first
+if [ "$stage" = occupancy ]; then
+  timeout 150 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -3 \
+    | tee "$OUT/memcheck_dense.log"
+  timeout 100 python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log" | tail -4
+  timeout ${TUNE_S:-320} python3 scripts/tune.py --occupancy --headdims 64,128 --seqlens 1024,4096,16384 \
+    --out "$OUT/tune_occupancy.json" 2>&1 | tee "$OUT/tune_occupancy.log" | tail -24
 fi

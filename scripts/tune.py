@@ -28,6 +28,13 @@ SHORT = {  # N <= 2K: few key tiles per program, so prologue/epilogue weigh; sma
     "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
     "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
 }
+# Sixth session: register caps (a fifth field, maxnreg) that let two 8-warp programs share an SM, and tiles
+# that stop the shipped dK/dV programs spilling (ptxas -v on the sm_90a compile: benchmarks/NOTES.md v14). None
+# is the table's entry, timed in the same run. Per head dim, since the caps only make sense for one d.
+OCCUPANCY = {
+    64: {"dkdv": [None, (32, 128, 8, 3, 128), (32, 128, 8, 3)], "dq": [(128, 128, 8, 3)]},
+    128: {"fwd": [None, (128, 64, 8, 2, 128)], "dkdv": [None, (32, 128, 8, 3)]},
+}
 BIG_D = {  # d = 256: registers and shared memory bound the tiles
     "fwd": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
     "dkdv": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)],
@@ -51,10 +58,12 @@ def main():
     ap.add_argument("--kernels", default="fwd,dkdv,dq")
     ap.add_argument("--table-only", action="store_true", help="time the shipped table's configs only")
     ap.add_argument("--short", action="store_true", help="the candidates for N <= 2K (SHORT)")
+    ap.add_argument("--occupancy", action="store_true", help="the register-cap candidates (OCCUPANCY)")
     args = ap.parse_args()
     rows = []
     for d in (int(x) for x in args.headdims.split(",")):
-        table = BIG_D if d == 256 else SHORT if args.short else CANDIDATES
+        table = (OCCUPANCY.get(d, {}) if args.occupancy else BIG_D if d == 256 else SHORT if args.short
+                 else CANDIDATES)
         cands = {name: c for name, c in table.items()
                  if name in args.kernels.split(",")}
         if args.table_only:
@@ -67,7 +76,7 @@ def main():
                 out, lse = attention_forward(q, k, v, softmax_scale=d**-0.5, causal=causal)
                 for kernel, configs in cands.items():
                     for cfg in configs:
-                        if cfg is not None:
+                        if cfg is not None:  # with 5 fields the last is maxnreg (ops/configs.py)
                             os.environ["FLASHATTN_CONFIG"] = f"{kernel}={','.join(map(str, cfg))}"
                         kw = dict(softmax_scale=d**-0.5, causal=causal)
                         if kernel == "fwd":

@@ -147,7 +147,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, n_bh, group,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, USE_TMA=use_tma,
-        **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
@@ -204,7 +204,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             pb.seqlen_k, *pb.scalars, softmax_scale, pb.batch, kv_group, q_group,
             DKDV_BLOCK_M=kv_cfg.block_m, DKDV_BLOCK_N=kv_cfg.block_n, DQ_BLOCK_M=q_cfg.block_m,
             DQ_BLOCK_N=q_cfg.block_n, ROLE_DKDV=role_dkdv, HAS_SINK=has_sink, USE_TMA=use_tma,
-            **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         )
     # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis
     dsink = dsink_rows.sum(1 if pb.varlen else (0, 2)) if has_sink else None

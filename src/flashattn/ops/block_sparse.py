@@ -84,7 +84,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
         *_rows(q), *_rows(k), *_rows(v), *_rows(out), h, sq, k.shape[1], *scalars,
         mb, mh, kt.kv_full_num.shape[2], kt.kv_full_idx.shape[3], kt.kv_part_idx.shape[3], *rule_args,
         *order_args, BLOCK_M=block_m, BLOCK_N=block_n, **flags, **rule_flags, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
@@ -123,5 +123,6 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
             kt.kv_part_idx.shape[3], kt.q_full_idx.shape[3], kt.q_part_idx.shape[3], *rule_args, *kv_order,
             *q_order, DKDV_BLOCK_M=kv_m, DKDV_BLOCK_N=kv_n, DQ_BLOCK_M=q_m, DQ_BLOCK_N=q_n, **flags,
             **rule_flags, ROLE_DKDV=role_dkdv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            maxnreg=cfg.maxnreg,
         )
     return dq, dk, dv

@@ -3,7 +3,8 @@
 A shipped table for the H200 (measured with `scripts/tune.py`, benchmarks/NOTES.md) so users pay no autotune
 time; other GPUs take the generic Hopper/Ampere-safe row. Under TRITON_INTERPRET=1 the tiles are small and
 unequal (BLOCK_M != BLOCK_N) so that CPU tests cross tile, tail and diagonal-band boundaries at small sizes.
-`FLASHATTN_CONFIG="fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"` overrides any entry (tuning and benchmarks).
+`FLASHATTN_CONFIG="fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"` overrides any entry (tuning and benchmarks);
+a fifth number caps the registers per thread (maxnreg), e.g. `dkdv=32,128,8,3,128`.
 """
 
 import functools
@@ -19,6 +20,7 @@ class TileConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None  # a register cap that lets more programs share an SM (None: ptxas decides)
 
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
