@@ -29,8 +29,8 @@ SHORT = {  # N <= 2K: few key tiles per program, so prologue/epilogue weigh; sma
     "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
 }
 # Sixth session: register caps (a fifth field, maxnreg) that let two 8-warp programs share an SM, and tiles
-# that stop the shipped dK/dV programs spilling (ptxas -v on the sm_90a compile: benchmarks/NOTES.md v14). None
-# is the table's entry, timed in the same run. Per head dim, since the caps only make sense for one d.
+# that stop the shipped dK/dV programs spilling (ptxas -v on the sm_90a compile: benchmarks/NOTES.md v14).
+# None is the table's entry, timed in the same run. Per head dim: a cap only makes sense for one d.
 OCCUPANCY = {
     64: {"dkdv": [None, (32, 128, 8, 3, 128), (32, 128, 8, 3)], "dq": [(128, 128, 8, 3)]},
     128: {"fwd": [None, (128, 64, 8, 2, 128)], "dkdv": [None, (32, 128, 8, 3)]},
