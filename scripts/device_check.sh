@@ -23,6 +23,7 @@
 #   bash scripts/device_check.sh sched_final               after the dK/dV ptxas crash: checks, d=128 backward
 #   bash scripts/device_check.sh occupancy                 the checks the fifth session's budget cut; register
 #                                                          caps and spill-free tiles swept (NOTES v14)
+#   bash scripts/device_check.sh decode_splits             decode split count, one wave (NOTES v15)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -266,4 +267,13 @@ if [ "$stage" = occupancy ]; then
   timeout 100 python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log" | tail -4
   timeout ${TUNE_S:-320} python3 scripts/tune.py --occupancy --headdims 64,128 --seqlens 1024,4096,16384 \
     --out "$OUT/tune_occupancy.json" 2>&1 | tee "$OUT/tune_occupancy.log" | tail -24
+fi
+
+# v15: the decode split heuristic takes one wave of programs when there are few (batch 1): the sweep again,
+# the decode GPU tests, the decode suite beside sdpa-flash and cuDNN (CUDA-graph rows)
+if [ "$stage" = decode_splits ]; then
+  timeout 90 python3 scripts/tune_decode.py --out "$OUT/tune_decode.json" 2>&1 | tail -12
+  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_decode_gpu.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
+  timeout 120 python3 -m flashattn bench --suite decode --quiet --no-plots \
+    --providers flashattn-kvcache-graph,sdpa-flash,sdpa-cudnn --out "$OUT/decode" 2>&1 | tail -24
 fi

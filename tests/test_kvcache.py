@@ -214,6 +214,23 @@ def test_split_counts_agree(backend):
         torch.testing.assert_close(o, outs[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "programs, n_tiles, splits",
+    [
+        (8, 129, 16),  # batch 1, 8 KV heads: one wave of 128 programs on 132 SMs, not two (33 splits)
+        (1, 129, 128),  # one program: one wave is 132 splits, capped at 128
+        (66, 129, 2),  # exactly half the SMs: still one wave
+        (128, 129, 3),  # batch 16: one wave would not split at all; about two waves
+        (264, 129, 1),  # two waves without splitting
+        (8, 5, 5),  # a short cache: at most one split per key tile
+    ],
+)
+def test_num_splits_heuristic(programs, n_tiles, splits):
+    from flashattn.ops.decode import num_splits_heuristic
+
+    assert num_splits_heuristic(programs, n_tiles, 132) == splits
+
+
 def test_no_key_rows(backend):
     out, lse, _ = run_case(CASES["no-key-row"], torch.float32)
     assert torch.all(out[0] == 0) and torch.all(torch.isposinf(lse[0]))

@@ -71,14 +71,19 @@ def query_block(rows: int, cap: int) -> int:
 
 
 def num_splits_heuristic(programs: int, n_tiles: int, sms: int) -> int:
-    """Splits of the key range so that about two waves of programs fill the GPU.
+    """Splits of the key range, from the programs there are without splitting.
 
     programs: (batch, kv head, query block) programs without splitting; n_tiles: key tiles of the longest
-    sequence (a split gets at least one). splits = ceil(2·SMs / programs), within [1, min(n_tiles, 128)].
+    sequence (a split gets at least one). Up to half as many programs as SMs: one wave, floor(SMs / programs)
+    splits (the H200 sweep, benchmarks/NOTES.md v15, found one wave of longer splits 5-21% faster than two
+    waves at batch 1: fewer partial results to combine, no second-wave tail). Otherwise about two waves,
+    ceil(2·SMs / programs), and none from 2·SMs programs on. Always within [1, min(n_tiles, 128)].
     """
     if programs >= 2 * sms:
         return 1
-    return max(1, min(math.ceil(2 * sms / programs), n_tiles, _MAX_SPLITS))
+    one_wave = sms // programs
+    splits = one_wave if one_wave >= 2 else math.ceil(2 * sms / programs)
+    return max(1, min(splits, n_tiles, _MAX_SPLITS))
 
 
 def _window(causal: bool, window_size) -> tuple[bool, int, int]:
