@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import INTERPRET
+from utils import LaunchRecorder
 
+from flashattn import flash_attn_func
 from flashattn.bench import providers
 from flashattn.iomodel import kernel_tiles
 from flashattn.ops import tma
@@ -46,6 +49,28 @@ def test_short_rows_differ_where_tuned():
 def test_override_beats_the_short_row(monkeypatch):
     monkeypatch.setenv("FLASHATTN_CONFIG", "fwd=32,32,4,2")
     assert tile_config("fwd", 128, CUDA, 1024) == TileConfig(32, 32, 4, 2)
+
+
+def test_override_with_a_register_cap(monkeypatch):
+    # a fifth number is maxnreg; the shipped table sets none (ptxas decides)
+    monkeypatch.setenv("FLASHATTN_CONFIG", "dkdv=32,128,8,3,128")
+    assert tile_config("dkdv", 64, CUDA, 4096) == TileConfig(32, 128, 8, 3, 128)
+    assert all(cfg.maxnreg is None for cfg in _H200.values())
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
+def test_launches_carry_the_register_cap(monkeypatch):
+    from flashattn.ops import attention as launchers
+
+    calls = []
+    for name in ("attn_fwd_kernel", "attn_bwd_kernel"):
+        kernel = getattr(launchers, name)
+        monkeypatch.setattr(launchers, name, LaunchRecorder(kernel, calls, options=("num_warps", "maxnreg")))
+    monkeypatch.setenv("FLASHATTN_CONFIG", "fwd=32,16,4,1,96;dkdv=16,32,4,1,80")
+    q, k, v = (torch.randn(1, 40, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    # forward, then the backward's dK/dV role and its dQ role (no override: no cap)
+    assert [opts["maxnreg"] for _, opts in calls] == [96, 80, None]
 
 
 def test_io_model_follows_the_short_rows():

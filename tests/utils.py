@@ -112,11 +112,20 @@ def make_qkv(
 
 
 class LaunchRecorder:
-    """Wraps a Triton kernel: kernel[grid](...) is recorded in calls, then launched."""
+    """Wraps a Triton kernel: kernel[grid](...) is recorded in calls (the grid; with `options`, also the
+    launch options named there, e.g. ("num_warps", "maxnreg")), then launched."""
 
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
+    def __init__(self, kernel, calls, options=()):
+        self.kernel, self.calls, self.options = kernel, calls, options
 
     def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+        if not self.options:
+            self.calls.append(grid)
+            return launch
+
+        def run(*args, **kwargs):
+            self.calls.append((grid, {name: kwargs.get(name) for name in self.options}))
+            return launch(*args, **kwargs)
+
+        return run
