@@ -24,6 +24,7 @@
 #   bash scripts/device_check.sh occupancy                 the checks the fifth session's budget cut; register
 #                                                          caps and spill-free tiles swept (NOTES v14)
 #   bash scripts/device_check.sh decode_splits             decode split count, one wave (NOTES v15)
+#   bash scripts/device_check.sh decode_paged              64-key tiles for paged caches, many programs (v16)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -276,4 +277,15 @@ if [ "$stage" = decode_splits ]; then
   timeout 150 python3 -m pytest -m gpu -q -rs tests/test_decode_gpu.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
   timeout 120 python3 -m flashattn bench --suite decode --quiet --no-plots \
     --providers flashattn-kvcache-graph,sdpa-flash,sdpa-cudnn --out "$OUT/decode" 2>&1 | tail -24
+fi
+
+# v16: a paged cache read by many programs takes 64-key tiles: the decode GPU tests, then the decode suite with
+# the former tile forced and with the rule, one after the other on the same machine
+if [ "$stage" = decode_paged ]; then
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_decode_gpu.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
+  for tag in wide rule; do
+    cfg=""; [ "$tag" = wide ] && cfg="decode_paged=64,128,4,5"
+    FLASHATTN_CONFIG="$cfg" timeout 70 python3 -m flashattn bench --suite decode --quiet --no-plots \
+      --providers flashattn-kvcache-graph --out "$OUT/decode_$tag" 2>&1 | grep -A28 "K/V read TB/s" | tail -26
+  done
 fi

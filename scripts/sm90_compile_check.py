@@ -69,7 +69,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 _entry = configs._table_entry
 configs._table_entry = lambda kernel, block_d, cuda, seqlen=None: _entry(kernel, block_d, True, seqlen)
 _dconf = decode_ops._decode_config
-decode_ops._decode_config = lambda bd, es, paged, dev, env: _dconf(bd, es, paged, "cuda", env)
+decode_ops._decode_config = lambda bd, es, paged, dev, env, many=False: _dconf(bd, es, paged, "cuda", env,
+                                                                                many)
 merge_ops.sm_count = decode_ops.sm_count = lambda device: 132
 tma.device_ok = lambda t: True  # the fake H200 has the tensor memory accelerator
 _tiles = merge_ops.combine_tiles
@@ -149,6 +150,12 @@ def decode_cases():
                         _t(2, sq, hk, d, dtype=dtype), _t(2, sq, hk, d, dtype=dtype), rotary_cos=cos,
                         rotary_sin=sin, cache_seqlens=torch.tensor([5, 700], dtype=torch.int32),
                         block_table=table, causal=sq > 1)
+    # a paged cache read by many programs (40 x 2 > 132 / 2) takes the narrower key tile (ops/decode.py)
+    pool = (40 * cap // 64, 64)
+    table = torch.arange(pool[0], dtype=torch.int32).view(40, -1)
+    yield "decode paged many programs", partial(
+        flash_attn_with_kvcache, _t(40, 1, hk * 4, d), _t(*pool, hk, d), _t(*pool, hk, d),
+        cache_seqlens=torch.full((40,), 700, dtype=torch.int32), block_table=table)
     yield "decode d=256 window softcap alibi", partial(
         flash_attn_with_kvcache, _t(1, 1, 8, 256), _t(1, 512, 8, 256), _t(1, 512, 8, 256),
         cache_seqlens=torch.tensor([300], dtype=torch.int32), window_size=(64, 0), softcap=5.0,

@@ -416,6 +416,7 @@ def test_decode_model_follows_the_launcher():
     SMs when there are few, else about two; a split at least one key tile): 16 splits for one sequence of 16K
     keys over 8 KV heads, 3 for 16 sequences, and the chunk of a split a whole number of key tiles."""
     from flashattn.iomodel import default_num_splits
+    from flashattn.iomodel.tiled import decode_tiles
     from flashattn.ops.decode import num_splits_heuristic
 
     one = decode_io(AttnShape(1, 32, 1, 128, nheads_k=8, seqlen_k=16384))
@@ -425,3 +426,8 @@ def test_decode_model_follows_the_launcher():
     assert many.detail["num_splits"] == 3 == default_num_splits(16, 8, 16384, rows=4)
     # a short cache caps the splits at its tile count
     assert default_num_splits(1, 8, 256, rows=4) == 3
+    # a paged cache read by 16 x 8 programs takes 64-key tiles, as the launcher does; batch 1 the wide ones
+    paged = decode_io(AttnShape(16, 32, 1, 128, nheads_k=8, seqlen_k=16384), page_size=64)
+    assert paged.detail["tiles"] == 16 * 8 * 16384 // 64
+    assert decode_tiles(128, 2, True, programs=128) == (64, 64)
+    assert decode_tiles(128, 2, True, programs=8) == (64, 128)

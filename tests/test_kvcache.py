@@ -231,6 +231,31 @@ def test_num_splits_heuristic(programs, n_tiles, splits):
     assert num_splits_heuristic(programs, n_tiles, 132) == splits
 
 
+@pytest.mark.parametrize(
+    "paged, programs, block_n",
+    [
+        (True, 8, 128),  # batch 1: few programs, 16 splits each, wide key tiles
+        (True, 66, 128),  # still one wave
+        (True, 128, 64),  # batch 16 x 8 KV heads: a paged cache reads faster through 64-key tiles
+        (False, 128, 128),  # contiguous caches keep the wide tile
+    ],
+)
+def test_decode_tiles_follow_the_program_count(monkeypatch, paged, programs, block_n):
+    from flashattn.ops.decode import decode_config
+
+    monkeypatch.delenv("FLASHATTN_CONFIG", raising=False)
+    # the rule is read on the host: a "cuda" device needs no GPU here
+    assert decode_config(128, 2, paged, torch.device("cuda"), programs, 132).block_n == block_n
+
+
+def test_decode_override_beats_the_program_count(monkeypatch):
+    from flashattn.ops.configs import TileConfig
+    from flashattn.ops.decode import decode_config
+
+    monkeypatch.setenv("FLASHATTN_CONFIG", "decode_paged=64,128,4,5")
+    assert decode_config(128, 2, True, torch.device("cuda"), 128, 132) == TileConfig(64, 128, 4, 5)
+
+
 def test_no_key_rows(backend):
     out, lse, _ = run_case(CASES["no-key-row"], torch.float32)
     assert torch.all(out[0] == 0) and torch.all(torch.isposinf(lse[0]))

@@ -31,19 +31,27 @@ _MAX_SPLITS = 128
 _SMEM_BUDGET = 200 * 1024  # bytes of K/V stage buffers; the H200 gives a block up to 227 KiB
 
 
-def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.device) -> TileConfig:
-    return _decode_config(block_d, elem_size, paged, device.type, os.environ.get("FLASHATTN_CONFIG", ""))
+def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.device,
+                  programs: int = 1, sms: int = 132) -> TileConfig:
+    """Tiles of the split kernel; programs: (batch, kv head, query block) programs before splitting, on a GPU
+    of `sms` multiprocessors (a paged cache read by many programs takes narrower key tiles)."""
+    many = paged and not one_wave(programs, sms)
+    env = os.environ.get("FLASHATTN_CONFIG", "")
+    return _decode_config(block_d, elem_size, paged, device.type, env, many)
 
 
 @functools.cache
-def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, env: str) -> TileConfig:
+def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, env: str,
+                   many_programs: bool = False) -> TileConfig:
     """Tiles of the split kernel. block_m caps the packed query rows per program (the real BLOCK_M is the
     next power of two of group·seqlen_q, at least 16, at most this); block_n is the key tile.
 
     A paged cache gets two more pipeline stages: the block-table read feeding each K/V load is pipelined
     too, and with the contiguous stage count the K/V tiles end up single-buffered (sm_90 TTGIR of Triton 3.6:
-    3 and 4 stages give one K/V buffer, 5 give two). The defaults are a first guess pending a sweep on the
-    H200; FLASHATTN_CONFIG="decode=64,128,4,3;decode_paged=64,128,4,5" overrides them.
+    3 and 4 stages give one K/V buffer, 5 give two). With many programs (more than one_wave allows: batch 16
+    x 8 KV heads) a paged cache reads faster through 64-key tiles: +3% to +10% at batch 16 in two H200
+    sweeps (benchmarks/NOTES.md v16), where at batch 1 (16 splits) they lost up to 16%; contiguous caches
+    showed no such pattern. FLASHATTN_CONFIG="decode=64,128,4,3;decode_paged=64,128,4,5" overrides them.
     """
     del env  # a cache key: _overrides() reads the same variable
     override = _overrides().get("decode_paged" if paged else "decode")
@@ -52,7 +60,7 @@ def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, 
     if device_type != "cuda":
         # key tiles of 32 against pages of 16: the CPU tests gather tiles across page boundaries
         return TileConfig(32, 32, 4, 1)
-    block_n = 128 if block_d <= 128 else 64
+    block_n = 128 if block_d <= 128 and not many_programs else 64
     if elem_size > 2:
         block_n //= 2
     extra = 2 if paged else 0
@@ -70,19 +78,23 @@ def query_block(rows: int, cap: int) -> int:
     return min(max(16, host.pow2(rows)), max(16, cap))
 
 
+def one_wave(programs: int, sms: int) -> bool:
+    """Few enough programs that splitting the keys fills one wave of the GPU with 2 or more splits each."""
+    return sms // max(programs, 1) >= 2
+
+
 def num_splits_heuristic(programs: int, n_tiles: int, sms: int) -> int:
     """Splits of the key range, from the programs there are without splitting.
 
     programs: (batch, kv head, query block) programs without splitting; n_tiles: key tiles of the longest
-    sequence (a split gets at least one). Up to half as many programs as SMs: one wave, floor(SMs / programs)
-    splits (the H200 sweep, benchmarks/NOTES.md v15, found one wave of longer splits 5-21% faster than two
-    waves at batch 1: fewer partial results to combine, no second-wave tail). Otherwise about two waves,
-    ceil(2·SMs / programs), and none from 2·SMs programs on. Always within [1, min(n_tiles, 128)].
+    sequence (a split gets at least one). When one_wave: floor(SMs / programs) splits (the H200 sweep,
+    benchmarks/NOTES.md v15, found one wave of longer splits 5-21% faster than two waves at batch 1: fewer
+    partial results to combine, no second-wave tail). Otherwise about two waves, ceil(2·SMs / programs), and
+    none from 2·SMs programs on. Always within [1, min(n_tiles, 128)].
     """
     if programs >= 2 * sms:
         return 1
-    one_wave = sms // programs
-    splits = one_wave if one_wave >= 2 else math.ceil(2 * sms / programs)
+    splits = sms // programs if one_wave(programs, sms) else math.ceil(2 * sms / programs)
     return max(1, min(splits, n_tiles, _MAX_SPLITS))
 
 
@@ -146,17 +158,20 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
                        cache_batch_idx, block_table, per_row=window_on, interleaved=rotary_interleaved)
 
     block_d = host.block_d(d)
-    cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device)
     rows = sq * group
+    # the tiles' block_m cap is the same whatever the program count: count the programs with the default
+    cap = decode_config(block_d, q.element_size(), block_table is not None, q.device).block_m
+    m_blocks = host.cdiv(rows, query_block(rows, cap))
+    sms = sm_count(q.device)
+    cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device, b * hk * m_blocks, sms)
     block_m = query_block(rows, cfg.block_m)
-    m_blocks = host.cdiv(rows, block_m)
     span = _capacity(k_cache, block_table)
     if window_on:
         # a query block spans at most this many query positions, each seeing left + right + 1 keys
         span = min(span, left + right + min(sq, host.cdiv(block_m, group) + 1))
     n_tiles = max(1, host.cdiv(span, cfg.block_n) + 1)  # + 1: the span need not start on a tile
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(b * hk * m_blocks, n_tiles, sm_count(q.device))
+        num_splits = num_splits_heuristic(b * hk * m_blocks, n_tiles, sms)
     num_splits = max(1, min(num_splits, n_tiles))
 
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
