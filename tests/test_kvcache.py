@@ -246,6 +246,9 @@ def test_decode_tiles_follow_the_program_count(monkeypatch, paged, programs, blo
     monkeypatch.delenv("FLASHATTN_CONFIG", raising=False)
     # the rule is read on the host: a "cuda" device needs no GPU here
     assert decode_config(128, 2, paged, torch.device("cuda"), programs, 132).block_n == block_n
+    # measured for 16-bit caches at d = 128 only: d = 64 and fp32 keep their tiles
+    assert decode_config(64, 2, paged, torch.device("cuda"), programs, 132).block_n == 128
+    assert decode_config(128, 4, paged, torch.device("cuda"), programs, 132).block_n == 64
 
 
 def test_decode_override_beats_the_program_count(monkeypatch):

@@ -51,7 +51,8 @@ def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, 
     3 and 4 stages give one K/V buffer, 5 give two). With many programs (more than one_wave allows: batch 16
     x 8 KV heads) a paged cache reads faster through 64-key tiles: +3% to +10% at batch 16 in two H200
     sweeps (benchmarks/NOTES.md v16), where at batch 1 (16 splits) they lost up to 16%; contiguous caches
-    showed no such pattern. FLASHATTN_CONFIG="decode=64,128,4,3;decode_paged=64,128,4,5" overrides them.
+    showed no such pattern. Only where it was measured: 16-bit caches at head dim 128 (others keep their
+    tiles). FLASHATTN_CONFIG="decode=64,128,4,3;decode_paged=64,128,4,5" overrides them.
     """
     del env  # a cache key: _overrides() reads the same variable
     override = _overrides().get("decode_paged" if paged else "decode")
@@ -60,7 +61,9 @@ def _decode_config(block_d: int, elem_size: int, paged: bool, device_type: str, 
     if device_type != "cuda":
         # key tiles of 32 against pages of 16: the CPU tests gather tiles across page boundaries
         return TileConfig(32, 32, 4, 1)
-    block_n = 128 if block_d <= 128 and not many_programs else 64
+    block_n = 128 if block_d <= 128 else 64
+    if many_programs and block_d == 128 and elem_size == 2:
+        block_n = 64
     if elem_size > 2:
         block_n //= 2
     extra = 2 if paged else 0
