@@ -429,5 +429,5 @@ def test_decode_model_follows_the_launcher():
     # a paged cache read by 16 x 8 programs takes 64-key tiles, as the launcher does; batch 1 the wide ones
     paged = decode_io(AttnShape(16, 32, 1, 128, nheads_k=8, seqlen_k=16384), page_size=64)
     assert paged.detail["tiles"] == 16 * 8 * 16384 // 64
-    assert decode_tiles(128, 2, True, programs=128) == (64, 64)
-    assert decode_tiles(128, 2, True, programs=8) == (64, 128)
+    assert decode_tiles(128, 2, True, kv_programs=128) == (64, 64)
+    assert decode_tiles(128, 2, True, kv_programs=8) == (64, 128)

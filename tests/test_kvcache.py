@@ -245,10 +245,11 @@ def test_decode_tiles_follow_the_program_count(monkeypatch, paged, programs, blo
 
     monkeypatch.delenv("FLASHATTN_CONFIG", raising=False)
     # the rule is read on the host: a "cuda" device needs no GPU here
-    assert decode_config(128, 2, paged, torch.device("cuda"), programs, 132).block_n == block_n
+    where = dict(device=torch.device("cuda"), kv_programs=programs, sms=132)
+    assert decode_config(128, 2, paged, **where).block_n == block_n
     # measured for 16-bit caches at d = 128 only: d = 64 and fp32 keep their tiles
-    assert decode_config(64, 2, paged, torch.device("cuda"), programs, 132).block_n == 128
-    assert decode_config(128, 4, paged, torch.device("cuda"), programs, 132).block_n == 64
+    assert decode_config(64, 2, paged, **where).block_n == 128
+    assert decode_config(128, 4, paged, **where).block_n == 64
 
 
 def test_decode_override_beats_the_program_count(monkeypatch):
@@ -256,7 +257,8 @@ def test_decode_override_beats_the_program_count(monkeypatch):
     from flashattn.ops.decode import decode_config
 
     monkeypatch.setenv("FLASHATTN_CONFIG", "decode_paged=64,128,4,5")
-    assert decode_config(128, 2, True, torch.device("cuda"), 128, 132) == TileConfig(64, 128, 4, 5)
+    cfg = decode_config(128, 2, True, torch.device("cuda"), kv_programs=128, sms=132)
+    assert cfg == TileConfig(64, 128, 4, 5)
 
 
 def test_no_key_rows(backend):

@@ -217,17 +217,17 @@ def forward_backward_io(shape: AttnShape, *, machine: Machine = H200, ctas_per_s
     return combine("fwd+bwd", [fwd, bwd])
 
 
-def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False, programs: int = 1,
+def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False, rows: int = 1, kv_programs: int = 1,
                  machine: Machine = H200) -> tuple[int, int]:
-    """(block_m cap, block_n) of the split-KV kernel on a GPU for `programs` (batch, kv head, query block)
-    programs before splitting, read from the launcher's own rule (FLASHATTN_CONFIG overrides included, as
-    kernel_tiles)."""
+    """(block_m cap, block_n) of the split-KV kernel on a GPU for `rows` packed query rows in each of
+    `kv_programs` (batch, kv head) pairs, read from the launcher's own rule (FLASHATTN_CONFIG overrides
+    included, as kernel_tiles)."""
     import torch
 
     from flashattn.ops.decode import decode_config
 
-    cfg = decode_config(padded_headdim(headdim), dtype_bytes, paged, torch.device("cuda"), programs,
-                        machine.sms)
+    cfg = decode_config(padded_headdim(headdim), dtype_bytes, paged, torch.device("cuda"), rows,
+                        kv_programs, machine.sms)
     return cfg.block_m, cfg.block_n
 
 
@@ -256,11 +256,7 @@ def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int |
     lo, hi = shape.visible_keys(0, sq)
     keys = hi - lo
     rows = shape.group * sq  # query rows per program: the whole group's heads
-    from flashattn.ops.decode import query_block
-
-    cap, _ = decode_tiles(d, e, page_size is not None)
-    unsplit = b * hk * cdiv(rows, query_block(rows, cap))  # programs before splitting, as the launcher counts
-    block_m, default_n = decode_tiles(d, e, page_size is not None, unsplit, machine)
+    block_m, default_n = decode_tiles(d, e, page_size is not None, rows, b * hk, machine)
     block_n = block_n or default_n
     splits = num_splits or default_num_splits(b, hk, keys, machine, rows=rows, block_m=block_m,
                                               block_n=block_n)

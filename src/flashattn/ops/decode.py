@@ -31,13 +31,18 @@ _MAX_SPLITS = 128
 _SMEM_BUDGET = 200 * 1024  # bytes of K/V stage buffers; the H200 gives a block up to 227 KiB
 
 
-def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.device,
-                  programs: int = 1, sms: int = 132) -> TileConfig:
-    """Tiles of the split kernel; programs: (batch, kv head, query block) programs before splitting, on a GPU
-    of `sms` multiprocessors (a paged cache read by many programs takes narrower key tiles)."""
-    many = paged and not one_wave(programs, sms)
+def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.device, rows: int = 1,
+                  kv_programs: int = 1, sms: int = 132) -> TileConfig:
+    """Tiles of the split kernel for `rows` packed query rows (GQA group x seqlen_q) in each of `kv_programs`
+    (batch, kv head) pairs, on a GPU of `sms` multiprocessors: a paged cache read by more programs (before
+    splitting) than one_wave allows takes narrower key tiles."""
     env = os.environ.get("FLASHATTN_CONFIG", "")
-    return _decode_config(block_d, elem_size, paged, device.type, env, many)
+    cfg = _decode_config(block_d, elem_size, paged, device.type, env)
+    # the block_m cap does not depend on the program count: it sets the query blocks that are counted
+    programs = kv_programs * host.cdiv(rows, query_block(rows, cfg.block_m))
+    if paged and not one_wave(programs, sms):
+        cfg = _decode_config(block_d, elem_size, paged, device.type, env, True)
+    return cfg
 
 
 @functools.cache
@@ -162,12 +167,10 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
 
     block_d = host.block_d(d)
     rows = sq * group
-    # the tiles' block_m cap is the same whatever the program count: count the programs with the default
-    cap = decode_config(block_d, q.element_size(), block_table is not None, q.device).block_m
-    m_blocks = host.cdiv(rows, query_block(rows, cap))
     sms = sm_count(q.device)
-    cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device, b * hk * m_blocks, sms)
+    cfg = decode_config(block_d, q.element_size(), block_table is not None, q.device, rows, b * hk, sms)
     block_m = query_block(rows, cfg.block_m)
+    m_blocks = host.cdiv(rows, block_m)
     span = _capacity(k_cache, block_table)
     if window_on:
         # a query block spans at most this many query positions, each seeing left + right + 1 keys
