@@ -25,6 +25,8 @@
 #                                                          caps and spill-free tiles swept (NOTES v14)
 #   bash scripts/device_check.sh decode_splits             decode split count, one wave (NOTES v15)
 #   bash scripts/device_check.sh decode_paged              64-key tiles for paged caches, many programs (v16)
+#   bash scripts/device_check.sh ws                        the warp-specialised Gluon forward: smoke, GPU tests,
+#                                                          train forward beside the Triton one and the others
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -288,4 +290,25 @@ if [ "$stage" = decode_paged ]; then
     FLASHATTN_CONFIG="$cfg" timeout 70 python3 -m flashattn bench --suite decode --quiet --no-plots \
       --providers flashattn-kvcache-graph --out "$OUT/decode_$tag" 2>&1 | tail -3
   done
+fi
+
+if [ "$stage" = ws ]; then
+  # a deadlocked mbarrier hangs the GPU: a short smoke test first, the rest only if it passes
+  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/ws_smoke.log" || exit 1
+import os, torch
+from flashattn import flash_attn_func
+for d, causal, sq, sk in [(128, False, 1000, 1000), (64, True, 700, 900), (128, True, 300, 100)]:
+    q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16) for n in (sq, sk, sk))
+    os.environ["FLASHATTN_WS"] = "1"
+    o1, l1, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    os.environ["FLASHATTN_WS"] = "0"
+    o0, l0, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    torch.cuda.synchronize()
+    fin = torch.isfinite(l0)
+    print(d, causal, sq, sk, "max |out diff|", (o1 - o0).abs().max().item(),
+          "lse diff", (l1[fin] - l0[fin]).abs().max().item(), "inf rows equal", bool((fin == torch.isfinite(l1)).all()))
+PY
+  timeout 200 python3 -m pytest -m gpu -q -rs -x tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
+  timeout ${BENCH_S:-280} python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd --quiet \
+    --providers flashattn,flashattn-triton,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train_fwd" 2>&1 | tail -50
 fi

@@ -81,9 +81,10 @@ def _t(*shape, dtype=torch.bfloat16, grad=False):
     return torch.randn(shape, dtype=dtype).requires_grad_(grad)
 
 
-def _fwd_bwd(fn, *tensors, tma_path="1", **kw):
-    # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths)
-    with env_var("FLASHATTN_TMA", tma_path):
+def _fwd_bwd(fn, *tensors, tma_path="1", ws="1", **kw):
+    # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths); ws:
+    # FLASHATTN_WS (the plain d = 64/128 cases take the warp-specialised Gluon forward unless it is 0)
+    with env_var("FLASHATTN_TMA", tma_path), env_var("FLASHATTN_WS", ws):
         out = fn(*tensors, **kw)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
@@ -105,14 +106,16 @@ def dense_cases():
         dims = (64, 128, 256) if QUICK else (40, 64, 96, 128, 192, 256) if dtype != torch.float32 else (64,)
         for d in dims:
             for causal in (False, True):
-                # (sq, sk, path): short-sequence tile rows on both load paths, the long rows (N > 2K) on TMA
+                # (sq, sk, path): short-sequence tile rows on both load paths (with TMA: the Gluon forward),
+                # the long rows (N > 2K) on the Triton forward's TMA path
                 for sq, sk, path in ((130, 70, "0"), (130, 70, "1"), (2100, 2060, "1")):
                     if dtype == torch.float32 and path == "1":
                         continue
                     q = _t(1, sq, 2, d, dtype=dtype, grad=True)
                     k, v = (_t(1, sk, 1, d, dtype=dtype, grad=True) for _ in range(2))
-                    yield f"dense {dtype} d={d} causal={causal} sq={sq} tma={path}", partial(
-                        _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path)
+                    ws = "1" if sq < 2048 else "0"
+                    yield f"dense {dtype} d={d} causal={causal} sq={sq} tma={path} ws={ws}", partial(
+                        _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path, ws=ws)
     # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes
     # (sq = 300 with the third session's kernels; 512 causal with 4 heads as well, in the fifth), so that
     # program now loads Q/dO through pointers

@@ -18,7 +18,7 @@ import torch
 
 from flashattn.kernels.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
-from flashattn.ops import host, tma
+from flashattn.ops import attention_ws, host, tma
 from flashattn.ops.configs import TileConfig, tile_config
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
@@ -135,6 +135,9 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if attention_ws.eligible(pb, q, k, v, learnable_sink):
+        attention_ws.forward(pb, q, k, v, out, lse)
+        return out, lse
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device, pb.longest)
     n_bh = pb.batch * pb.nheads

@@ -1,6 +1,7 @@
 """`flashattn` (this project, through its public API), `flashattn-ptr` (the same with TMA descriptors off: the
-pointer-load path), `flashattn-headmajor` (the same in the former launch order), both for A/B timing, and
-`torch-backend` (its pure-PyTorch backend)."""
+pointer-load path), `flashattn-headmajor` (the same in the former launch order), `flashattn-triton` (the same
+with the warp-specialised Gluon forward off), all three for A/B timing, and `torch-backend` (its pure-PyTorch
+backend)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ PROVIDERS = [
     Provider("flashattn-headmajor", env_variant(_setup_public, "FLASHATTN_SCHEDULE", "head-major"),
              "this project with FLASHATTN_SCHEDULE=head-major: programs head by head, the launch order "
              "before the grouped heaviest-first one (A/B timing)"),
+    Provider("flashattn-triton", env_variant(_setup_public, "FLASHATTN_WS", "0"),
+             "this project with FLASHATTN_WS=0: the Triton forward instead of the warp-specialised Gluon one "
+             "(A/B timing)"),
     Provider(
         "torch-backend",
         _setup_torch_backend,

@@ -1,0 +1,54 @@
+"""Launcher for the warp-specialised Hopper forward (kernels/attn_fwd_ws.py).
+
+It takes the plain case only: padded layout, fp16/bf16, d = dv in {64, 128}, no window other than causal, no
+softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
+Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton forward.
+"""
+
+import os
+
+import torch
+
+from flashattn.ops import host, tma
+from flashattn.ops.configs import tile_config
+
+_HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
+# registers per thread for the kernel's 12 warps (two consumer warpgroups, the loader's): 168 x 384 fills the
+# 64K-register file; the partitions then take 240 / 240 / 24 (gl.warp_specialize's worker_num_regs)
+_MAXNREG = 168
+
+
+def eligible(pb, q, k, v, learnable_sink) -> bool:
+    f = pb.flags
+    plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
+    # a right window other than causal's 0 is a band, which this kernel does not mask
+    causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
+    return (plain and causal_only and learnable_sink is None and pb.d == pb.dv and pb.d in (64, 128)
+            and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, varlen=False))
+
+
+def forward(pb, q, k, v, out, lse) -> None:
+    """Fill out and lse (attention_forward's contract) with the warp-specialised kernel."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
+
+    cfg = tile_config("fwd_ws", pb.d, q.device)
+    elem = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+
+    def desc(t, rows):
+        block = [1, rows, 1, pb.d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, elem)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    n_bh = pb.batch * pb.nheads
+    causal = pb.flags["WINDOW_RIGHT"]
+    group = pb.lpt_group(n_bh, pb.seqlen_k * 2 * pb.d * k.element_size() // pb.flags["GROUP"])
+    attn_fwd_ws_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,)](
+        desc(q, _HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, _HALF_M),
+        lse, lse.stride(0), lse.stride(1),
+        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, group,
+        GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
+    )

@@ -1,0 +1,101 @@
+"""The warp-specialised Gluon forward (kernels/attn_fwd_ws.py) on a Hopper GPU (``pytest -m gpu``).
+
+Every case first asserts that the call really took that kernel (a spy on ops.attention_ws.forward), so a
+change in the eligibility rule cannot turn these into tests of the Triton forward. Same tolerance rule as
+everywhere (tests/utils.py), forward and LSE and gradients (the backward reads this forward's LSE).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_api import check_against_oracle
+
+from flashattn import flash_attn_func
+from flashattn.ops import attention_ws
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def ws_calls(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
+    calls = []
+    real = attention_ws.forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ws, "forward", spy)
+    return calls
+
+
+def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(True)
+
+    return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+
+
+SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (113, 1023), (1023, 113), (1, 1023), (2049, 1537),
+           (128, 128), (256, 320)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", SEQLENS)
+def test_seqlens(ws_calls, sq, sk, d, causal):
+    check_against_oracle(*_qkv(2, sq, sk, 4, 4, d), causal=causal)
+    assert ws_calls, "the warp-specialised forward did not run"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hk", [(8, 2), (8, 1), (12, 4)], ids=["gqa4", "mqa", "gqa3"])
+def test_gqa(ws_calls, h, hk, causal):
+    check_against_oracle(*_qkv(2, 700, 1100, h, hk, 128), causal=causal)
+    assert ws_calls
+
+
+def test_fp16_and_packed(ws_calls):
+    check_against_oracle(*_qkv(2, 1000, 1000, 4, 2, 64, torch.float16), causal=True)
+    qkv = torch.randn(2, 777, 3, 8, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    check_against_oracle(*qkv.unbind(2), causal=True, wrt=(qkv,))
+    assert len(ws_calls) == 2
+
+
+@pytest.mark.parametrize("sq, sk", [(300, 100), (400, 3)])
+def test_causal_rows_without_keys(ws_calls, sq, sk):
+    # sq > sk, bottom-right aligned: the first sq - sk rows see no key -> out 0, lse +inf, dq 0
+    floor = "rounding" if sk <= 3 else None  # see tests/test_api.py::test_fully_masked_rows
+    out, lse, (dq, _, _) = check_against_oracle(*_qkv(1, sq, sk, 2, 2, 128), causal=True, grad_floor=floor)
+    assert ws_calls
+    n = sq - sk
+    assert (out[:, :n] == 0).all() and torch.isposinf(lse[:, :, :n]).all() and (dq[:, :n] == 0).all()
+    assert torch.isfinite(lse[:, :, n:]).all() and not torch.isnan(out).any()
+
+
+def test_extreme_logits(ws_calls):
+    q, k, v = _qkv(1, 500, 600, 2, 2, 64)
+    with torch.no_grad():
+        q.mul_(30.0)
+    check_against_oracle(q, k, v, causal=True, grads=False)
+    assert ws_calls
+
+
+def test_same_as_triton_forward(ws_calls, monkeypatch):
+    q, k, v = _qkv(4, 2048, 2048, 8, 8, 128)
+    out_ws, lse_ws, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    monkeypatch.setenv("FLASHATTN_WS", "0")
+    out_tr, lse_tr, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert len(ws_calls) == 1
+    torch.testing.assert_close(lse_ws, lse_tr, atol=1e-3, rtol=0)
+    torch.testing.assert_close(out_ws, out_tr, atol=2e-2, rtol=0)
+
+
+def test_ineligible_calls_keep_triton(ws_calls):
+    q, k, v = _qkv(1, 256, 256, 2, 2, 128)
+    flash_attn_func(q, k, v, window_size=(64, 0))
+    flash_attn_func(q, k, v, softcap=5.0)
+    flash_attn_func(*_qkv(1, 256, 256, 2, 2, 96))
+    assert not ws_calls
