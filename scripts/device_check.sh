@@ -308,7 +308,9 @@ for d, causal, sq, sk in [(128, False, 1000, 1000), (64, True, 700, 900), (128, 
     print(d, causal, sq, sk, "max |out diff|", (o1 - o0).abs().max().item(),
           "lse diff", (l1[fin] - l0[fin]).abs().max().item(), "inf rows equal", bool((fin == torch.isfinite(l1)).all()))
 PY
-  timeout 200 python3 -m pytest -m gpu -q -rs -x tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
-  timeout ${BENCH_S:-280} python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd --quiet \
+  timeout ${BENCH_S:-200} python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd --quiet \
     --providers flashattn,flashattn-triton,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train_fwd" 2>&1 | tail -50
+  timeout 180 python3 -m pytest -m gpu -q -rs -x tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
+  timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_ws.log"
 fi

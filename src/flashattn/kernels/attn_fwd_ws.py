@@ -8,6 +8,10 @@ cores idle during the softmax. Here the roles are explicit:
   - two consumer warpgroups each own 64 query rows of the 128-row tile. Inside one, the next tile's QK^T and
     the previous tile's PV are in flight while the softmax runs (wgmma is asynchronous; we wait explicitly),
     and the two warpgroups never synchronise with each other, so one's softmax overlaps the other's matmuls.
+The grid is persistent (one program per SM, each walking query tiles in grouped_program's order with a stride
+of the grid): the loader fetches the next tile's Q (double-buffered) and K/V while the consumers finish the
+current one, so short sequences do not pay a prologue and an epilogue per tile. The K/V ring's slot and phase
+come from a counter that runs on across tiles, identical in every partition.
 Only the plain case comes here (16-bit, padded layout, head dim 64 or 128, causal or not, GQA): every other
 feature keeps the Triton kernel (attn_fwd.py), whose online-softmax invariants this body shares.
 """
@@ -27,48 +31,59 @@ LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves
 
 
 @gluon.jit
-def _tile_plan(seqlen_q, seqlen_k, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    """Key tiles the query rows [start_m, start_m + BLOCK_M) visit (causal: bottom-right aligned)."""
+def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, head, kv head, first query row, key tiles) of tile t in common.grouped_program's order (heads
+    in groups, every head's heaviest tile first), restated here because Gluon cannot call a triton.jit
+    function."""
+    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    per_group = lpt_group * n_tiles
+    g = t // per_group
+    r = t - g * per_group
+    heads = gl.minimum(lpt_group, n_bh - g * lpt_group)
+    off_bh = g * lpt_group + r % heads
+    # rank 0 is the last query tile, the one with the most keys under causal masking
+    start_m = (n_tiles - 1 - r // heads) * BLOCK_M
     if CAUSAL:
         n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
     else:
         n_end = seqlen_k
-    return gl.cdiv(n_end, BLOCK_N)
+    off_h = off_bh % nheads
+    return off_bh // nheads, off_h, off_h // GROUP, start_m, gl.cdiv(n_end, BLOCK_N)
 
 
 @gluon.jit
-def _program(n_bh, n_tiles, group):
-    """(batch·head, tile rank) of this program: common.grouped_program's order (heads in groups, every head's
-    heaviest tile first), restated here because Gluon cannot call a triton.jit function."""
-    pid = gl.program_id(0)
-    per_group = group * n_tiles
-    g = pid // per_group
-    r = pid - g * per_group
-    heads = gl.minimum(group, n_bh - g * group)
-    return g * group + r % heads, r // heads
-
-
-@gluon.jit
-def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            CAUSAL: gl.constexpr):
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, off_b, off_h, off_hk, start_m, n_k = loader_args
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, start_m, off_h, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [off_b, start_m + HALF_M, off_h, 0], q_bar, q_smem.index(1))
-    for j in range(n_k):
-        s = j % STAGES
+def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, problem = loader_args
+    CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work = problem
+    c = 0  # K/V tiles loaded so far, across query tiles: the ring slot and its phase
+    i = 0
+    for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
+                                                   BLOCK_M, BLOCK_N, CAUSAL)
+        qb = i % 2
         # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(s), phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s),
-                                        k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s),
-                                        v_smem.index(s))
+        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+        for w in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(q_desc, [off_b, start_m + w * HALF_M, off_h, 0],
+                                            q_ready.index(qb), q_smem.index(CONSUMERS * qb + w))
+        for j in range(n_k):
+            s = c % STAGES
+            phase = ((c // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(s), phase)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s),
+                                            k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), phase)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s),
+                                            v_smem.index(s))
+            c += 1
+        i += 1
 
 
 @gluon.jit
@@ -95,94 +110,104 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
 
 
 @gluon.jit
-def _consumer(args, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-              WG: gl.constexpr):
-    (o_desc, q_smem, k_smem, v_smem, bars, LSE, stride_lse_b, stride_lse_h, off_b, off_h, start_m, n_k,
-     seqlen_q, seqlen_k, qk_scale) = args
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    o_desc, q_smem, k_smem, v_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work = problem
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-    row0 = start_m + WG * HALF_M
     diag = seqlen_k - seqlen_q
-    offs_q = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-    # tiles ending at or before unmasked_to need no predicate for any row of this warpgroup
-    unmasked_to = seqlen_k
-    if CAUSAL:
-        unmasked_to = gl.minimum(unmasked_to, row0 + diag + 1)
-
-    q = q_smem.index(WG).reshape([HALF_M, HEAD_DIM])
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-    mbarrier.wait(q_bar, 0)
 
-    if n_k > 0:
-        # tile 0: QK^T alone
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to, s_layout,
-                                      BLOCK_N, CAUSAL)
-        for j in range(1, n_k):
-            cur = j % STAGES
-            prev = (j - 1) % STAGES
-            # issue this tile's QK^T, then the previous tile's PV; the softmax below runs while they do
-            mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+    c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
+    i = 0
+    for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
+                                                   BLOCK_M, BLOCK_N, CAUSAL)
+        row0 = start_m + WG * HALF_M
+        offs_q = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        # tiles ending at or before unmasked_to need no predicate for any row of this warpgroup
+        unmasked_to = seqlen_k
+        if CAUSAL:
+            unmasked_to = gl.minimum(unmasked_to, row0 + diag + 1)
+        qb = i % 2
+        q_buf = q_smem.index((BLOCK_M // HALF_M) * qb + WG)
+        q = q_buf.reshape([HALF_M, HEAD_DIM])
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+
+        if n_k > 0:
+            # key tile 0: QK^T alone
+            s0 = c % STAGES
+            mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(s0), count=1)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
+                                          s_layout, BLOCK_N, CAUSAL)
+            for j in range(1, n_k):
+                cur = (c + j) % STAGES
+                prev = (c + j - 1) % STAGES
+                # issue this key tile's QK^T, then the previous one's PV; the softmax below runs while they do
+                mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
+                s = warpgroup_mma(q, k_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
+                s = warpgroup_mma_wait(1, deps=(s,))
+                mbarrier.arrive(k_empty.index(cur), count=1)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
+                                              unmasked_to, s_layout, BLOCK_N, CAUSAL)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                # the PV just finished was in the previous max's units
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            last = (c + n_k - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((c + n_k - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
-            s = warpgroup_mma_wait(1, deps=(s,))
-            mbarrier.arrive(k_empty.index(cur), count=1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
-                                          unmasked_to, s_layout, BLOCK_N, CAUSAL)
+            acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            # the PV just finished was in the previous max's units
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        last = (n_k - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_k - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(last), count=1)
+            mbarrier.arrive(v_empty.index(last), count=1)
+        c += n_k
 
-    # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
-             mask=offs_q < seqlen_q)
-    # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
-    # past seqlen_q
-    q_smem.index(WG).reshape([HALF_M, HEAD_DIM]).store(out.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_smem.index(WG))
-    tma.store_wait(0)
+        # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
+                 mask=offs_q < seqlen_q)
+        # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
+        # past seqlen_q; the buffer returns to the loader once the store has read it
+        q.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_buf)
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(qb), count=1)
+        i += 1
 
 
 @gluon.jit
-def _consumer0(args, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_N, HEAD_DIM, CAUSAL, 0)
+def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
 
 
 @gluon.jit
-def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    # a worker partition: same signature as the loader's
-    _consumer(args, STAGES, BLOCK_N, HEAD_DIM, CAUSAL, 1)
+def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    # a worker partition: the loader's signature
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
 
 
 @gluon.jit
@@ -192,39 +217,41 @@ def attn_fwd_ws_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_M == 2 * HALF_M)
-    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    off_bh, rank = _program(n_bh, n_tiles, lpt_group)
-    off_b = off_bh // nheads
-    off_h = off_bh % nheads
-    off_hk = off_h // GROUP
-    # rank 0 is the last query tile, the one with the most keys under causal masking
-    start_m = (n_tiles - 1 - rank) * BLOCK_M
-    n_k = _tile_plan(seqlen_q, seqlen_k, start_m, BLOCK_M, BLOCK_N, CAUSAL)
+    # two consumer warpgroups of 64 rows. (Three, FA3's choice at d = 64, spill: ptxas holds each partition to
+    # its setmaxnreg share, and 160 registers do not hold QK^T, P and O in flight at once.)
+    CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
+    gl.static_assert(CONSUMERS == 2)
+    n_work = gl.cdiv(seqlen_q, BLOCK_M) * n_bh
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    # two query tiles (the current one, the next one's prefetch) x the consumers' rows
+    q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        # released by both consumer warpgroups
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+        # released by every consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    problem = (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work)
 
-    args = (o_desc, q_smem, k_smem, v_smem, bars, LSE, stride_lse_b, stride_lse_h, off_b, off_h, start_m, n_k,
-            seqlen_q, seqlen_k, qk_scale)
-    loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, off_b, off_h, off_hk, start_m, n_k)
+    args = (o_desc, q_smem, k_smem, v_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem)
+    loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, problem)
+    # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
+    # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_N, HEAD_DIM, CAUSAL)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_N, HEAD_DIM, CAUSAL)),
-        (_loader, (args, loader_args, STAGES, BLOCK_N, HEAD_DIM, CAUSAL)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])

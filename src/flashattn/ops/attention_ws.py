@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from flashattn.ops import host, tma
+from flashattn.ops import host, merge, tma
 from flashattn.ops.configs import tile_config
 
 _HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
@@ -45,7 +45,9 @@ def forward(pb, q, k, v, out, lse) -> None:
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     group = pb.lpt_group(n_bh, pb.seqlen_k * 2 * pb.d * k.element_size() // pb.flags["GROUP"])
-    attn_fwd_ws_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,)](
+    # persistent: one program per SM (it fills the SM's registers), walking tiles with the grid's stride
+    n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
+    attn_fwd_ws_kernel[(min(n_work, merge.sm_count(q.device)),)](
         desc(q, _HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, _HALF_M),
         lse, lse.stride(0), lse.stride(1),
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, group,
