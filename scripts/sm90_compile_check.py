@@ -116,6 +116,13 @@ def dense_cases():
                     ws = "1" if sq < 2048 else "0"
                     yield f"dense {dtype} d={d} causal={causal} sq={sq} tma={path} ws={ws}", partial(
                         _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path, ws=ws)
+    # the warp-specialised Gluon forward: d = 128, causal only past 1K (ops/attention_ws.py), fp16 and bf16
+    for dtype in (torch.bfloat16,) if QUICK else (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            q = _t(1, 1100, 4, 128, dtype=dtype, grad=True)
+            k, v = (_t(1, 1100, 2, 128, dtype=dtype, grad=True) for _ in range(2))
+            yield f"dense ws {dtype} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
+                                                                causal=causal)
     # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes
     # (sq = 300 with the third session's kernels; 512 causal with 4 heads as well, in the fifth), so that
     # program now loads Q/dO through pointers

@@ -12,7 +12,7 @@ from utils import LaunchRecorder
 from flashattn import flash_attn_func
 from flashattn.bench import providers
 from flashattn.iomodel import kernel_tiles
-from flashattn.ops import tma
+from flashattn.ops import attention_ws, merge, tma
 from flashattn.ops.attention import _problem
 from flashattn.ops.configs import _H200, _H200_SHORT, TileConfig, tile_config
 
@@ -162,3 +162,62 @@ def test_bits_provider_turns_the_rule_off():
     with prepared.context():
         assert os.environ["FLASHATTN_SPARSE_RULE"] == "0"
     assert "FLASHATTN_SPARSE_RULE" not in os.environ
+
+
+# -------------------------------------------------------- the warp-specialised forward (ops/attention_ws.py)
+
+
+def _ws_eligible(monkeypatch, sq=2048, sk=2048, d=128, causal=False, dtype=torch.bfloat16, q=None,
+                 window_size=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, sink=None):
+    monkeypatch.setattr(tma, "device_ok", lambda t: True)  # as on an H200
+    q = torch.zeros(1, sq, 4, d, dtype=dtype) if q is None else q
+    k = v = torch.zeros(1, sk, 2, d, dtype=dtype)
+    pb = _problem(q, k, v, 0.1, causal, window_size, softcap, alibi, dropout_p, 0, 0, None, None, None)
+    return attention_ws.eligible(pb, q, k, v, sink)
+
+
+def test_ws_takes_the_plain_d128_case(monkeypatch):
+    assert _ws_eligible(monkeypatch)
+    assert _ws_eligible(monkeypatch, causal=True)
+    assert _ws_eligible(monkeypatch, sq=1024, sk=1024)  # non-causal at 1K: measured +37%
+    assert _ws_eligible(monkeypatch, sq=1, sk=1, dtype=torch.float16)
+    assert _ws_eligible(monkeypatch, sq=100, sk=1100, causal=True)  # the longer side decides
+    assert _ws_eligible(monkeypatch, window_size=(-1, 0))  # causal written as a window
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(d=64),  # measured no faster than the Triton forward
+        dict(d=96),
+        dict(sq=1024, sk=1024, causal=True),  # short causal: the Triton forward's 64 x 64 tiles win
+        dict(window_size=(64, 0)),
+        dict(window_size=(-1, 8)),
+        dict(softcap=5.0),
+        dict(alibi=torch.ones(4)),
+        dict(dropout_p=0.1),
+        dict(sink=torch.zeros(4)),
+        dict(dtype=torch.float32),
+        dict(q=torch.zeros(1, 2048, 4, 129, dtype=torch.bfloat16)[..., :128]),  # rows not 16-byte aligned
+    ],
+    ids=lambda kw: ",".join(f"{k}" for k in kw),
+)
+def test_ws_leaves_everything_else_to_triton(monkeypatch, kwargs):
+    assert not _ws_eligible(monkeypatch, **kwargs)
+
+
+def test_ws_switch_off(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_WS", "0")
+    assert not _ws_eligible(monkeypatch)
+
+
+def test_ws_grid(monkeypatch):
+    monkeypatch.setattr(merge, "sm_count", lambda device: 132)
+    monkeypatch.delenv("FLASHATTN_WS_GRID", raising=False)
+    assert attention_ws.programs(2048, False, CUDA) == 132  # persistent
+    assert attention_ws.programs(100, False, CUDA) == 100
+    assert attention_ws.programs(2048, True, CUDA) == 2048  # causal: one program per tile
+    monkeypatch.setenv("FLASHATTN_WS_GRID", "persistent")
+    assert attention_ws.programs(2048, True, CUDA) == 132
+    monkeypatch.setenv("FLASHATTN_WS_GRID", "tiles")
+    assert attention_ws.programs(2048, False, CUDA) == 2048

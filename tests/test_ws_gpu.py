@@ -38,16 +38,32 @@ def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
     return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
 
 
+# the kernel takes d = 128 only, and causal calls only when the longer side exceeds 1K (ops/attention_ws.py)
 SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (113, 1023), (1023, 113), (1, 1023), (2049, 1537),
            (128, 128), (256, 320)]
+CAUSAL_SEQLENS = [(1, 1537), (17, 1100), (1100, 17), (1025, 1025), (2049, 1537), (1537, 2049), (113, 2000),
+                  (1300, 1300), (1152, 1152)]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk", SEQLENS)
-def test_seqlens(ws_calls, sq, sk, d, causal):
-    check_against_oracle(*_qkv(2, sq, sk, 4, 4, d), causal=causal)
+def test_seqlens(ws_calls, sq, sk):
+    check_against_oracle(*_qkv(2, sq, sk, 4, 4, 128), causal=False)
     assert ws_calls, "the warp-specialised forward did not run"
+
+
+@pytest.mark.parametrize("sq, sk", CAUSAL_SEQLENS)
+def test_seqlens_causal(ws_calls, sq, sk):
+    check_against_oracle(*_qkv(2, sq, sk, 4, 4, 128), causal=True)
+    assert ws_calls, "the warp-specialised forward did not run"
+
+
+@pytest.mark.parametrize("grid", ["persistent", "tiles"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_both_grids(ws_calls, monkeypatch, grid, causal):
+    # more tiles than SMs, so the persistent walk takes several rounds (odd ones backwards)
+    monkeypatch.setenv("FLASHATTN_WS_GRID", grid)
+    check_against_oracle(*_qkv(3, 2100, 2100, 24, 8, 128), causal=causal, grads=False)
+    assert ws_calls
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -58,13 +74,13 @@ def test_gqa(ws_calls, h, hk, causal):
 
 
 def test_fp16_and_packed(ws_calls):
-    check_against_oracle(*_qkv(2, 1000, 1000, 4, 2, 64, torch.float16), causal=True)
-    qkv = torch.randn(2, 777, 3, 8, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    check_against_oracle(*_qkv(2, 1000, 1200, 4, 2, 128, torch.float16), causal=True)
+    qkv = torch.randn(2, 1777, 3, 8, 128, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     check_against_oracle(*qkv.unbind(2), causal=True, wrt=(qkv,))
     assert len(ws_calls) == 2
 
 
-@pytest.mark.parametrize("sq, sk", [(300, 100), (400, 3)])
+@pytest.mark.parametrize("sq, sk", [(1300, 100), (1400, 3)])
 def test_causal_rows_without_keys(ws_calls, sq, sk):
     # sq > sk, bottom-right aligned: the first sq - sk rows see no key -> out 0, lse +inf, dq 0
     floor = "rounding" if sk <= 3 else None  # see tests/test_api.py::test_fully_masked_rows
@@ -76,7 +92,7 @@ def test_causal_rows_without_keys(ws_calls, sq, sk):
 
 
 def test_extreme_logits(ws_calls):
-    q, k, v = _qkv(1, 500, 600, 2, 2, 64)
+    q, k, v = _qkv(1, 500, 1200, 2, 2, 128)
     with torch.no_grad():
         q.mul_(30.0)
     check_against_oracle(q, k, v, causal=True, grads=False)
@@ -97,5 +113,6 @@ def test_ineligible_calls_keep_triton(ws_calls):
     q, k, v = _qkv(1, 256, 256, 2, 2, 128)
     flash_attn_func(q, k, v, window_size=(64, 0))
     flash_attn_func(q, k, v, softcap=5.0)
-    flash_attn_func(*_qkv(1, 256, 256, 2, 2, 96))
+    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(*_qkv(1, 256, 256, 2, 2, 64))
     assert not ws_calls

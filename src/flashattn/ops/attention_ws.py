@@ -1,8 +1,15 @@
 """Launcher for the warp-specialised Hopper forward (kernels/attn_fwd_ws.py).
 
-It takes the plain case only: padded layout, fp16/bf16, d = dv in {64, 128}, no window other than causal, no
+It takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
 softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
-Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton forward.
+Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton forward. Measured on the H200
+(benchmarks/NOTES.md v17, one run each, beside the Triton forward): d = 128 non-causal +37% at N = 1K and
++24-35% from 2K, causal +12-26% from 2K; d = 64 within -4% .. +2% (the matmuls are too short to hide the
+softmax behind), and d = 128 causal at N = 1K -23% (tiles of 1-8 key blocks): those keep the Triton forward.
+
+Grid: persistent (one program per SM) without a causal mask; with one, one program per tile, which measured
+7-15% faster than the persistent walk at 2K-16K (the hardware balances uneven tiles as SMs free up).
+`FLASHATTN_WS_GRID=persistent|tiles` forces either (A/B timing).
 """
 
 import os
@@ -23,8 +30,17 @@ def eligible(pb, q, k, v, learnable_sink) -> bool:
     plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
     # a right window other than causal's 0 is a band, which this kernel does not mask
     causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
-    return (plain and causal_only and learnable_sink is None and pb.d == pb.dv and pb.d in (64, 128)
+    # causal at N <= 1K: tiles of 1-8 key blocks, where the Triton forward's 64 x 64 tiles win
+    short_causal = f["WINDOW_RIGHT"] and pb.longest <= 1024
+    return (plain and causal_only and not short_causal and learnable_sink is None and pb.d == pb.dv == 128
             and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, varlen=False))
+
+
+def programs(n_work: int, causal: bool, device: torch.device) -> int:
+    """Grid size for n_work query tiles: persistent (one program per SM, as one fills an SM's registers,
+    walking the tiles with the grid's stride) without a causal mask, else one program per tile."""
+    grid = os.environ.get("FLASHATTN_WS_GRID") or ("tiles" if causal else "persistent")
+    return min(n_work, merge.sm_count(device)) if grid == "persistent" else n_work
 
 
 def forward(pb, q, k, v, out, lse) -> None:
@@ -45,9 +61,8 @@ def forward(pb, q, k, v, out, lse) -> None:
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     group = pb.lpt_group(n_bh, pb.seqlen_k * 2 * pb.d * k.element_size() // pb.flags["GROUP"])
-    # persistent: one program per SM (it fills the SM's registers), walking tiles with the grid's stride
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
-    attn_fwd_ws_kernel[(min(n_work, merge.sm_count(q.device)),)](
+    attn_fwd_ws_kernel[(programs(n_work, causal, q.device),)](
         desc(q, _HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, _HALF_M),
         lse, lse.stride(0), lse.stride(1),
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, group,
