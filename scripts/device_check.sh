@@ -29,6 +29,7 @@
 #                                                          train forward beside the Triton one and the others
 #   bash scripts/device_check.sh ws_table                  its causal grid A/B, the README's train table
 #                                                          (forward and backward), its GPU tests
+#   bash scripts/device_check.sh ws_tests                  its GPU tests, the core GPU tests it serves, memcheck
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -325,4 +326,12 @@ if [ "$stage" = ws_table ]; then
   timeout 300 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
   timeout 110 python3 -m pytest -m gpu -q -rs -x tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
+fi
+
+if [ "$stage" = ws_tests ]; then
+  timeout 170 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
+  timeout 240 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "128 or gqa or strided or compile" 2>&1 \
+    | tee "$OUT/pytest_core.log" | tail -6
+  timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_ws.log"
 fi

@@ -8,7 +8,7 @@ cores idle during the softmax. Here the roles are explicit:
   - two consumer warpgroups each own 64 query rows of the 128-row tile. Inside one, the next tile's QK^T and
     the previous tile's PV are in flight while the softmax runs (wgmma is asynchronous; we wait explicitly),
     and the two warpgroups never synchronise with each other, so one's softmax overlaps the other's matmuls.
-The grid may be persistent (one program per SM, each walking query tiles with the grid's stride, _tile): the
+The grid may be persistent (one program per SM, each walking query tiles with the grid's stride): the
 loader then fetches the next tile's Q (double-buffered) and K/V while the consumers finish the current one,
 so short sequences do not pay a prologue and an epilogue per tile. With one program per tile it is the
 plain grid, whose tiles the hardware hands to SMs as they free up. The K/V ring's slot and phase
@@ -32,18 +32,11 @@ LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves
 
 
 @gluon.jit
-def _tile(t0, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, head, kv head, first query row, key tiles) of this program's tile t0 = pid + round·programs.
-
-    Tiles are numbered in common.grouped_program's order (heads in groups, every head's heaviest tile first;
-    restated here because Gluon cannot call a triton.jit function). Odd rounds run backwards across the
-    programs (a snake): under causal masking the program that took a round's heaviest tile takes the next
-    round's lightest, so the programs' totals stay even."""
-    programs = gl.num_programs(0)
-    r = t0 // programs
-    in_round = gl.minimum(programs, n_work - r * programs)
-    t = t0 + (r % 2) * (in_round - 1 - 2 * (t0 - r * programs))
+    """(batch, head, kv head, first query row, key tiles) of tile t in common.grouped_program's order (heads
+    in groups, every head's heaviest tile first), restated here because Gluon cannot call a triton.jit
+    function."""
     n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
     per_group = lpt_group * n_tiles
     g = t // per_group
@@ -70,8 +63,8 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     c = 0  # K/V tiles loaded so far, across query tiles: the ring slot and its phase
     i = 0
     for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work,
-                                                   GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
+                                                   BLOCK_M, BLOCK_N, CAUSAL)
         qb = i % 2
         # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
         mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
@@ -135,8 +128,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
     i = 0
     for t in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work,
-                                                   GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
+                                                   BLOCK_M, BLOCK_N, CAUSAL)
         row0 = start_m + WG * HALF_M
         offs_q = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
         # tiles ending at or before unmasked_to need no predicate for any row of this warpgroup
