@@ -144,6 +144,18 @@ def test_pointer_provider_turns_descriptors_off():
     assert "FLASHATTN_TMA" not in os.environ
 
 
+@pytest.mark.parametrize("name, var, value", [("flashattn-triton", "FLASHATTN_WS", "0"),
+                                              ("flashattn-ws-persistent", "FLASHATTN_WS_GRID", "persistent")])
+def test_gluon_ab_providers(name, var, value, monkeypatch):
+    import os
+
+    monkeypatch.delenv(var, raising=False)
+    prepared = providers.get(name).setup(_case(), *_tensors(d=64))
+    with prepared.context():
+        assert os.environ[var] == value
+    assert var not in os.environ
+
+
 def _case():
     from flashattn.bench.case import Case
 
