@@ -198,9 +198,6 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, False, (None, None)),
         (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma, (k_desc, v_desc)),
     )
-    if attention_ws.dkdv_eligible(pb, q, k, v, dout, learnable_sink):
-        attention_ws.dkdv(pb, q, k, v, dout, lse, delta, dk, dv, softmax_scale, kv_group)
-        roles = roles[1:]
     for n_programs, role_dkdv, cfg, use_tma, descs in roles:
         attn_bwd_kernel[(n_programs,)](
             q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,

@@ -1,5 +1,4 @@
-"""Launchers for the warp-specialised Hopper kernels: the forward (kernels/attn_fwd_ws.py) and the backward's
-dK/dV role (kernels/attn_bwd_ws.py, `dkdv`; its dQ role stays Triton).
+"""Launcher for the warp-specialised Hopper forward (kernels/attn_fwd_ws.py).
 
 It takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
 softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
@@ -27,29 +26,15 @@ _HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
 _MAXNREG = 168
 
 
-def _plain(pb, learnable_sink) -> bool:
-    """No feature the warp-specialised kernels lack: varlen, windows other than causal (a right window other
-    than causal's 0 is a band they do not mask), softcap, ALiBi, dropout, sinks; and not switched off."""
-    f = pb.flags
-    features = f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"]
-    causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
-    return (not features and causal_only and learnable_sink is None and pb.d == pb.dv
-            and os.environ.get("FLASHATTN_WS", "1") != "0")
-
-
 def eligible(pb, q, k, v, learnable_sink) -> bool:
-    """Whether the forward takes the Gluon kernel."""
+    f = pb.flags
+    plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
+    # a right window other than causal's 0 is a band, which this kernel does not mask
+    causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
     # causal at N <= 1K: tiles of 1-8 key blocks, where the Triton forward's 64 x 64 tiles win
-    short_causal = pb.flags["WINDOW_RIGHT"] and pb.longest <= 1024
-    return (_plain(pb, learnable_sink) and not short_causal and pb.d == 128
-            and tma.usable(q, k, v, varlen=False))
-
-
-def dkdv_eligible(pb, q, k, v, dout, learnable_sink) -> bool:
-    """Whether the backward's dK/dV role takes the Gluon kernel."""
-    switched_on = os.environ.get("FLASHATTN_WS_BWD", "1") != "0"
-    return (_plain(pb, learnable_sink) and pb.d in (64, 128) and switched_on
-            and tma.usable(q, k, v, dout, varlen=False))
+    short_causal = f["WINDOW_RIGHT"] and pb.longest <= 1024
+    return (plain and causal_only and not short_causal and learnable_sink is None and pb.d == pb.dv == 128
+            and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, varlen=False))
 
 
 def programs(n_work: int, causal: bool, device: torch.device) -> int:
@@ -84,29 +69,4 @@ def forward(pb, q, k, v, out, lse) -> None:
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
-    )
-
-
-def dkdv(pb, q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, kv_group: int) -> None:
-    """Fill dk and dv (attention_backward's contract) with the warp-specialised dK/dV kernel."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from flashattn.kernels.attn_bwd_ws import attn_dkdv_ws_kernel
-
-    cfg = tile_config("dkdv_ws", pb.d, q.device)
-    elem = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-
-    def desc(t, rows):
-        block = [1, rows, 1, pb.d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, elem)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-    n_bhk = pb.batch * pb.nheads_k
-    attn_dkdv_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
-        desc(q, cfg.block_m), desc(dout, cfg.block_m), desc(k, cfg.block_n // 2), desc(v, cfg.block_n // 2),
-        desc(dk, cfg.block_n // 2), desc(dv, cfg.block_n // 2), lse, delta, lse.stride(0), lse.stride(1),
-        pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
-        GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
     )

@@ -1,8 +1,8 @@
 """`flashattn` (this project, through its public API), `flashattn-ptr` (the same with TMA descriptors off: the
 pointer-load path), `flashattn-headmajor` (the same in the former launch order), `flashattn-triton` (the same
 with the warp-specialised Gluon forward off), `flashattn-ws-persistent` (that forward on its persistent grid
-even under a causal mask), `flashattn-triton-bwd` (the Triton dK/dV program instead of the Gluon one), all
-five for A/B timing, and `torch-backend` (its pure-PyTorch backend)."""
+even under a causal mask), all four for A/B timing, and `torch-backend` (its pure-PyTorch
+backend)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,6 @@ PROVIDERS = [
     Provider("flashattn-triton", env_variant(_setup_public, "FLASHATTN_WS", "0"),
              "this project with FLASHATTN_WS=0: the Triton forward instead of the warp-specialised Gluon one "
              "(A/B timing)"),
-    Provider("flashattn-triton-bwd", env_variant(_setup_public, "FLASHATTN_WS_BWD", "0"),
-             "this project with FLASHATTN_WS_BWD=0: the Triton dK/dV program instead of the warp-specialised "
-             "Gluon one (A/B timing)"),
     Provider("flashattn-ws-persistent", env_variant(_setup_public, "FLASHATTN_WS_GRID", "persistent"),
              "this project with FLASHATTN_WS_GRID=persistent: the Gluon forward's persistent grid for causal "
              "calls too (A/B timing)"),
