@@ -13,8 +13,9 @@ loader then fetches the next tile's Q (double-buffered) and K/V while the consum
 so short sequences do not pay a prologue and an epilogue per tile. With one program per tile it is the
 plain grid, whose tiles the hardware hands to SMs as they free up. The K/V ring's slot and phase
 come from a counter that runs on across tiles, identical in every partition.
-Only the plain case comes here (16-bit, padded layout, head dim 64 or 128, causal or not, GQA): every other
-feature keeps the Triton kernel (attn_fwd.py), whose online-softmax invariants this body shares.
+Only the plain case comes here (16-bit, padded layout, causal or not, GQA; the body compiles for head dims 64
+and 128, and the launcher sends 128, where it measured faster): every other feature keeps the Triton kernel
+(attn_fwd.py), whose online-softmax invariants this body shares.
 """
 
 from triton.experimental import gluon

@@ -3,9 +3,10 @@
 It takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
 softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
 Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton forward. Measured on the H200
-(benchmarks/NOTES.md v17, one run each, beside the Triton forward): d = 128 non-causal +37% at N = 1K and
-+24-35% from 2K, causal +12-26% from 2K; d = 64 within -4% .. +2% (the matmuls are too short to hide the
-softmax behind), and d = 128 causal at N = 1K -23% (tiles of 1-8 key blocks): those keep the Triton forward.
+(benchmarks/NOTES.md v17, beside the Triton forward in the same run): d = 128 non-causal +37% at N = 1K and
++24-35% from 2K, causal +13-32% from 2K (two runs); d = 64 within -4% .. +2% (the matmuls are too short to
+hide the softmax behind), and d = 128 causal at N = 1K -23% (tiles of 1-8 key blocks): those keep the Triton
+forward.
 
 Grid: persistent (one program per SM) without a causal mask; with one, one program per tile, which measured
 7-15% faster than the persistent walk at 2K-16K, and 23-31% faster than a persistent walk whose odd rounds
