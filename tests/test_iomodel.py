@@ -34,7 +34,7 @@ from flashattn.iomodel import (
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tile sizes the hand counts below assume; the launchers' table may be retuned at any time.
-PINNED = "fwd=128,128,8,3;dkdv=64,128,8,2;dq=128,64,8,2"
+PINNED = "fwd=128,128,8,3;fwd_ws=128,128,4,2;dkdv=64,128,8,2;dq=128,64,8,2"
 
 D64 = 64 * 2  # bytes of one bf16 row of a d=64 tensor
 

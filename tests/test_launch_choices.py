@@ -11,7 +11,7 @@ from utils import LaunchRecorder
 
 from flashattn import flash_attn_func
 from flashattn.bench import providers
-from flashattn.iomodel import kernel_tiles
+from flashattn.iomodel import AttnShape, forward_io, kernel_tiles
 from flashattn.ops import attention_ws, merge, tma
 from flashattn.ops.attention import _problem
 from flashattn.ops.configs import _H200, _H200_SHORT, TileConfig, tile_config
@@ -76,6 +76,19 @@ def test_launches_carry_the_register_cap(monkeypatch):
 def test_io_model_follows_the_short_rows():
     assert kernel_tiles("fwd", 128, 1024) == (64, 64)
     assert kernel_tiles("fwd", 128, 8192) == (128, 128)
+
+
+def test_io_model_follows_the_gluon_forward(monkeypatch):
+    monkeypatch.delenv("FLASHATTN_WS", raising=False)
+    gluon = (_H200[("fwd_ws", 128)].block_m, _H200[("fwd_ws", 128)].block_n)
+    assert kernel_tiles("fwd", 128, 1024, causal=False) == gluon  # its launcher takes N = 1K non-causal
+    assert kernel_tiles("fwd", 128, 1024, causal=True) == (64, 64)  # causal at 1K stays on Triton's short row
+    assert kernel_tiles("fwd", 128, 4096, causal=True) == gluon
+    assert kernel_tiles("fwd", 64, 1024, causal=False) == (64, 64)  # d = 64 stays on Triton
+    assert forward_io(AttnShape(16, 16, 1024, 128)).detail["block_m"] == gluon[0]
+    assert forward_io(AttnShape(16, 16, 1024, 128, window=(256, 0))).detail["block_m"] == 64
+    monkeypatch.setenv("FLASHATTN_WS", "0")
+    assert kernel_tiles("fwd", 128, 1024, causal=False) == (64, 64)
 
 
 def _tensors(b=1, s=130, h=4, d=128, dtype=torch.bfloat16):

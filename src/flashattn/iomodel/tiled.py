@@ -37,20 +37,28 @@ def padded_headdim(d: int) -> int:
 _FALLBACK_TILES = {"fwd": (128, 128), "dkdv": (64, 128), "dq": (128, 64)}
 
 
-def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None) -> tuple[int, int]:
+def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None, causal: bool | None = None
+                 ) -> tuple[int, int]:
     """(block_m, block_n) our launcher picks on a GPU for `kernel` ("fwd", "dkdv" or "dq") at `headdim`.
 
     Read from the launchers' own table (flashattn.ops.configs, FLASHATTN_CONFIG overrides included), so the
     model follows tuning without a second copy of the numbers; `seqlen` (max of sq, sk) as the launcher's.
+    `causal` (True / False for a plain call, None under another window): the forward then takes the
+    warp-specialised kernel's tiles where its launcher would (ops/attention_ws.py).
     """
     try:
         import torch
 
+        from flashattn.ops import attention_ws
         from flashattn.ops.configs import tile_config
     except ImportError:
         block_m, block_n = _FALLBACK_TILES[kernel]
         return block_m, block_n if headdim <= 128 or kernel != "fwd" else 64
-    cfg = tile_config(kernel, padded_headdim(headdim), torch.device("cuda"), seqlen)
+    cuda = torch.device("cuda")
+    if kernel == "fwd" and causal is not None and attention_ws.takes(headdim, causal, seqlen or 1 << 30):
+        cfg = tile_config("fwd_ws", headdim, cuda)
+    else:
+        cfg = tile_config(kernel, padded_headdim(headdim), cuda, seqlen)
     return cfg.block_m, cfg.block_n
 
 
@@ -128,7 +136,10 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
 
     Tile sizes default to what the launcher uses (`kernel_tiles`).
     """
-    default_m, default_n = kernel_tiles("fwd", shape.headdim, max(shape.seqlen_q, shape.seqlen_k))
+    left, right = shape.bounds
+    plain = left == -1 and right in (-1, 0)  # causal or not, no other window: the Gluon forward's case
+    default_m, default_n = kernel_tiles("fwd", shape.headdim, max(shape.seqlen_q, shape.seqlen_k),
+                                        right == 0 if plain else None)
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)

@@ -27,15 +27,19 @@ _HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
 _MAXNREG = 168
 
 
+def takes(d: int, causal: bool, longest: int) -> bool:
+    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 128, and causal
+    only past N = 1K, where tiles of 1-8 key blocks leave the Triton forward's 64 x 64 tiles ahead."""
+    return d == 128 and not (causal and longest <= 1024) and os.environ.get("FLASHATTN_WS", "1") != "0"
+
+
 def eligible(pb, q, k, v, learnable_sink) -> bool:
     f = pb.flags
     plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
     # a right window other than causal's 0 is a band, which this kernel does not mask
     causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
-    # causal at N <= 1K: tiles of 1-8 key blocks, where the Triton forward's 64 x 64 tiles win
-    short_causal = f["WINDOW_RIGHT"] and pb.longest <= 1024
-    return (plain and causal_only and not short_causal and learnable_sink is None and pb.d == pb.dv == 128
-            and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, varlen=False))
+    return (plain and causal_only and learnable_sink is None and pb.d == pb.dv
+            and takes(pb.d, f["WINDOW_RIGHT"], pb.longest) and tma.usable(q, k, v, varlen=False))
 
 
 def programs(n_work: int, causal: bool, device: torch.device) -> int:
