@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashattn.kernels.common import grouped_program  # scalar arithmetic: Gluon calls triton.jit helpers
+
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup: the wgmma M of one warpgroup
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
 
@@ -36,16 +38,11 @@ LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves
 def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(batch, head, kv head, first query row, key tiles) of tile t in common.grouped_program's order (heads
-    in groups, every head's heaviest tile first), restated here because Gluon cannot call a triton.jit
-    function."""
+    in groups, every head's heaviest tile first), the Triton forward's."""
     n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    per_group = lpt_group * n_tiles
-    g = t // per_group
-    r = t - g * per_group
-    heads = gl.minimum(lpt_group, n_bh - g * lpt_group)
-    off_bh = g * lpt_group + r % heads
+    off_bh, rank = grouped_program(t, n_bh, n_tiles, lpt_group)
     # rank 0 is the last query tile, the one with the most keys under causal masking
-    start_m = (n_tiles - 1 - r // heads) * BLOCK_M
+    start_m = (n_tiles - 1 - rank) * BLOCK_M
     if CAUSAL:
         n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
     else:

@@ -135,13 +135,13 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    n_bh = pb.batch * pb.nheads
+    group = pb.lpt_group(n_bh, pb.seqlen_k * (pb.d + pb.dv) * k.element_size() // pb.flags["GROUP"])
     if attention_ws.eligible(pb, q, k, v, learnable_sink):
-        attention_ws.forward(pb, q, k, v, out, lse)
+        attention_ws.forward(pb, q, k, v, out, lse, group)
         return out, lse
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device, pb.longest)
-    n_bh = pb.batch * pb.nheads
-    group = pb.lpt_group(n_bh, pb.seqlen_k * (pb.d + pb.dv) * k.element_size() // pb.flags["GROUP"])
     use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
     attn_fwd_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,)](
         q, k, v, out, lse,

@@ -49,8 +49,9 @@ def programs(n_work: int, causal: bool, device: torch.device) -> int:
     return min(n_work, merge.sm_count(device)) if grid == "persistent" else n_work
 
 
-def forward(pb, q, k, v, out, lse) -> None:
-    """Fill out and lse (attention_forward's contract) with the warp-specialised kernel."""
+def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
+    """Fill out and lse (attention_forward's contract) with the warp-specialised kernel; lpt_group: heads per
+    group of the launch order, as the Triton forward's."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -66,12 +67,11 @@ def forward(pb, q, k, v, out, lse) -> None:
 
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
-    group = pb.lpt_group(n_bh, pb.seqlen_k * 2 * pb.d * k.element_size() // pb.flags["GROUP"])
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
     attn_fwd_ws_kernel[(programs(n_work, causal, q.device),)](
         desc(q, _HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, _HALF_M),
         lse, lse.stride(0), lse.stride(1),
-        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, group,
+        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
     )
