@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from conftest import INTERPRET
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
-from utils import LaunchRecorder, assert_close_to_ref, make_qkv
+from utils import LaunchRecorder, assert_close_to_ref, make_qkv, program_pairs
 
 import flashattn
 from flashattn.block_sparse import _ops, _torch, block_sparse_attn_func
@@ -462,14 +460,6 @@ def test_flex_gets_the_same_mask(pattern, params):
     assert torch.equal(theirs.to_dense(), ours.to_dense().expand(1, 2, -1, -1))
 
 
-@triton.jit
-def _record_programs(out, n_bh, n_tiles, hoist):
-    pid = tl.program_id(0)
-    bh, tile = _program(pid, n_bh, n_tiles, hoist)
-    tl.store(out + 2 * pid, bh)
-    tl.store(out + 2 * pid + 1, tile)
-
-
 @pytest.mark.parametrize("n_bh, n_blocks, subtiles",
                          [(1, 1, 1), (3, 1, 2), (4, 5, 1), (16, 128, 1), (6, 70, 2)])
 def test_program_mapping_covers_every_tile_once(n_bh, n_blocks, subtiles):
@@ -481,9 +471,7 @@ def test_program_mapping_covers_every_tile_once(n_bh, n_blocks, subtiles):
 
     (n,), (nbh, n_tiles, hoist) = _grid(n_bh, n_blocks, subtiles)
     assert n == n_bh * n_blocks * subtiles and 0 <= hoist < n_tiles
-    out = torch.full((n, 2), -1, dtype=torch.int32)
-    _record_programs[(n,)](out, nbh, n_tiles, hoist)
-    pairs = [tuple(p) for p in out.tolist()]
+    pairs = program_pairs(_program, n, nbh, n_tiles, hoist)
     assert sorted(pairs) == [(b, t) for b in range(n_bh) for t in range(n_tiles)]
     lead = n_bh * hoist
     assert all(t < hoist for _, t in pairs[:lead]) and all(t >= hoist for _, t in pairs[lead:])

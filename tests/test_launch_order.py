@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from conftest import INTERPRET
-from utils import LaunchRecorder, make_qkv
+from utils import LaunchRecorder, make_qkv, program_pairs
 
 from flashattn import flash_attn_func, flash_attn_varlen_func
 from flashattn.kernels.common import grouped_program
@@ -19,20 +17,10 @@ from flashattn.ops.attention import _problem
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
 
 
-@triton.jit
-def _record(out, n_bh, n_tiles, group):
-    pid = tl.program_id(0)
-    bh, rank = grouped_program(pid, n_bh, n_tiles, group)
-    tl.store(out + 2 * pid, bh)
-    tl.store(out + 2 * pid + 1, rank)
-
-
 @pytest.mark.parametrize("n_bh, n_tiles, group", [(1, 1, 1), (5, 3, 1), (8, 4, 3), (7, 5, 7), (6, 2, 4),
                                                    (16, 9, 16)])
 def test_grouped_order_covers_every_tile_once(n_bh, n_tiles, group):
-    out = torch.full((n_bh * n_tiles, 2), -1, dtype=torch.int32)
-    _record[(n_bh * n_tiles,)](out, n_bh, n_tiles, group)
-    pairs = [tuple(p) for p in out.tolist()]
+    pairs = program_pairs(grouped_program, n_bh * n_tiles, n_bh, n_tiles, group)
     assert sorted(pairs) == [(b, t) for b in range(n_bh) for t in range(n_tiles)]
     # groups run one after the other; inside one, every head's rank r before any head's rank r + 1
     groups = [b // group for b, _ in pairs]

@@ -1,10 +1,13 @@
-"""Shared test helpers: the tolerance rule, random (optionally non-contiguous) inputs, a launch recorder."""
+"""Shared test helpers: the tolerance rule, random (optionally non-contiguous) inputs, a launch recorder, the
+(head, tile) pairs a kernel's 1D program mapping assigns."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["LaunchRecorder", "assert_close_to_ref", "make_qkv", "max_abs_err"]
+__all__ = ["LaunchRecorder", "assert_close_to_ref", "make_qkv", "max_abs_err", "program_pairs"]
 
 
 def max_abs_err(a, b):
@@ -129,3 +132,19 @@ class LaunchRecorder:
             return launch(*args, **kwargs)
 
         return run
+
+
+@triton.jit
+def _record_pairs(out, n_bh, n_tiles, arg, MAPPING: tl.constexpr):
+    pid = tl.program_id(0)
+    bh, tile = MAPPING(pid, n_bh, n_tiles, arg)
+    tl.store(out + 2 * pid, bh)
+    tl.store(out + 2 * pid + 1, tile)
+
+
+def program_pairs(mapping, n_programs, n_bh, n_tiles, arg) -> list[tuple[int, int]]:
+    """(batch·head, tile) of each of n_programs programs, in launch order, as the @triton.jit `mapping`
+    (pid, n_bh, n_tiles, arg) -> (bh, tile) assigns them (run under TRITON_INTERPRET=1)."""
+    out = torch.full((n_programs, 2), -1, dtype=torch.int32)
+    _record_pairs[(n_programs,)](out, n_bh, n_tiles, arg, MAPPING=mapping)
+    return [tuple(p) for p in out.tolist()]
