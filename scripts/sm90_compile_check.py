@@ -90,6 +90,11 @@ def _fwd_bwd(fn, *tensors, tma_path="1", ws="1", **kw):
         out.backward(torch.ones_like(out))
 
 
+def _with_env(name, value, fn, *args, **kw):
+    with env_var(name, value):
+        fn(*args, **kw)
+
+
 def _with_config(spec, fn, *args, **kw):
     with env_var("FLASHATTN_CONFIG", spec):
         fn(*args, **kw)
@@ -123,6 +128,14 @@ def dense_cases():
             k, v = (_t(1, 1100, 2, 128, dtype=dtype, grad=True) for _ in range(2))
             yield f"dense ws {dtype} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
                                                                 causal=causal)
+    # the opt-in Gluon backward (FLASHATTN_WS_BWD=1): d = 64 and 128, causal or not, GQA
+    for d in (64, 128):
+        for causal in (False, True):
+            q = _t(1, 1100, 4, d, grad=True)
+            k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
+            for order in ("1", "defer"):
+                yield f"dense ws backward {order} d={d} causal={causal}", partial(
+                    _with_env, "FLASHATTN_WS_BWD", order, _fwd_bwd, flash_attn_func, q, k, v, causal=causal)
     # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes
     # (sq = 300 with the third session's kernels; 512 causal with 4 heads as well, in the fifth), so that
     # program now loads Q/dO through pointers

@@ -246,3 +246,25 @@ def test_ws_grid(monkeypatch):
     assert attention_ws.programs(2048, True, CUDA) == 132
     monkeypatch.setenv("FLASHATTN_WS_GRID", "tiles")
     assert attention_ws.programs(2048, False, CUDA) == 2048
+
+
+def _ws_bwd_eligible(monkeypatch, on="1", deterministic=False, d=128, sq=2048):
+    monkeypatch.setattr(tma, "device_ok", lambda t: True)
+    monkeypatch.setenv("FLASHATTN_WS_BWD", on)
+    q = torch.zeros(1, sq, 4, d, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, sq, 2, d, dtype=torch.bfloat16)
+    pb = _problem(q, k, v, 0.1, True, (-1, -1), 0.0, None, 0.0, 0, 0, None, None, None)
+    return attention_ws.bwd_eligible(pb, q, k, v, q, None, deterministic)
+
+
+def test_ws_backward_is_opt_in(monkeypatch):
+    assert _ws_bwd_eligible(monkeypatch)
+    assert _ws_bwd_eligible(monkeypatch, d=64)
+    assert _ws_bwd_eligible(monkeypatch, on="defer")
+    assert not _ws_bwd_eligible(monkeypatch, on="0")
+    assert not _ws_bwd_eligible(monkeypatch, deterministic=True)  # dQ by reduce-adds: order varies
+    assert not _ws_bwd_eligible(monkeypatch, d=96)
+    # the float32 dQ buffer must stay under the cap (the 128K-token memory target has no room for it)
+    monkeypatch.setattr(attention_ws, "_DQ_BUFFER_CAP", 2048 * 4 * 128 * 4)
+    assert _ws_bwd_eligible(monkeypatch)
+    assert not _ws_bwd_eligible(monkeypatch, sq=2049)

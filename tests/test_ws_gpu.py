@@ -116,3 +116,65 @@ def test_ineligible_calls_keep_triton(ws_calls):
     flash_attn_func(q, k, v, causal=True)
     flash_attn_func(*_qkv(1, 256, 256, 2, 2, 64))
     assert not ws_calls
+
+
+# ---------------------------------------- the opt-in Gluon backward (FLASHATTN_WS_BWD=1, ops/attention_ws.py)
+
+
+@pytest.fixture
+def ws_bwd_calls(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
+    monkeypatch.setenv("FLASHATTN_WS_BWD", "1")
+    calls = []
+    real = attention_ws.backward
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_ws, "backward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (113, 1023), (1023, 113), (1300, 100), (2049, 1537)])
+def test_backward_seqlens(ws_bwd_calls, sq, sk, d, causal):
+    check_against_oracle(*_qkv(2, sq, sk, 4, 4, d), causal=causal)
+    assert ws_bwd_calls, "the warp-specialised backward did not run"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hk", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
+def test_backward_gqa(ws_bwd_calls, h, hk, causal):
+    check_against_oracle(*_qkv(2, 700, 1100, h, hk, 128), causal=causal)
+    assert ws_bwd_calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(17, 17), (1023, 113), (2049, 1537)])
+def test_backward_deferred_order(ws_bwd_calls, monkeypatch, sq, sk, d, causal):
+    monkeypatch.setenv("FLASHATTN_WS_BWD", "defer")
+    check_against_oracle(*_qkv(2, sq, sk, 4, 2, d), causal=causal)
+    assert ws_bwd_calls
+
+
+def test_backward_deterministic_keeps_triton(ws_bwd_calls):
+    q, k, v = _qkv(1, 512, 512, 2, 2, 128)
+    flash_attn_func(q, k, v, causal=True, deterministic=True).sum().backward()
+    assert not ws_bwd_calls
+
+
+def test_backward_key_tail_with_very_negative_lse(ws_bwd_calls):
+    # every score near -140: lse ~ -134, so an unmasked key past seqlen_k (a zero row) would give
+    # P = exp2(0 - lse * log2 e) = inf and NaN in dQ; sk = 1000 leaves such rows in the last key tile
+    u = torch.ones(128, device="cuda") / 128**0.5
+    noise = 0.01 * torch.randn(2, 1000, 4, 128, device="cuda")
+    q = (-40 * u + noise[:, :700]).to(torch.bfloat16).requires_grad_(True)
+    k = (40 * u + noise).to(torch.bfloat16).requires_grad_(True)
+    v = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attn_func(q, k, v)
+    out.backward(torch.randn_like(out))
+    assert ws_bwd_calls
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

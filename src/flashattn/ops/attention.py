@@ -161,9 +161,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                        max_seqlen_k=None, deterministic=False):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
 
-    Deterministic whatever `deterministic` says: no atomics, every gradient element is written by one program.
+    Deterministic by default: no atomics, every gradient element is written by one program. The opt-in Gluon
+    backward (ops/attention_ws.py) adds dQ with reduce-adds, so it never runs when `deterministic` is set.
     """
-    del deterministic
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if dout.stride(-1) != 1:
@@ -198,6 +198,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, False, (None, None)),
         (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma, (k_desc, v_desc)),
     )
+    if attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic):
+        attention_ws.backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, kv_group)
+        roles = ()
     for n_programs, role_dkdv, cfg, use_tma, descs in roles:
         attn_bwd_kernel[(n_programs,)](
             q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,

@@ -1,4 +1,5 @@
-"""Launcher for the warp-specialised Hopper forward (kernels/attn_fwd_ws.py).
+"""Launchers for the warp-specialised Hopper kernels: the forward (kernels/attn_fwd_ws.py) and the backward
+(kernels/attn_bwd_ws.py; opt-in with FLASHATTN_WS_BWD=1 until it is measured, see below).
 
 It takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
 softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
@@ -12,6 +13,11 @@ Grid: persistent (one program per SM) without a causal mask; with one, one progr
 7-15% faster than the persistent walk at 2K-16K, and 23-31% faster than a persistent walk whose odd rounds
 ran backwards to even out the programs' totals (NOTES v17). `FLASHATTN_WS_GRID=persistent|tiles` forces
 either (A/B timing).
+
+The backward (FA3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair instead of the
+Triton backward's 7) has only been compiled for sm_90a on the CPU (benchmarks/NOTES.md v19), so it runs only
+when FLASHATTN_WS_BWD=1 (or =defer: FA3's deferred order, see the kernel), never with deterministic=True (the
+reduce order varies), and only while its float32 dQ buffer stays under _DQ_BUFFER_CAP.
 """
 
 import os
@@ -25,6 +31,9 @@ _HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
 # registers per thread for the kernel's 12 warps (two consumer warpgroups, the loader's): 168 x 384 fills the
 # 64K-register file; the partitions then take 240 / 240 / 24 (gl.warp_specialize's worker_num_regs)
 _MAXNREG = 168
+# the backward's float32 dQ buffer beyond which the Triton backward runs instead: the 128K-token memory target
+# (2.2 GiB for forward + backward, b=1, h=16, d=128) leaves no room for a 1 GiB buffer
+_DQ_BUFFER_CAP = 512 << 20
 
 
 def takes(d: int, causal: bool, longest: int) -> bool:
@@ -75,3 +84,46 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
     )
+
+
+def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool:
+    """Whether the backward takes the Gluon kernel (opt-in: FLASHATTN_WS_BWD=1)."""
+    f = pb.flags
+    plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
+    causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
+    dq_bytes = q.numel() * 4
+    opted_in = os.environ.get("FLASHATTN_WS_BWD", "0") in ("1", "defer")
+    return (opted_in and plain and causal_only and not deterministic
+            and learnable_sink is None and pb.d == pb.dv and pb.d in (64, 128) and dq_bytes <= _DQ_BUFFER_CAP
+            and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, dout, varlen=False))
+
+
+def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
+    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
+
+    cfg = tile_config("bwd_ws", pb.d, q.device)
+    elem = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+
+    def desc(t, rows, cols, dtype=elem):
+        block = [1, rows, 1, cols]
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    n_bhk = pb.batch * pb.nheads_k
+    half_n = cfg.block_n // 2
+    attn_bwd_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
+        desc(q, cfg.block_m, pb.d), desc(dout, cfg.block_m, pb.d),
+        desc(k, half_n, pb.d), desc(v, half_n, pb.d), desc(dk, half_n, pb.d), desc(dv, half_n, pb.d),
+        desc(dq_acc, cfg.block_m, pb.d // 2, gl.float32),
+        lse, delta, lse.stride(0), lse.stride(1),
+        pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
+        GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"],
+        DEFER_DQ=os.environ.get("FLASHATTN_WS_BWD") == "defer", num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
+    )
+    dq.copy_(dq_acc)

@@ -42,6 +42,10 @@ _H200 = {
     # the warp-specialised forward (ops/attention_ws.py, d = 128 only): block_m is two consumer warpgroups of
     # 64 rows, the stages are K/V ring slots (num_warps: the kernel fixes its own partitions)
     ("fwd_ws", 128): TileConfig(128, 128, 4, 2),
+    # its backward (opt-in, unmeasured): block_m query rows per step, block_n keys per program (two consumers
+    # of 64), the stages are (Q, dO) ring slots
+    ("bwd_ws", 64): TileConfig(64, 128, 4, 3),
+    ("bwd_ws", 128): TileConfig(64, 128, 4, 2),
 }
 
 # Short sequences (max of sq, sk up to the row's limit): few key tiles per program, so a program's prologue
