@@ -30,8 +30,9 @@
 #   bash scripts/device_check.sh ws_table                  its causal grid A/B, the README's train table
 #                                                          (forward and backward), its GPU tests
 #   bash scripts/device_check.sh ws_tests                  its GPU tests, the core GPU tests it serves, memcheck
-#   bash scripts/device_check.sh ws_bwd2                   the opt-in Gluon backward (FLASHATTN_WS_BWD=1): grads
-#                                                          beside the Triton backward's, A/B, GPU tests, memcheck
+#   bash scripts/device_check.sh ws_bwd                    the Gluon backward: grads beside the Triton backward's,
+#                                                          the README's train table, the Gluon GPU tests
+#   bash scripts/device_check.sh ws_bwd_checks             the core GPU tests, memcheck, the backward A/B
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -338,7 +339,7 @@ if [ "$stage" = ws_tests ]; then
     | tee "$OUT/memcheck_ws.log"
 fi
 
-if [ "$stage" = ws_bwd2 ]; then
+if [ "$stage" = ws_bwd ]; then
   timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/ws_bwd_smoke.log" || exit 1
 import os, sys, torch
 from flashattn import flash_attn_func
@@ -350,22 +351,26 @@ for b, sq, sk, h, hk, d, causal in [(2, 1000, 1000, 4, 4, 128, False), (2, 1100,
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     do = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
     grads = {}
-    for flag in ("1", "defer", "0"):
+    for flag in ("1", "0"):
         os.environ["FLASHATTN_WS_BWD"] = flag
         grads[flag] = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
     torch.cuda.synchronize()
-    for flag in ("1", "defer"):
-        rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
-               for a, c in zip(grads[flag], grads["0"])]
-        worst = max(worst, *rel)
-        print(flag, b, sq, sk, h, hk, d, causal, "rel max diff dq dk dv", [f"{r:.2e}" for r in rel])
+    rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
+           for a, c in zip(grads["1"], grads["0"])]
+    worst = max(worst, *rel)
+    print(b, sq, sk, h, hk, d, causal, "rel max diff dq dk dv (Gluon vs Triton backward)", [f"{r:.2e}" for r in rel])
 sys.exit(0 if worst < 2e-2 else 1)
 PY
-  timeout 150 python3 -m flashattn bench --suite train --headdims 64,128 --modes bwd --quiet --no-plots \
-    --providers flashattn-ws-bwd,flashattn-ws-bwd-defer,flashattn,sdpa-flash,flex --out "$OUT/bwd_ab" 2>&1 \
-    | tail -30
-  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k backward 2>&1 | tee "$OUT/pytest_bwd.log" \
-    | tail -6
-  FLASHATTN_WS_BWD=1 timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 \
-    | tail -4 | tee "$OUT/memcheck_bwd.log"
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
+fi
+if [ "$stage" = ws_bwd_checks ]; then
+  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py 2>&1 | tee "$OUT/pytest_core.log" | tail -6
+  timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
+    | tee "$OUT/memcheck.log"
+  timeout 120 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py dense 2>&1 | tail -4 \
+    | tee "$OUT/racecheck.log"
+  timeout 150 python3 -m flashattn bench --suite train --headdims 64,128 --seqlens 1024,4096,16384 --modes bwd \
+    --quiet --no-plots --providers flashattn,flashattn-triton-bwd --out "$OUT/bwd_ab" 2>&1 | tail -16
 fi

@@ -81,18 +81,15 @@ def _t(*shape, dtype=torch.bfloat16, grad=False):
     return torch.randn(shape, dtype=dtype).requires_grad_(grad)
 
 
-def _fwd_bwd(fn, *tensors, tma_path="1", ws="1", **kw):
-    # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths); ws:
-    # FLASHATTN_WS (the plain d = 64/128 cases take the warp-specialised Gluon forward unless it is 0)
-    with env_var("FLASHATTN_TMA", tma_path), env_var("FLASHATTN_WS", ws):
+def _fwd_bwd(fn, *tensors, tma_path="1", ws="1", ws_bwd="0", **kw):
+    # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths); ws, ws_bwd:
+    # FLASHATTN_WS and FLASHATTN_WS_BWD (the plain d = 64/128 cases take the warp-specialised Gluon kernels
+    # unless they are 0; the backward's are off by default here so that the Triton backward is compiled for
+    # every tile row, and on in the Gluon backward's own cases)
+    with env_var("FLASHATTN_TMA", tma_path), env_var("FLASHATTN_WS", ws), env_var("FLASHATTN_WS_BWD", ws_bwd):
         out = fn(*tensors, **kw)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
-
-
-def _with_env(name, value, fn, *args, **kw):
-    with env_var(name, value):
-        fn(*args, **kw)
 
 
 def _with_config(spec, fn, *args, **kw):
@@ -128,14 +125,13 @@ def dense_cases():
             k, v = (_t(1, 1100, 2, 128, dtype=dtype, grad=True) for _ in range(2))
             yield f"dense ws {dtype} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
                                                                 causal=causal)
-    # the opt-in Gluon backward (FLASHATTN_WS_BWD=1): d = 64 and 128, causal or not, GQA
+    # the Gluon backward: d = 64 and 128, causal or not, GQA
     for d in (64, 128):
         for causal in (False, True):
             q = _t(1, 1100, 4, d, grad=True)
             k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
-            for order in ("1", "defer"):
-                yield f"dense ws backward {order} d={d} causal={causal}", partial(
-                    _with_env, "FLASHATTN_WS_BWD", order, _fwd_bwd, flash_attn_func, q, k, v, causal=causal)
+            yield f"dense ws backward d={d} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
+                                                                       causal=causal, ws_bwd="1")
     # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes
     # (sq = 300 with the third session's kernels; 512 causal with 4 heads as well, in the fifth), so that
     # program now loads Q/dO through pointers

@@ -248,19 +248,22 @@ def test_ws_grid(monkeypatch):
     assert attention_ws.programs(2048, False, CUDA) == 2048
 
 
-def _ws_bwd_eligible(monkeypatch, on="1", deterministic=False, d=128, sq=2048):
+def _ws_bwd_eligible(monkeypatch, on=None, deterministic=False, d=128, sq=2048):
     monkeypatch.setattr(tma, "device_ok", lambda t: True)
-    monkeypatch.setenv("FLASHATTN_WS_BWD", on)
+    if on is None:
+        monkeypatch.delenv("FLASHATTN_WS_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FLASHATTN_WS_BWD", on)
     q = torch.zeros(1, sq, 4, d, dtype=torch.bfloat16)
     k = v = torch.zeros(1, sq, 2, d, dtype=torch.bfloat16)
     pb = _problem(q, k, v, 0.1, True, (-1, -1), 0.0, None, 0.0, 0, 0, None, None, None)
     return attention_ws.bwd_eligible(pb, q, k, v, q, None, deterministic)
 
 
-def test_ws_backward_is_opt_in(monkeypatch):
-    assert _ws_bwd_eligible(monkeypatch)
+def test_ws_backward_choice(monkeypatch):
+    assert _ws_bwd_eligible(monkeypatch)  # on by default
     assert _ws_bwd_eligible(monkeypatch, d=64)
-    assert _ws_bwd_eligible(monkeypatch, on="defer")
+    assert _ws_bwd_eligible(monkeypatch, on="1")
     assert not _ws_bwd_eligible(monkeypatch, on="0")
     assert not _ws_bwd_eligible(monkeypatch, deterministic=True)  # dQ by reduce-adds: order varies
     assert not _ws_bwd_eligible(monkeypatch, d=96)

@@ -118,13 +118,13 @@ def test_ineligible_calls_keep_triton(ws_calls):
     assert not ws_calls
 
 
-# ---------------------------------------- the opt-in Gluon backward (FLASHATTN_WS_BWD=1, ops/attention_ws.py)
+# ---------------------------------------------------------- the Gluon backward (ops/attention_ws.py)
 
 
 @pytest.fixture
 def ws_bwd_calls(monkeypatch):
     monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
-    monkeypatch.setenv("FLASHATTN_WS_BWD", "1")
+    monkeypatch.delenv("FLASHATTN_WS_BWD", raising=False)  # on by default
     calls = []
     real = attention_ws.backward
 
@@ -151,18 +151,23 @@ def test_backward_gqa(ws_bwd_calls, h, hk, causal):
     assert ws_bwd_calls
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("sq, sk", [(17, 17), (1023, 113), (2049, 1537)])
-def test_backward_deferred_order(ws_bwd_calls, monkeypatch, sq, sk, d, causal):
-    monkeypatch.setenv("FLASHATTN_WS_BWD", "defer")
-    check_against_oracle(*_qkv(2, sq, sk, 4, 2, d), causal=causal)
-    assert ws_bwd_calls
+def test_backward_fp16_and_packed(ws_bwd_calls, d):
+    check_against_oracle(*_qkv(2, 1000, 1200, 4, 2, d, torch.float16), causal=True)
+    qkv = torch.randn(2, 1777, 3, 8, d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    check_against_oracle(*qkv.unbind(2), causal=False, wrt=(qkv,))
+    assert len(ws_bwd_calls) == 2
 
 
 def test_backward_deterministic_keeps_triton(ws_bwd_calls):
     q, k, v = _qkv(1, 512, 512, 2, 2, 128)
     flash_attn_func(q, k, v, causal=True, deterministic=True).sum().backward()
+    assert not ws_bwd_calls
+
+
+def test_backward_switched_off(ws_bwd_calls, monkeypatch):
+    monkeypatch.setenv("FLASHATTN_WS_BWD", "0")
+    check_against_oracle(*_qkv(2, 300, 300, 4, 4, 128), causal=True)
     assert not ws_bwd_calls
 
 

@@ -10,8 +10,8 @@ pair, attn_bwd.py).
   - two consumer warpgroups own 64 keys each. Per query tile one issues Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together,
     computes Pᵀ while dPᵀ runs, issues dV += Pᵀ dO and dK += dSᵀ Q, and writes its dSᵀ half to shared
     memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
-    and reduce-adds them. DEFER_DQ (FA3's order) leaves a step's dV, dK and dQ in flight until the next
-    step's Sᵀ and dPᵀ are issued; without it every step waits for them before the next begins.
+    and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order, which
+    leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here (NOTES v19).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
 Triton backward (as flash_attn's flag does). Only the plain case comes here (ops/attention_ws.py decides).
 """
@@ -75,8 +75,24 @@ def _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG: gl.constexpr,
 
 
 @gluon.jit
+def _row_stats(LSE, Delta, off_b, off_hk, m_first, c, n_steps, steps_per_head, seqlen_q, strides,
+               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """LSE (in base 2) and D of step c's query rows, as (BLOCK_M,) vectors along Sᵀ's columns. Rows past
+    seqlen_q, and every row of a step past the last, read LSE = +inf (their P is exactly 0) and D = 0."""
+    stride_lse_b, stride_lse_h = strides
+    g = c // steps_per_head
+    m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+    row_base = off_b.to(gl.int64) * stride_lse_b + (off_hk * GROUP + g).to(gl.int64) * stride_lse_h
+    offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    valid = (offs_q < seqlen_q) & (c < n_steps)
+    lse = gl.load(LSE + row_base + offs_q, mask=valid, other=float("inf")) * LOG2E
+    delta = gl.load(Delta + row_base + offs_q, mask=valid, other=0.0)
+    return lse, delta
+
+
+@gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem = loader_args
     kv_bar, ready, empty, ds_ready, done = bars
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
@@ -103,12 +119,10 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
 
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-              WG: gl.constexpr):
+              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, bars, LSE, Delta, strides,
      scales, problem) = args
     kv_bar, ready, empty, ds_ready, done = bars
-    stride_lse_b, stride_lse_h = strides
     qk_scale, sm_scale = scales
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
     off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
@@ -140,75 +154,58 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     mbarrier.wait(kv_bar, 0)
 
     dq = warpgroup_mma_init(q_zero)
-    c = 0
-    prev_m0 = 0
-    prev_h = 0
-    for g in range(GROUP):
+    n_steps = GROUP * n_m
+    steps_per_head = gl.maximum(n_m, 1)  # n_m = 0 leaves no step, but the first prefetch still divides by it
+    lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, 0, n_steps, steps_per_head, seqlen_q, strides,
+                            GROUP, BLOCK_M, s_layout)
+    for c in range(n_steps):
+        g = c // steps_per_head
         off_h = off_hk * GROUP + g
-        row_base = off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h
-        for mi in range(n_m):
-            m0 = m_first + mi * BLOCK_M
-            s = c % STAGES
-            b = c % 2
-            offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            # rows past seqlen_q: LSE = +inf makes their P exactly 0, and D = 0 their dS
-            lse = gl.load(LSE + row_base + offs_q, mask=offs_q < seqlen_q, other=float("inf")) * LOG2E
-            delta = gl.load(Delta + row_base + offs_q, mask=offs_q < seqlen_q, other=0.0)
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-            do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if DEFER_DQ:
-                if c > 0:
-                    # the previous step's dV, dK and dQ retire while this step's Sᵀ and dPᵀ run
-                    dq, dk, dv = warpgroup_mma_wait(2, deps=(dq, dk, dv))
-                    mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-                    _store_dq(dq, dq_buf, dq_desc, off_b, prev_m0, prev_h, sm_scale, WG, BLOCK_M, HALF_D)
-                    dq = warpgroup_mma_init(dq)
-                    dk = warpgroup_mma_init(dk)
-                    dv = warpgroup_mma_init(dv)
-            st = warpgroup_mma_wait(1, deps=(st,))
-            # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
-            # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the causal cut
-            if key_tail or (CAUSAL and m0 + diag < key0 + HALF_N - 1):
-                keep = offs_k[:, None] < seqlen_k
-                if CAUSAL:
-                    keep = keep & (offs_q[None, :] + diag >= offs_k[:, None])
-                pt = gl.exp2(gl.where(keep, st * qk_scale, float("-inf")) - lse[None, :])
-            else:
-                pt = gl.exp2(st * qk_scale - lse[None, :])
-            dpt = warpgroup_mma_wait(0, deps=(dpt,))
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-            # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys. The
-            # buffer alternates: the other warpgroup's arrival at this step's barrier means it finished the
-            # dQ of two steps ago, the last reader of the buffer written now
-            ds_buf = ds_smem.index(2 * b + WG)
-            ds_buf.store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(b), count=1)
-            mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0_cols, q_zero, use_acc=False,
-                               is_async=True)
-            dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
-            if not DEFER_DQ:
-                dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-                # this tile's Q and dO have no reader left
-                mbarrier.arrive(empty.index(s), count=1)
-                _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
-                dq = warpgroup_mma_init(dq)
-                dk = warpgroup_mma_init(dk)
-                dv = warpgroup_mma_init(dv)
-            prev_m0 = m0
-            prev_h = off_h
-            c += 1
-    dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-    if DEFER_DQ:
-        if c > 0:
-            mbarrier.arrive(empty.index((c - 1) % STAGES), count=1)
-            _store_dq(dq, dq_buf, dq_desc, off_b, prev_m0, prev_h, sm_scale, WG, BLOCK_M, HALF_D)
+        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        s = c % STAGES
+        b = c % 2
+        offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
+        # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the causal cut
+        if key_tail or (CAUSAL and m0 + diag < key0 + HALF_N - 1):
+            keep = offs_k[:, None] < seqlen_k
+            if CAUSAL:
+                keep = keep & (offs_q[None, :] + diag >= offs_k[:, None])
+            pt = gl.exp2(gl.where(keep, st * qk_scale, float("-inf")) - lse[None, :])
+        else:
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys. The
+        # buffer alternates: the other warpgroup's arrival at this step's barrier means it finished the dQ of
+        # two steps ago, the last reader of the buffer written now
+        ds_buf = ds_smem.index(2 * b + WG)
+        ds_buf.store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(b), count=1)
+        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0_cols, q_zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
+        # the next step's LSE and D: global loads whose latency hides behind this step's dV, dK and dQ
+        lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, c + 1, n_steps, steps_per_head, seqlen_q,
+                                strides, GROUP, BLOCK_M, s_layout)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        # this tile's Q and dO have no reader left
+        mbarrier.arrive(empty.index(s), count=1)
+        _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
+        dq = warpgroup_mma_init(dq)
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
     # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
@@ -224,15 +221,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 0)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     # a worker partition: the loader's signature
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
 
 
 @gluon.jit
@@ -240,7 +237,7 @@ def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE, Delta, stride_lse_b, stride_lse_h,
     nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale, n_bhk, lpt_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     dtype: gl.constexpr = q_desc.dtype
@@ -272,7 +269,7 @@ def attn_bwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
-        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])

@@ -1,5 +1,5 @@
 """Launchers for the warp-specialised Hopper kernels: the forward (kernels/attn_fwd_ws.py) and the backward
-(kernels/attn_bwd_ws.py; opt-in with FLASHATTN_WS_BWD=1 until it is measured, see below).
+(kernels/attn_bwd_ws.py).
 
 It takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
 softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
@@ -15,9 +15,10 @@ ran backwards to even out the programs' totals (NOTES v17). `FLASHATTN_WS_GRID=p
 either (A/B timing).
 
 The backward (FA3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair instead of the
-Triton backward's 7) has only been compiled for sm_90a on the CPU (benchmarks/NOTES.md v19), so it runs only
-when FLASHATTN_WS_BWD=1 (or =defer: FA3's deferred order, see the kernel), never with deterministic=True (the
-reduce order varies), and only while its float32 dQ buffer stays under _DQ_BUFFER_CAP.
+Triton backward's 7) takes the same plain calls at d = 64 and 128, causal or not: +10-14% over the Triton
+backward at d = 128, -2% to +6% at d = 64 (benchmarks/NOTES.md v19). It never runs with deterministic=True
+(the reduce order varies, as with flash_attn's atomic dQ), nor once its float32 dQ buffer would pass
+_DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
 
 import os
@@ -87,13 +88,13 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
 
 
 def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool:
-    """Whether the backward takes the Gluon kernel (opt-in: FLASHATTN_WS_BWD=1)."""
+    """Whether the backward takes the Gluon kernel."""
     f = pb.flags
     plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
     causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
     dq_bytes = q.numel() * 4
-    opted_in = os.environ.get("FLASHATTN_WS_BWD", "0") in ("1", "defer")
-    return (opted_in and plain and causal_only and not deterministic
+    switched_on = os.environ.get("FLASHATTN_WS_BWD", "1") != "0"
+    return (switched_on and plain and causal_only and not deterministic
             and learnable_sink is None and pb.d == pb.dv and pb.d in (64, 128) and dq_bytes <= _DQ_BUFFER_CAP
             and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, dout, varlen=False))
 
@@ -123,7 +124,6 @@ def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv
         lse, delta, lse.stride(0), lse.stride(1),
         pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"],
-        DEFER_DQ=os.environ.get("FLASHATTN_WS_BWD") == "defer", num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
+        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
     )
     dq.copy_(dq_acc)

@@ -39,10 +39,9 @@ PROVIDERS = [
     Provider("flashattn-triton", env_variant(_setup_public, "FLASHATTN_WS", "0"),
              "this project with FLASHATTN_WS=0: the Triton forward instead of the warp-specialised Gluon one "
              "(A/B timing)"),
-    Provider("flashattn-ws-bwd", env_variant(_setup_public, "FLASHATTN_WS_BWD", "1"),
-             "this project with FLASHATTN_WS_BWD=1: the opt-in warp-specialised Gluon backward (A/B timing)"),
-    Provider("flashattn-ws-bwd-defer", env_variant(_setup_public, "FLASHATTN_WS_BWD", "defer"),
-             "this project with FLASHATTN_WS_BWD=defer: that backward in FA3's deferred order (A/B timing)"),
+    Provider("flashattn-triton-bwd", env_variant(_setup_public, "FLASHATTN_WS_BWD", "0"),
+             "this project with FLASHATTN_WS_BWD=0: the Triton backward (dK/dV and dQ programs) instead of "
+             "the warp-specialised Gluon one (A/B timing)"),
     Provider("flashattn-ws-persistent", env_variant(_setup_public, "FLASHATTN_WS_GRID", "persistent"),
              "this project with FLASHATTN_WS_GRID=persistent: the Gluon forward's persistent grid for causal "
              "calls too (A/B timing)"),
