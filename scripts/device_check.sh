@@ -33,6 +33,8 @@
 #   bash scripts/device_check.sh ws_bwd                    the Gluon backward: grads beside the Triton backward's,
 #                                                          the README's train table, the Gluon GPU tests
 #   bash scripts/device_check.sh ws_bwd_checks             the core GPU tests, memcheck, the backward A/B
+#   bash scripts/device_check.sh ws_race                   racecheck of each Gluon kernel alone (full logs), the
+#                                                          core GPU tests past the realistic sizes
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -373,4 +375,13 @@ if [ "$stage" = ws_bwd_checks ]; then
     | tee "$OUT/racecheck.log"
   timeout 150 python3 -m flashattn bench --suite train --headdims 64,128 --seqlens 1024,4096,16384 --modes bwd \
     --quiet --no-plots --providers flashattn,flashattn-triton-bwd --out "$OUT/bwd_ab" 2>&1 | tail -16
+fi
+if [ "$stage" = ws_race ]; then
+  for case in ws_fwd ws_bwd; do
+    timeout 100 compute-sanitizer --tool racecheck --racecheck-report hazard python3 scripts/sanitize_case.py \
+      "$case" > "$OUT/racecheck_$case.log" 2>&1
+    grep -E "SUMMARY|Race reported|Error:" "$OUT/racecheck_$case.log" | sort | uniq -c | head -20
+  done
+  timeout 230 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
+    | tee "$OUT/pytest_core_rest.log" | tail -6
 fi

@@ -1,8 +1,12 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
-    python scripts/sanitize_case.py [dense] [decode] [sparse]    # default: all three
+    python scripts/sanitize_case.py [dense] [decode] [sparse] [ws_fwd] [ws_bwd]    # default: the first three
+
+ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after a
+Triton forward) so that a hazard report names one of them.
 """
 
+import os
 import sys
 
 import torch
@@ -71,6 +75,23 @@ def sparse():
                                          block_size=(64, 64), device="cuda")):
         q, k, v = _qkv((1, 333, 4, 64), (1, 333, 2, 64), (1, 333, 2, 64))
         _grad_check(block_sparse_attn_func(q, k, v, mask), q, k, v)
+
+
+def ws_fwd():
+    for causal, n in ((False, 200), (True, 1100)):  # causal calls take the Gluon forward past 1K
+        q, k, v = (torch.randn(1, n, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+
+
+def ws_bwd():
+    os.environ["FLASHATTN_WS"] = "0"  # the Triton forward, so that only the backward is a Gluon kernel
+    for b, sq, sk, h, hk, d in [(1, 200, 137, 4, 2, 128), (2, 67, 130, 4, 2, 64)]:
+        for causal in (False, True):
+            q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+            _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
+    del os.environ["FLASHATTN_WS"]
 
 
 for name in sys.argv[1:] or ("dense", "decode", "sparse"):
