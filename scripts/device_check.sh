@@ -378,9 +378,9 @@ if [ "$stage" = ws_bwd_checks ]; then
 fi
 if [ "$stage" = ws_race ]; then
   for case in ws_fwd ws_bwd; do
-    timeout 100 compute-sanitizer --tool racecheck --racecheck-report hazard python3 scripts/sanitize_case.py \
+    timeout 100 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py \
       "$case" > "$OUT/racecheck_$case.log" 2>&1
-    grep -E "SUMMARY|Race reported|Error:" "$OUT/racecheck_$case.log" | sort | uniq -c | head -20
+    grep -E -i "SUMMARY|race reported|access at|hazard" "$OUT/racecheck_$case.log" | sort | uniq -c | head -20
   done
   timeout 230 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
     | tee "$OUT/pytest_core_rest.log" | tail -6
