@@ -162,13 +162,89 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
     )
 
 
+def ws_backward_tiles(shape: AttnShape) -> tuple[int, int] | None:
+    """(block_m, block_n) of the warp-specialised backward where its launcher takes `shape` on the H200
+    (ops/attention_ws.py: plain causal or full attention, d = 64/128, the float32 dQ buffer under its cap),
+    else None."""
+    left, right = shape.bounds
+    if not (left == -1 and right in (-1, 0)) or shape.density < 1.0:
+        return None
+    try:
+        import torch
+
+        from flashattn.ops import attention_ws
+        from flashattn.ops.configs import tile_config
+    except ImportError:
+        return None
+    dq_buffer = shape.batch * shape.nheads * shape.seqlen_q * shape.headdim * 4
+    if not attention_ws.takes_backward(shape.headdim, dq_buffer):
+        return None
+    cfg = tile_config("bwd_ws", shape.headdim, torch.device("cuda"))
+    return cfg.block_m, cfg.block_n
+
+
+def _qdo_stream(shape: AttnShape, block_m: int, block_n: int, machine: Machine, ctas_per_sm: int) -> _Stream:
+    """Q, dO, lse and delta streamed by key-major programs: grid (cdiv(sk, block_n), b*h_k), each program
+    looping over the group's query heads and the m-blocks that see its keys."""
+    sq, sk, g = shape.seqlen_q, shape.seqlen_k, shape.group
+    n_m = cdiv(sq, block_m)
+    m_spans = [_span(*shape.visible_rows(j * block_n, min(sk, (j + 1) * block_n)), block_m)
+               for j in range(cdiv(sk, block_n))]
+    programs = [[(gi * n_m + lo, gi * n_m + hi) for gi in range(g)] for lo, hi in m_spans]
+    row = 2 * shape.headdim * shape.dtype_bytes + 2 * LSE_BYTES
+    return _stream(_blocks(sq, block_m) * g, programs, row, density=shape.density,
+                   n_groups=shape.batch * shape.nheads_k, concurrency=machine.sms * ctas_per_sm,
+                   l2_bytes=machine.l2_effective)
+
+
+def _ws_backward_io(shape: AttnShape, block_m: int, block_n: int, machine: Machine, ctas_per_sm: int
+                    ) -> IOEstimate:
+    """FlashAttention-3's backward (kernels/attn_bwd_ws.py): the preprocess also zeroes a float32 dQ buffer;
+    one key-major kernel streams Q and dO as the dK/dV kernel does and reduce-adds each (query tile, key tile)
+    pair's dQ into the buffer (5 matmuls per pair); a last pass converts the buffer to dQ."""
+    b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
+                              shape.headdim, shape.dtype_bytes)
+    q_bytes = b * h * sq * d * e  # also O, dO, dQ
+    kv_bytes = b * hk * sk * d * e  # also each of dK, dV
+    stats = b * h * sq * LSE_BYTES
+    acc = b * h * sq * d * 4  # the float32 dQ buffer
+    pre = IOEstimate("bwd.preprocess", bytes_read=2 * q_bytes, bytes_written=stats + acc, flops=0,
+                     peak_extra_bytes=stats + acc)
+    qdo = _qdo_stream(shape, block_m, block_n, machine, ctas_per_sm)
+    row = 2 * d * e + 2 * LSE_BYTES
+    tiles = b * hk * qdo.tiles
+    # a reduce-add reads and writes a (block_m, d) float32 tile in L2; DRAM sees the buffer read and written
+    # back once while it stays there, every reduce-add's read when nothing does
+    main = IOEstimate(
+        "bwd.ws",
+        bytes_read=round(2 * kv_bytes + b * hk * qdo.rows_l2 * row + acc),
+        bytes_read_no_l2=round(2 * kv_bytes + b * hk * qdo.rows_no_l2 * row + tiles * block_m * d * 4),
+        bytes_written=2 * kv_bytes + acc,
+        flops=round(tiles * 5 * (2 * block_m * block_n * padded_headdim(d))),
+        peak_extra_bytes=2 * kv_bytes,
+        detail=dict(tiles=tiles, l2_fits=qdo.fits, block_m=block_m, block_n=block_n,
+                    qdo_passes_no_l2=qdo.rows_no_l2 / (shape.group * sq),
+                    qdo_passes_l2=qdo.rows_l2 / (shape.group * sq)),
+    )
+    post = IOEstimate("bwd.postprocess", bytes_read=acc, bytes_written=q_bytes, flops=0,
+                      peak_extra_bytes=q_bytes)
+    return combine("bwd", [pre, main, post], flops_convention=round(2.5 * shape.convention_flops()))
+
+
 def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int | None = None,
                 block_m2: int | None = None, block_n2: int | None = None, machine: Machine = H200,
-                ctas_per_sm: int = 1) -> IOEstimate:
-    """The backward: preprocess (delta), dK/dV kernel, dQ kernel. Nothing N x N; dQ needs no atomics.
-
-    (block_m1, block_n1) tile the dK/dV kernel, (block_m2, block_n2) the dQ kernel; defaults as the launcher.
+                ctas_per_sm: int = 1, kernel: str | None = None) -> IOEstimate:
+    """The backward our launcher runs at `shape`, or `kernel`: "ws" (the warp-specialised Gluon backward:
+    preprocess, one kernel, postprocess; block_m1, block_n1 tile it) or "triton" (preprocess, dK/dV kernel,
+    dQ kernel, no atomics; (block_m1, block_n1) tile the dK/dV kernel, (block_m2, block_n2) the dQ kernel).
+    Nothing N x N either way; tiles default as the launcher.
     """
+    ws_tiles = ws_backward_tiles(shape)
+    if kernel not in (None, "ws", "triton"):
+        raise ValueError(f"kernel must be None, 'ws' or 'triton', got {kernel!r}")
+    if kernel == "ws" or (kernel is None and ws_tiles is not None):
+        block_m, block_n = ws_tiles or (64, 128)  # "ws" forced where the launcher would not take it
+        return _ws_backward_io(shape, block_m1 or block_m, block_n1 or block_n, machine, ctas_per_sm)
     longest = max(shape.seqlen_q, shape.seqlen_k)
     m1, n1 = kernel_tiles("dkdv", shape.headdim, longest)
     m2, n2 = kernel_tiles("dq", shape.headdim, longest)
@@ -183,15 +259,9 @@ def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int 
     pre = IOEstimate("bwd.preprocess", bytes_read=2 * q_bytes, bytes_written=stats, flops=0,
                      peak_extra_bytes=stats)
 
-    # dK/dV: grid (cdiv(sk, block_n1), b*h_k); each program loops over the group's query heads and the
-    # m-blocks that see its keys, streaming Q and dO tiles plus lse and delta.
-    n_m1 = cdiv(sq, block_m1)
-    m_spans = [_span(*shape.visible_rows(j * block_n1, min(sk, (j + 1) * block_n1)), block_m1)
-               for j in range(cdiv(sk, block_n1))]
-    programs = [[(gi * n_m1 + lo, gi * n_m1 + hi) for gi in range(g)] for lo, hi in m_spans]
+    # dK/dV: key-major programs streaming Q and dO tiles plus lse and delta
     row1 = 2 * d * e + 2 * LSE_BYTES
-    qdo = _stream(_blocks(sq, block_m1) * g, programs, row1, density=shape.density, n_groups=b * hk,
-                  concurrency=machine.sms * ctas_per_sm, l2_bytes=machine.l2_effective)
+    qdo = _qdo_stream(shape, block_m1, block_n1, machine, ctas_per_sm)
     dkdv = IOEstimate(
         "bwd.dkdv",
         bytes_read=round(2 * kv_bytes + b * hk * qdo.rows_l2 * row1),

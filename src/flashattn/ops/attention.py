@@ -161,8 +161,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                        max_seqlen_k=None, deterministic=False):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
 
-    Deterministic by default: no atomics, every gradient element is written by one program. The opt-in Gluon
-    backward (ops/attention_ws.py) adds dQ with reduce-adds, so it never runs when `deterministic` is set.
+    Plain d = 64/128 calls take the Gluon backward (ops/attention_ws.py), whose dQ reduce-adds vary in order;
+    with `deterministic` (or any feature) the Triton programs run: no atomics, every gradient element written
+    by one program.
     """
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)

@@ -87,15 +87,20 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     )
 
 
+def takes_backward(d: int, dq_buffer_bytes: int) -> bool:
+    """Whether a plain call at head dim `d` (= dv) takes the Gluon backward, by shape (shared with the IO
+    model, flashattn.iomodel): d = 64 or 128, and a float32 dQ buffer within _DQ_BUFFER_CAP."""
+    return d in (64, 128) and dq_buffer_bytes <= _DQ_BUFFER_CAP
+
+
 def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool:
     """Whether the backward takes the Gluon kernel."""
     f = pb.flags
     plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
     causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
-    dq_bytes = q.numel() * 4
     switched_on = os.environ.get("FLASHATTN_WS_BWD", "1") != "0"
-    return (switched_on and plain and causal_only and not deterministic
-            and learnable_sink is None and pb.d == pb.dv and pb.d in (64, 128) and dq_bytes <= _DQ_BUFFER_CAP
+    return (switched_on and plain and causal_only and not deterministic and learnable_sink is None
+            and pb.d == pb.dv and takes_backward(pb.d, q.numel() * 4)
             and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, dout, varlen=False))
 
 
