@@ -33,6 +33,7 @@
 #   bash scripts/device_check.sh ws_bwd                    the Gluon backward: grads beside the Triton backward's,
 #                                                          the README's train table, the Gluon GPU tests
 #   bash scripts/device_check.sh ws_bwd_checks             the core GPU tests, memcheck, the backward A/B
+#   bash scripts/device_check.sh bwd64_cfg                 the d=64 Gluon backward: 64- against 128-row steps
 #   bash scripts/device_check.sh ws_race                   racecheck of each Gluon kernel alone (full logs), the
 #                                                          core GPU tests past the realistic sizes
 set -uo pipefail
@@ -384,4 +385,12 @@ if [ "$stage" = ws_race ]; then
   done
   timeout 230 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
     | tee "$OUT/pytest_core_rest.log" | tail -6
+fi
+if [ "$stage" = bwd64_cfg ]; then
+  # the Gluon backward's d=64 row against 128-row steps (FLASHATTN_CONFIG override), the Triton backward beside
+  for cfg in default bwd_ws=128,128,4,2; do
+    FLASHATTN_CONFIG=$([ "$cfg" = default ] || echo "$cfg") timeout 60 python3 -m flashattn bench --suite train \
+      --headdims 64 --seqlens 1024,4096,16384 --modes bwd --quiet --no-plots \
+      --providers flashattn,flashattn-triton-bwd --out "$OUT/$cfg" 2>&1 | grep -E "^ *64 |WRONG|err"
+  done
 fi
