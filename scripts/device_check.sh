@@ -390,7 +390,7 @@ if [ "$stage" = bwd64_cfg ]; then
   # the Gluon backward's d=64 row against 128-row steps (FLASHATTN_CONFIG override), the Triton backward beside
   for rows in 64 128; do
     echo "bwd_ws block_m $rows"
-    FLASHATTN_CONFIG=$([ "$rows" = 64 ] || echo "bwd_ws=$rows,128,4,2") timeout 60 python3 -m flashattn bench \
+    FLASHATTN_CONFIG=$([ "$rows" = 64 ] || echo "bwd_ws=$rows,128,4,3") timeout 60 python3 -m flashattn bench \
       --suite train --headdims 64 --seqlens 1024,4096,16384 --modes bwd --quiet --no-plots \
       --providers flashattn,flashattn-triton-bwd --out "$OUT/rows$rows" 2>&1 | grep -E "^ *64 |WRONG|err"
   done
