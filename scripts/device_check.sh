@@ -34,6 +34,8 @@
 #                                                          the README's train table, the Gluon GPU tests
 #   bash scripts/device_check.sh ws_bwd_checks             the core GPU tests, memcheck, the backward A/B
 #   bash scripts/device_check.sh bwd64_cfg                 the d=64 Gluon backward: 64- against 128-row steps
+#   bash scripts/device_check.sh bwd_profile               ncu stall/pipe sections of the Gluon backward (d=64,
+#                                                          d=128) and of the Triton backward at d=64, N=16K
 #   bash scripts/device_check.sh ws_race                   racecheck of each Gluon kernel alone (full logs), the
 #                                                          core GPU tests past the realistic sizes
 set -uo pipefail
@@ -393,5 +395,22 @@ if [ "$stage" = bwd64_cfg ]; then
     FLASHATTN_CONFIG=$([ "$rows" = 64 ] || echo "bwd_ws=$rows,128,4,3") timeout 60 python3 -m flashattn bench \
       --suite train --headdims 64 --seqlens 1024,4096,16384 --modes bwd --quiet --no-plots \
       --providers flashattn,flashattn-triton-bwd --out "$OUT/rows$rows" 2>&1 | grep -E "^ *64 |WRONG|err"
+  done
+fi
+if [ "$stage" = bwd_profile ]; then
+  # where the d=64 Gluon backward waits, beside d=128 (where it reaches the bar) and the Triton backward
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  for case in "64 16384" "128 16384" "64 16384 triton"; do
+    set -- $case
+    name="d$1_n$2${3:+_$3}"
+    # the third backward's launches: one Gluon kernel per backward, or the Triton dK/dV and dQ programs
+    if [ "${3:-}" = triton ]; then ws=0 kernel=regex:attn_bwd_kernel skip=4 count=2
+    else ws=1 kernel=regex:attn_bwd_ws skip=2 count=1; fi
+    FLASHATTN_WS_BWD=$ws timeout 150 "$NCU" --kernel-name "$kernel" --launch-skip $skip --launch-count $count \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
+      python3 scripts/profile_bwd_case.py "$1" "$2" > "$OUT/ncu_$name.txt" 2>&1
+    grep -E -i "Duration|Throughput|Stall|Issued|Eligible|Active Warps|Registers|Pipe" "$OUT/ncu_$name.txt" \
+      | head -40
   done
 fi
