@@ -1,7 +1,7 @@
 """Launchers for the warp-specialised Hopper kernels: the forward (kernels/attn_fwd_ws.py) and the backward
 (kernels/attn_bwd_ws.py).
 
-It takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
+The forward takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
 softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
 Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton forward. Measured on the H200
 (benchmarks/NOTES.md v17, beside the Triton forward in the same run): d = 128 non-causal +37% at N = 1K and
@@ -15,10 +15,10 @@ ran backwards to even out the programs' totals (NOTES v17). `FLASHATTN_WS_GRID=p
 either (A/B timing).
 
 The backward (FA3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair instead of the
-Triton backward's 7) takes the same plain calls at d = 64 and 128, causal or not: +10-14% over the Triton
-backward at d = 128, -2% to +6% at d = 64 (benchmarks/NOTES.md v19). It never runs with deterministic=True
-(the reduce order varies, as with flash_attn's atomic dQ), nor once its float32 dQ buffer would pass
-_DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
+Triton backward's 7) takes the same plain calls at d = 64 and 128, causal or not: +8-24% over the Triton
+backward at d = 128, -4% to +8% at d = 64 (benchmarks/NOTES.md v20, one run). It never runs with
+deterministic=True (the reduce order varies, as with flash_attn's atomic dQ), nor once its float32 dQ buffer
+would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
 
 import os
