@@ -17,18 +17,23 @@ from flashattn.ops import attention_ws
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def ws_calls(monkeypatch):
+def _spy(monkeypatch, launcher: str) -> list:
+    """On the Triton backend, the q shape of every call to attention_ws.<launcher> (a Gluon kernel ran)."""
     monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
     calls = []
-    real = attention_ws.forward
+    real = getattr(attention_ws, launcher)
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention_ws, "forward", spy)
+    monkeypatch.setattr(attention_ws, launcher, spy)
     return calls
+
+
+@pytest.fixture
+def ws_calls(monkeypatch):
+    return _spy(monkeypatch, "forward")
 
 
 def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
@@ -123,17 +128,8 @@ def test_ineligible_calls_keep_triton(ws_calls):
 
 @pytest.fixture
 def ws_bwd_calls(monkeypatch):
-    monkeypatch.setenv("FLASHATTN_BACKEND", "triton")
     monkeypatch.delenv("FLASHATTN_WS_BWD", raising=False)  # on by default
-    calls = []
-    real = attention_ws.backward
-
-    def spy(*args, **kwargs):
-        calls.append(args[1].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_ws, "backward", spy)
-    return calls
+    return _spy(monkeypatch, "backward")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -43,13 +43,33 @@ def takes(d: int, causal: bool, longest: int) -> bool:
     return d == 128 and not (causal and longest <= 1024) and os.environ.get("FLASHATTN_WS", "1") != "0"
 
 
-def eligible(pb, q, k, v, learnable_sink) -> bool:
+def _plain(pb, learnable_sink) -> bool:
+    """The call has no feature the Gluon kernels lack: padded layout, no window but causal, no softcap, ALiBi,
+    dropout or sink, d = dv."""
     f = pb.flags
-    plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
-    # a right window other than causal's 0 is a band, which this kernel does not mask
+    featureless = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"]
+                       or f["HAS_DROPOUT"])
+    # a right window other than causal's 0 is a band, which these kernels do not mask
     causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
-    return (plain and causal_only and learnable_sink is None and pb.d == pb.dv
-            and takes(pb.d, f["WINDOW_RIGHT"], pb.longest) and tma.usable(q, k, v, varlen=False))
+    return featureless and causal_only and learnable_sink is None and pb.d == pb.dv
+
+
+def _descriptor(t, rows: int, cols: int, dtype=None):
+    """A TMA descriptor over a (batch, seqlen, heads, d) tensor with (1, rows, 1, cols) blocks in the
+    wgmma-ready shared layout; dtype: the Gluon element type (default: t's 16-bit type)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if dtype is None:
+        dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    block = [1, rows, 1, cols]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def eligible(pb, q, k, v, learnable_sink) -> bool:
+    return (_plain(pb, learnable_sink) and takes(pb.d, pb.flags["WINDOW_RIGHT"], pb.longest)
+            and tma.usable(q, k, v, varlen=False))
 
 
 def programs(n_work: int, causal: bool, device: torch.device) -> int:
@@ -62,24 +82,15 @@ def programs(n_work: int, causal: bool, device: torch.device) -> int:
 def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel; lpt_group: heads per
     group of the launch order, as the Triton forward's."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
     cfg = tile_config("fwd_ws", pb.d, q.device)
-    elem = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-
-    def desc(t, rows):
-        block = [1, rows, 1, pb.d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, elem)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
     attn_fwd_ws_kernel[(programs(n_work, causal, q.device),)](
-        desc(q, _HALF_M), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, _HALF_M),
+        _descriptor(q, _HALF_M, pb.d), _descriptor(k, cfg.block_n, pb.d), _descriptor(v, cfg.block_n, pb.d),
+        _descriptor(out, _HALF_M, pb.d),
         lse, lse.stride(0), lse.stride(1),
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -95,37 +106,25 @@ def takes_backward(d: int, dq_buffer_bytes: int) -> bool:
 
 def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool:
     """Whether the backward takes the Gluon kernel."""
-    f = pb.flags
-    plain = not (f["IS_VARLEN"] or f["WINDOW_LEFT"] or f["HAS_SOFTCAP"] or f["HAS_ALIBI"] or f["HAS_DROPOUT"])
-    causal_only = not f["WINDOW_RIGHT"] or pb.scalars[4] == 0
-    switched_on = os.environ.get("FLASHATTN_WS_BWD", "1") != "0"
-    return (switched_on and plain and causal_only and not deterministic and learnable_sink is None
-            and pb.d == pb.dv and takes_backward(pb.d, q.numel() * 4)
-            and os.environ.get("FLASHATTN_WS", "1") != "0" and tma.usable(q, k, v, dout, varlen=False))
+    switched_on = all(os.environ.get(name, "1") != "0" for name in ("FLASHATTN_WS_BWD", "FLASHATTN_WS"))
+    return (switched_on and not deterministic and _plain(pb, learnable_sink)
+            and takes_backward(pb.d, q.numel() * 4) and tma.usable(q, k, v, dout, varlen=False))
 
 
 def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
     """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
 
     cfg = tile_config("bwd_ws", pb.d, q.device)
-    elem = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-
-    def desc(t, rows, cols, dtype=elem):
-        block = [1, rows, 1, cols]
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     n_bhk = pb.batch * pb.nheads_k
     half_n = cfg.block_n // 2
     attn_bwd_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
-        desc(q, cfg.block_m, pb.d), desc(dout, cfg.block_m, pb.d),
-        desc(k, half_n, pb.d), desc(v, half_n, pb.d), desc(dk, half_n, pb.d), desc(dv, half_n, pb.d),
-        desc(dq_acc, cfg.block_m, pb.d // 2, gl.float32),
+        *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
+        *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
+        _descriptor(dq_acc, cfg.block_m, pb.d // 2, gl.float32),
         lse, delta, lse.stride(0), lse.stride(1),
         pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
