@@ -36,8 +36,6 @@
 #   bash scripts/device_check.sh bwd64_cfg                 the d=64 Gluon backward: 64- against 128-row steps
 #   bash scripts/device_check.sh bwd_profile               ncu stall/pipe sections of the Gluon backward (d=64,
 #                                                          d=128) and of the Triton backward at d=64, N=16K
-#   bash scripts/device_check.sh qsplit                    the query-split d=64 backward: grads, A/B, tests,
-#                                                          memcheck, racecheck
 #   bash scripts/device_check.sh ws_race                   racecheck of each Gluon kernel alone (full logs), the
 #                                                          core GPU tests past the realistic sizes
 set -uo pipefail
@@ -415,39 +413,4 @@ if [ "$stage" = bwd_profile ]; then
     grep -E -i "Duration|Throughput|Stall|Issued|Eligible|Active Warps|Registers|Pipe" "$OUT/ncu_$name.txt" \
       | head -40
   done
-fi
-if [ "$stage" = qsplit ]; then
-  # the query-split d=64 backward (NOTES v22): gradients beside the Triton backward's, the A/B against the
-  # column split (64-row steps) and the Triton backward, its GPU tests, memcheck and racecheck
-  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/qsplit_smoke.log" || exit 1
-import os, sys, torch
-from flashattn import flash_attn_func
-worst = 0.0
-for b, sq, sk, h, hk, causal in [(2, 1000, 1000, 4, 4, False), (2, 1100, 1300, 8, 2, True), (1, 1300, 100, 4, 4, True),
-                                 (2, 700, 900, 4, 4, True), (2, 2048, 2048, 4, 1, False), (1, 113, 1023, 2, 2, True)]:
-    q = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, sk, hk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    do = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16)
-    grads = {}
-    for flag in ("1", "0"):
-        os.environ["FLASHATTN_WS_BWD"] = flag
-        grads[flag] = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
-    torch.cuda.synchronize()
-    rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
-           for a, c in zip(grads["1"], grads["0"])]
-    worst = max(worst, *rel)
-    print(b, sq, sk, h, hk, causal, "rel max diff dq dk dv (query split vs Triton)", [f"{r:.2e}" for r in rel])
-sys.exit(0 if worst < 2e-2 else 1)
-PY
-  for rows in 128,128,4,2 64,128,4,3; do
-    FLASHATTN_CONFIG=bwd_ws=$rows timeout 60 python3 -m flashattn bench --suite train --headdims 64 \
-      --seqlens 1024,4096,16384 --modes bwd --quiet --no-plots --providers flashattn,flashattn-triton-bwd \
-      --out "$OUT/rows${rows%%,*}" 2>&1 | tail -12
-  done
-  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k backward 2>&1 | tee "$OUT/pytest_bwd.log" \
-    | tail -6
-  timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -4 \
-    | tee "$OUT/memcheck_qsplit.log"
-  timeout 100 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -4 \
-    | tee "$OUT/racecheck_qsplit.log"
 fi

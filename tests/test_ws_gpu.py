@@ -147,16 +147,6 @@ def test_backward_gqa(ws_bwd_calls, h, hk, causal):
     assert ws_bwd_calls
 
 
-@pytest.mark.parametrize("rows", ["64,128,4,3", "128,128,4,2"], ids=["column-split", "query-split"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq, sk", [(17, 17), (1023, 113), (300, 1100), (2049, 1537)])
-def test_backward_d64_both_orders(ws_bwd_calls, monkeypatch, rows, sq, sk, causal):
-    # 128-row steps at d = 64 run the query-split order (QSPLIT), 64-row steps the column split
-    monkeypatch.setenv("FLASHATTN_CONFIG", f"bwd_ws={rows}")
-    check_against_oracle(*_qkv(2, sq, sk, 4, 2, 64), causal=causal)
-    assert ws_bwd_calls
-
-
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_fp16_and_packed(ws_bwd_calls, d):
     check_against_oracle(*_qkv(2, 1000, 1200, 4, 2, d, torch.float16), causal=True)

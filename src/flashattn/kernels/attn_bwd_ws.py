@@ -12,9 +12,6 @@ pair, attn_bwd.py).
     memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
     and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order, which
     leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here (NOTES v19).
-  - QSPLIT (d = 64, 128-row steps): each warpgroup owns 64 of the step's query rows for S, dP and dQ, S kept
-    untransposed, and 64 keys for dK and dV, their P and dS operands read transposed from shared memory
-    (_consumer_rows; FA3's d = 64 layout).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
 Triton backward (as flash_attn's flag does). Only the plain case comes here (ops/attention_ws.py decides).
 """
@@ -68,25 +65,25 @@ def _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def _store_dq(dq, dq_buf, dq_desc, off_b, row, off_h, col, sm_scale, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """Scale this warpgroup's (ROWS, COLS) block of dQ and reduce-add it through its staging tile."""
+def _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+              HALF_D: gl.constexpr):
+    """Scale this warpgroup's dQ columns of one query tile and reduce-add them through its staging tile."""
     tma.store_wait(0)  # the previous reduce-add has read the staging tile
-    dq_buf.reshape([ROWS, COLS]).store(dq * sm_scale)
+    dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
     fence_async_shared()
-    _reduce_add(dq_desc, [off_b, row, off_h, col], dq_buf)
+    _reduce_add(dq_desc, [off_b, m0, off_h, WG * HALF_D], dq_buf)
 
 
 @gluon.jit
 def _row_stats(LSE, Delta, off_b, off_hk, m_first, c, n_steps, steps_per_head, seqlen_q, strides,
-               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, row_off, layout: gl.constexpr):
-    """LSE (in base 2) and D of ROWS query rows of step c from its row `row_off` on, as vectors in `layout`.
-    Rows past seqlen_q, and every row of a step past the last, read LSE = +inf (their P is exactly 0) and
-    D = 0."""
+               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """LSE (in base 2) and D of step c's query rows, as (BLOCK_M,) vectors along Sᵀ's columns. Rows past
+    seqlen_q, and every row of a step past the last, read LSE = +inf (their P is exactly 0) and D = 0."""
     stride_lse_b, stride_lse_h = strides
     g = c // steps_per_head
-    m0 = m_first + (c - g * steps_per_head) * BLOCK_M + row_off
+    m0 = m_first + (c - g * steps_per_head) * BLOCK_M
     row_base = off_b.to(gl.int64) * stride_lse_b + (off_hk * GROUP + g).to(gl.int64) * stride_lse_h
-    offs_q = m0 + gl.arange(0, ROWS, layout=layout)
+    offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     valid = (offs_q < seqlen_q) & (c < n_steps)
     lse = gl.load(LSE + row_base + offs_q, mask=valid, other=float("inf")) * LOG2E
     delta = gl.load(Delta + row_base + offs_q, mask=valid, other=0.0)
@@ -95,7 +92,7 @@ def _row_stats(LSE, Delta, off_b, off_hk, m_first, c, n_steps, steps_per_head, s
 
 @gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, QSPLIT: gl.constexpr):
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem = loader_args
     kv_bar, ready, empty, ds_ready, done = bars
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
@@ -159,9 +156,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     dq = warpgroup_mma_init(q_zero)
     n_steps = GROUP * n_m
     steps_per_head = gl.maximum(n_m, 1)  # n_m = 0 leaves no step, but the first prefetch still divides by it
-    col: gl.constexpr = gl.SliceLayout(0, s_layout)
     lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, 0, n_steps, steps_per_head, seqlen_q, strides,
-                            GROUP, BLOCK_M, BLOCK_M, 0, col)
+                            GROUP, BLOCK_M, s_layout)
     for c in range(n_steps):
         g = c // steps_per_head
         off_h = off_hk * GROUP + g
@@ -201,11 +197,11 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
         # the next step's LSE and D: global loads whose latency hides behind this step's dV, dK and dQ
         lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, c + 1, n_steps, steps_per_head, seqlen_q,
-                                strides, GROUP, BLOCK_M, BLOCK_M, 0, col)
+                                strides, GROUP, BLOCK_M, s_layout)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         # this tile's Q and dO have no reader left
         mbarrier.arrive(empty.index(s), count=1)
-        _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, WG * HALF_D, sm_scale, BLOCK_M, HALF_D)
+        _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
         dq = warpgroup_mma_init(dq)
         dk = warpgroup_mma_init(dk)
         dv = warpgroup_mma_init(dv)
@@ -224,153 +220,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _probs(s, lse, qk_scale, masked, q0, k0, diag, seqlen_k, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-           COLS: gl.constexpr, s_layout: gl.constexpr):
-    """P = exp2(S·scale − LSE) of a (ROWS queries from q0, COLS keys from k0) block of S; where `masked`,
-    keys past seqlen_k (zero rows: their P would overflow against a very negative LSE) and, if CAUSAL, keys
-    past each row's diagonal get P = 0."""
-    if masked:
-        offs_q = q0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        offs_k = k0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
-        keep = offs_k[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (offs_q[:, None] + diag >= offs_k[None, :])
-        s = gl.where(keep, s * qk_scale, float("-inf"))
-    else:
-        s = s * qk_scale
-    return gl.exp2(s - lse[:, None])
-
-
-@gluon.jit
-def _consumer_rows(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
-    """The query-split order (QSPLIT, FA3's for d = 64): steps of BLOCK_M = 128 query rows, this warpgroup
-    owning 64 of them for S = Q Kᵀ, dP = dO Vᵀ and dQ (S untransposed, so its LSE and D are a few registers
-    per thread, where Sᵀ's layout holds BLOCK_M / 4 of each) and 64 of the program's keys for dK and dV,
-    whose operands Pᵀ and dSᵀ come transposed from shared memory (both warpgroups' halves).
-    P and dS are single-buffered: `written` (both halves stored) and `read` (both warpgroups' matmuls on them
-    retired) alternate once per step."""
-    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ps_smem, dq_smem, bars, LSE, Delta, strides,
-     scales, problem) = args
-    kv_bar, ready, empty, ds_ready, done = bars
-    written = ds_ready.index(0)
-    read = ds_ready.index(1)
-    qk_scale, sm_scale = scales
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
-    off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
-                                                     BLOCK_N, CAUSAL)
-    dtype: gl.constexpr = q_smem.dtype
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    # S, dP halves: (this warpgroup's queries, one key half); dK, dV: (keys, d); dQ: (queries, d)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
-    row: gl.constexpr = gl.SliceLayout(1, s_layout)
-    diag = seqlen_k - seqlen_q
-    key_tail = start_n + BLOCK_N > seqlen_k
-    s_zero = gl.zeros([HALF_M, HALF_N], gl.float32, s_layout)
-    o_zero = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-    dk = warpgroup_mma_init(gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout))
-    dv = warpgroup_mma_init(gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout))
-    k0 = k_smem.index(0).reshape([HALF_N, HEAD_DIM])
-    k1 = k_smem.index(1).reshape([HALF_N, HEAD_DIM])
-    v0 = v_smem.index(0).reshape([HALF_N, HEAD_DIM])
-    v1 = v_smem.index(1).reshape([HALF_N, HEAD_DIM])
-    # ps_smem: P blocks at 2 * query half + key half, dS blocks 4 further on, each (64 queries, 64 keys)
-    p_mine0 = ps_smem.index(2 * WG)
-    p_mine1 = ps_smem.index(2 * WG + 1)
-    ds_mine0 = ps_smem.index(4 + 2 * WG)
-    ds_mine1 = ps_smem.index(4 + 2 * WG + 1)
-    dq_buf = dq_smem.index(WG)
-    mbarrier.wait(kv_bar, 0)
-
-    n_steps = GROUP * n_m
-    steps_per_head = gl.maximum(n_m, 1)  # n_m = 0 leaves no step, but the first prefetch still divides by it
-    lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, 0, n_steps, steps_per_head, seqlen_q, strides,
-                            GROUP, BLOCK_M, HALF_M, WG * HALF_M, row)
-    for c in range(n_steps):
-        g = c // steps_per_head
-        off_h = off_hk * GROUP + g
-        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
-        q0 = m0 + WG * HALF_M
-        s = c % STAGES
-        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        q_all = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        do_all = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        q = q_all.slice(WG * HALF_M, HALF_M, dim=0)
-        do = do_all.slice(WG * HALF_M, HALF_M, dim=0)
-        # one key half at a time, the next matmul in flight under each softmax: at most three 64 x 64 float32
-        # tiles live beside dK and dV (four at once spill at 240 registers)
-        s0 = warpgroup_mma(q, k0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp0 = warpgroup_mma(do, v0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s1 = warpgroup_mma(q, k1.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s0 = warpgroup_mma_wait(2, deps=(s0,))
-        # keys past seqlen_k read as zero rows (masked, as in _consumer); the causal cut where it crosses
-        masked = key_tail or (CAUSAL and q0 + diag < start_n + BLOCK_N - 1)
-        p0 = _probs(s0, lse, qk_scale, masked, q0, start_n, diag, seqlen_k, CAUSAL, HALF_M, HALF_N, s_layout)
-        # the previous step's P and dS have no reader left once both warpgroups retired their matmuls
-        mbarrier.wait(read, (c & 1) ^ 1)
-        p_mine0.store(p0.to(dtype))
-        dp0 = warpgroup_mma_wait(1, deps=(dp0,))
-        ds_mine0.store((p0 * (dp0 - delta[:, None])).to(dtype))
-        dp1 = warpgroup_mma(do, v1.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s1 = warpgroup_mma_wait(1, deps=(s1,))
-        p1 = _probs(s1, lse, qk_scale, masked, q0, start_n + HALF_N, diag, seqlen_k, CAUSAL, HALF_M, HALF_N,
-                    s_layout)
-        p_mine1.store(p1.to(dtype))
-        dp1 = warpgroup_mma_wait(0, deps=(dp1,))
-        ds_mine1.store((p1 * (dp1 - delta[:, None])).to(dtype))
-        fence_async_shared()
-        mbarrier.arrive(written, count=1)
-        mbarrier.wait(written, c & 1)
-        # dV, dK for this warpgroup's keys over all BLOCK_M queries; dQ for its queries over all keys
-        for h in gl.static_range(2):
-            rows_q = q_all.slice(h * HALF_M, HALF_M, dim=0)
-            rows_do = do_all.slice(h * HALF_M, HALF_M, dim=0)
-            dv = warpgroup_mma(ps_smem.index(2 * h + WG).permute((1, 0)), rows_do, dv, is_async=True)
-            dk = warpgroup_mma(ps_smem.index(4 + 2 * h + WG).permute((1, 0)), rows_q, dk, is_async=True)
-        dq = warpgroup_mma(ds_mine0, k0, o_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_mine1, k1, dq, is_async=True)
-        lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, c + 1, n_steps, steps_per_head, seqlen_q,
-                                strides, GROUP, BLOCK_M, HALF_M, WG * HALF_M, row)
-        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-        mbarrier.arrive(read, count=1)
-        mbarrier.arrive(empty.index(s), count=1)
-        _store_dq(dq, dq_buf, dq_desc, off_b, q0, off_h, 0, sm_scale, HALF_M, HEAD_DIM)
-        dk = warpgroup_mma_init(dk)
-        dv = warpgroup_mma_init(dv)
-    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-
-    # both warpgroups read both K halves (S, dQ): their shared memory stages dK and dV once both are done
-    mbarrier.arrive(done, count=1)
-    mbarrier.wait(done, 0)
-    key0 = start_n + WG * HALF_N
-    k_smem.index(WG).reshape([HALF_N, HEAD_DIM]).store((dk * sm_scale).to(dtype))
-    v_smem.index(WG).reshape([HALF_N, HEAD_DIM]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
-    tma.store_wait(0)
-
-
-@gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, QSPLIT: gl.constexpr):
-    if QSPLIT:
-        _consumer_rows(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
-    else:
-        _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, QSPLIT: gl.constexpr):
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     # a worker partition: the loader's signature
-    if QSPLIT:
-        _consumer_rows(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
-    else:
-        _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
 
 
 @gluon.jit
@@ -378,7 +237,7 @@ def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE, Delta, stride_lse_b, stride_lse_h,
     nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale, n_bhk, lpt_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, QSPLIT: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     dtype: gl.constexpr = q_desc.dtype
@@ -386,14 +245,9 @@ def attn_bwd_ws_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    # dSᵀ (keys, queries): two steps x two warpgroups; with QSPLIT P and dS: (query half, key half) blocks of
-    # 64 x 64, four of each. dQ staging for the reduce-adds: one per warpgroup
-    if QSPLIT:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HALF_N], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_M // 2, HALF_N], ds_layout)
-    else:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
+    # dSᵀ (keys, queries): two steps x two warpgroups; dQ staging for the reduce-adds: one per warpgroup
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -415,7 +269,7 @@ def attn_bwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, QSPLIT)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, QSPLIT)),
-        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, QSPLIT)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])

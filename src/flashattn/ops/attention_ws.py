@@ -121,18 +121,13 @@ def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     n_bhk = pb.batch * pb.nheads_k
     half_n = cfg.block_n // 2
-    # 128-row steps at d = 64 take the query-split order (each warpgroup: half the rows, all of d for dQ);
-    # otherwise each warpgroup adds half of dQ's columns for all the step's rows
-    qsplit = pb.d == 64 and cfg.block_m == 128
-    dq_block = (cfg.block_m // 2, pb.d) if qsplit else (cfg.block_m, pb.d // 2)
     attn_bwd_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
         *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
-        _descriptor(dq_acc, *dq_block, gl.float32),
+        _descriptor(dq_acc, cfg.block_m, pb.d // 2, gl.float32),
         lse, delta, lse.stride(0), lse.stride(1),
         pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], QSPLIT=qsplit, num_warps=4,
-        maxnreg=cfg.maxnreg or _MAXNREG,
+        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
     )
     dq.copy_(dq_acc)

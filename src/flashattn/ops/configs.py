@@ -43,10 +43,9 @@ _H200 = {
     # 64 rows, the stages are K/V ring slots (num_warps: the kernel fixes its own partitions)
     ("fwd_ws", 128): TileConfig(128, 128, 4, 2),
     # the warp-specialised backward (d = 64 and 128): block_m query rows per step, block_n keys per program
-    # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. 128 rows at d = 64
-    # run the query-split order (QSPLIT: FA3's d = 64 layout, 296 B of spill); the column split with 128 rows
-    # spilled 0.9 KB and lost 32-45% (NOTES v21). d = 128 has shared memory for two stages only
-    ("bwd_ws", 64): TileConfig(128, 128, 4, 2),
+    # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. 128 rows per step at
+    # d = 64 spill 0.7-1.6 KB (ptxas -v, NOTES v20); d = 128 has shared memory for two stages only
+    ("bwd_ws", 64): TileConfig(64, 128, 4, 3),
     ("bwd_ws", 128): TileConfig(64, 128, 4, 2),
 }
 
