@@ -38,6 +38,8 @@
 #                                                          d=128) and of the Triton backward at d=64, N=16K
 #   bash scripts/device_check.sh ws_race                   racecheck of each Gluon kernel alone (full logs), the
 #                                                          core GPU tests past the realistic sizes
+#   bash scripts/device_check.sh ws_dyn                    the Gluon forward's tile counter: smoke, grid and d=64
+#                                                          A/B, its forward GPU tests, memcheck, racecheck
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -303,13 +305,15 @@ if [ "$stage" = decode_paged ]; then
   done
 fi
 
-if [ "$stage" = ws ] || [ "$stage" = ws_table ]; then
+if [ "$stage" = ws ] || [ "$stage" = ws_table ] || [ "$stage" = ws_dyn ]; then
   # a deadlocked mbarrier hangs the GPU: a short smoke test first, the rest only if it passes
   timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/ws_smoke.log" || exit 1
 import os, torch
 from flashattn import flash_attn_func
-for d, causal, sq, sk in [(128, False, 1000, 1000), (128, True, 1100, 1300), (128, True, 1300, 100)]:
-    q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16) for n in (sq, sk, sk))
+# the last two have more query tiles than the H200's 132 SMs: programs take tiles from the counter
+for d, causal, sq, sk, h in [(128, False, 1000, 1000, 4), (128, True, 1100, 1300, 4), (128, True, 1300, 100, 4),
+                             (128, True, 2100, 2100, 40), (128, False, 1000, 1500, 40)]:
+    q, k, v = (torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16) for n in (sq, sk, sk))
     os.environ["FLASHATTN_WS"] = "1"
     o1, l1, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     os.environ["FLASHATTN_WS"] = "0"
@@ -330,7 +334,7 @@ fi
 
 if [ "$stage" = ws_table ]; then
   timeout 120 python3 -m flashattn bench --suite train --headdims 128 --modes fwd --quiet --no-plots \
-    --providers flashattn,flashattn-ws-persistent,flashattn-triton --out "$OUT/grid_ab" 2>&1 | tail -16
+    --providers flashattn,flashattn-ws-tiles,flashattn-triton --out "$OUT/grid_ab" 2>&1 | tail -16
   timeout 300 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
   timeout 110 python3 -m pytest -m gpu -q -rs -x tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
@@ -413,4 +417,19 @@ if [ "$stage" = bwd_profile ]; then
     grep -E -i "Duration|Throughput|Stall|Issued|Eligible|Active Warps|Registers|Pipe" "$OUT/ncu_$name.txt" \
       | head -40
   done
+fi
+
+if [ "$stage" = ws_dyn ]; then
+  # NOTES v23: the persistent Gluon forward with tiles handed out by a counter, beside one program per tile
+  # and the Triton forward (d=128); at d=64 beside the Triton forward (FLASHATTN_WS=64)
+  timeout 150 python3 -m flashattn bench --suite train --headdims 128 --modes fwd --quiet --no-plots \
+    --providers flashattn,flashattn-ws-tiles,flashattn-triton --out "$OUT/grid_ab" 2>&1 | tail -20
+  timeout 150 python3 -m flashattn bench --suite train --headdims 64 --modes fwd --quiet --no-plots \
+    --providers flashattn,flashattn-ws-d64 --out "$OUT/d64_ab" 2>&1 | tail -18
+  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+    | tee "$OUT/pytest_fwd.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_fwd.log"
+  timeout 90 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd > "$OUT/racecheck_fwd.log" 2>&1
+  tail -4 "$OUT/racecheck_fwd.log"
 fi

@@ -82,11 +82,13 @@ def test_io_model_follows_the_gluon_forward(monkeypatch):
     monkeypatch.delenv("FLASHATTN_WS", raising=False)
     gluon = (_H200[("fwd_ws", 128)].block_m, _H200[("fwd_ws", 128)].block_n)
     assert kernel_tiles("fwd", 128, 1024, causal=False) == gluon  # its launcher takes N = 1K non-causal
-    assert kernel_tiles("fwd", 128, 1024, causal=True) == (64, 64)  # causal at 1K stays on Triton's short row
+    assert kernel_tiles("fwd", 128, 1024, causal=True) == gluon
     assert kernel_tiles("fwd", 128, 4096, causal=True) == gluon
     assert kernel_tiles("fwd", 64, 1024, causal=False) == (64, 64)  # d = 64 stays on Triton
     assert forward_io(AttnShape(16, 16, 1024, 128)).detail["block_m"] == gluon[0]
     assert forward_io(AttnShape(16, 16, 1024, 128, window=(256, 0))).detail["block_m"] == 64
+    monkeypatch.setenv("FLASHATTN_WS", "64")
+    assert kernel_tiles("fwd", 64, 1024, causal=True) == (_H200[("fwd_ws", 64)].block_m, 128)
     monkeypatch.setenv("FLASHATTN_WS", "0")
     assert kernel_tiles("fwd", 128, 1024, causal=False) == (64, 64)
 
@@ -158,7 +160,8 @@ def test_pointer_provider_turns_descriptors_off():
 
 
 @pytest.mark.parametrize("name, var, value", [("flashattn-triton", "FLASHATTN_WS", "0"),
-                                              ("flashattn-ws-persistent", "FLASHATTN_WS_GRID", "persistent")])
+                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles"),
+                                              ("flashattn-ws-d64", "FLASHATTN_WS", "64")])
 def test_gluon_ab_providers(name, var, value, monkeypatch):
     import os
 
@@ -206,7 +209,8 @@ def test_ws_takes_the_plain_d128_case(monkeypatch):
     assert _ws_eligible(monkeypatch, causal=True)
     assert _ws_eligible(monkeypatch, sq=1024, sk=1024)  # non-causal at 1K: measured +37%
     assert _ws_eligible(monkeypatch, sq=1, sk=1, dtype=torch.float16)
-    assert _ws_eligible(monkeypatch, sq=100, sk=1100, causal=True)  # the longer side decides
+    assert _ws_eligible(monkeypatch, sq=100, sk=1100, causal=True)
+    assert _ws_eligible(monkeypatch, sq=1024, sk=1024, causal=True)  # short causal: its dynamic tile order
     assert _ws_eligible(monkeypatch, window_size=(-1, 0))  # causal written as a window
 
 
@@ -215,7 +219,6 @@ def test_ws_takes_the_plain_d128_case(monkeypatch):
     [
         dict(d=64),  # measured no faster than the Triton forward
         dict(d=96),
-        dict(sq=1024, sk=1024, causal=True),  # short causal: the Triton forward's 64 x 64 tiles win
         dict(window_size=(64, 0)),
         dict(window_size=(-1, 8)),
         dict(softcap=5.0),
@@ -236,16 +239,20 @@ def test_ws_switch_off(monkeypatch):
     assert not _ws_eligible(monkeypatch)
 
 
+def test_ws_switch_takes_d64_on_request(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_WS", "64")
+    assert _ws_eligible(monkeypatch, d=64, causal=True)
+    assert _ws_eligible(monkeypatch, d=128)
+    assert not _ws_eligible(monkeypatch, d=96)
+
+
 def test_ws_grid(monkeypatch):
     monkeypatch.setattr(merge, "sm_count", lambda device: 132)
     monkeypatch.delenv("FLASHATTN_WS_GRID", raising=False)
-    assert attention_ws.programs(2048, False, CUDA) == 132  # persistent
-    assert attention_ws.programs(100, False, CUDA) == 100
-    assert attention_ws.programs(2048, True, CUDA) == 2048  # causal: one program per tile
-    monkeypatch.setenv("FLASHATTN_WS_GRID", "persistent")
-    assert attention_ws.programs(2048, True, CUDA) == 132
+    assert attention_ws.programs(2048, CUDA) == 132  # persistent
+    assert attention_ws.programs(100, CUDA) == 100
     monkeypatch.setenv("FLASHATTN_WS_GRID", "tiles")
-    assert attention_ws.programs(2048, False, CUDA) == 2048
+    assert attention_ws.programs(2048, CUDA) == 2048
 
 
 def _ws_bwd_eligible(monkeypatch, on=None, deterministic=False, d=128, sq=2048):

@@ -65,7 +65,7 @@ def test_seqlens_causal(ws_calls, sq, sk):
 @pytest.mark.parametrize("grid", ["persistent", "tiles"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_both_grids(ws_calls, monkeypatch, grid, causal):
-    # more tiles than SMs, so the persistent walk takes several rounds (odd ones backwards)
+    # more tiles than SMs, so each persistent program takes several from the shared counter
     monkeypatch.setenv("FLASHATTN_WS_GRID", grid)
     check_against_oracle(*_qkv(3, 2100, 2100, 24, 8, 128), causal=causal, grads=False)
     assert ws_calls

@@ -37,10 +37,11 @@ _MAXNREG = 168
 _DQ_BUFFER_CAP = 512 << 20
 
 
-def takes(d: int, causal: bool, longest: int) -> bool:
-    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 128, and causal
-    only past N = 1K, where tiles of 1-8 key blocks leave the Triton forward's 64 x 64 tiles ahead."""
-    return d == 128 and not (causal and longest <= 1024) and os.environ.get("FLASHATTN_WS", "1") != "0"
+def takes(d: int) -> bool:
+    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 128, or also
+    d = 64 with FLASHATTN_WS=64 (A/B timing)."""
+    switch = os.environ.get("FLASHATTN_WS", "1")
+    return switch != "0" and (d == 128 or (d == 64 and switch == "64"))
 
 
 def _plain(pb, learnable_sink) -> bool:
@@ -68,15 +69,15 @@ def _descriptor(t, rows: int, cols: int, dtype=None):
 
 
 def eligible(pb, q, k, v, learnable_sink) -> bool:
-    return (_plain(pb, learnable_sink) and takes(pb.d, pb.flags["WINDOW_RIGHT"], pb.longest)
+    return (_plain(pb, learnable_sink) and takes(pb.d)
             and tma.usable(q, k, v, varlen=False))
 
 
-def programs(n_work: int, causal: bool, device: torch.device) -> int:
-    """Grid size for n_work query tiles: persistent (one program per SM, as one fills an SM's registers,
-    walking the tiles with the grid's stride) without a causal mask, else one program per tile."""
-    grid = os.environ.get("FLASHATTN_WS_GRID") or ("tiles" if causal else "persistent")
-    return min(n_work, merge.sm_count(device)) if grid == "persistent" else n_work
+def programs(n_work: int, device: torch.device) -> int:
+    """Grid size for n_work query tiles: persistent (one program per SM, as one fills an SM's registers; each
+    takes its next tile from a shared counter), or one program per tile with FLASHATTN_WS_GRID=tiles."""
+    persistent = os.environ.get("FLASHATTN_WS_GRID", "persistent") != "tiles"
+    return min(n_work, merge.sm_count(device)) if persistent else n_work
 
 
 def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
@@ -88,11 +89,13 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
-    attn_fwd_ws_kernel[(programs(n_work, causal, q.device),)](
+    # the tiles past the first of each program go to whichever program asks first: a zeroed counter
+    tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    attn_fwd_ws_kernel[(programs(n_work, q.device),)](
         _descriptor(q, _HALF_M, pb.d), _descriptor(k, cfg.block_n, pb.d), _descriptor(v, cfg.block_n, pb.d),
         _descriptor(out, _HALF_M, pb.d),
         lse, lse.stride(0), lse.stride(1),
-        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group,
+        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group, tile_counter,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
     )
