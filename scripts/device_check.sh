@@ -40,6 +40,8 @@
 #                                                          core GPU tests past the realistic sizes
 #   bash scripts/device_check.sh ws_dyn                    the Gluon forward's tile counter: smoke, grid and d=64
 #                                                          A/B, its forward GPU tests, memcheck, racecheck
+#   bash scripts/device_check.sh short_probe               short forwards timed three ways (bench, CUDA graph,
+#                                                          host), racecheck of a bare mbarrier hand-off
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -432,4 +434,12 @@ if [ "$stage" = ws_dyn ]; then
     | tee "$OUT/memcheck_fwd.log"
   timeout 90 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd > "$OUT/racecheck_fwd.log" 2>&1
   tail -4 "$OUT/racecheck_fwd.log"
+fi
+
+if [ "$stage" = short_probe ]; then
+  timeout 240 python3 scripts/short_n_probe.py "$OUT/short_n_probe.json" 2>&1 | tee "$OUT/short_n_probe.log"
+  timeout 60 compute-sanitizer --tool racecheck python3 scripts/racecheck_mbarrier_probe.py \
+    > "$OUT/racecheck_handoff.log" 2>&1
+  tail -6 "$OUT/racecheck_handoff.log"
+  timeout 60 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k ineligible 2>&1 | tail -2
 fi

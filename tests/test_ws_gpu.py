@@ -118,7 +118,7 @@ def test_ineligible_calls_keep_triton(ws_calls):
     q, k, v = _qkv(1, 256, 256, 2, 2, 128)
     flash_attn_func(q, k, v, window_size=(64, 0))
     flash_attn_func(q, k, v, softcap=5.0)
-    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(q, k, v, window_size=(-1, 8))
     flash_attn_func(*_qkv(1, 256, 256, 2, 2, 64))
     assert not ws_calls
 
