@@ -42,6 +42,9 @@
 #                                                          A/B, its forward GPU tests, memcheck, racecheck
 #   bash scripts/device_check.sh short_probe               short forwards timed three ways (bench, CUDA graph,
 #                                                          host), racecheck of a bare mbarrier hand-off
+#   bash scripts/device_check.sh ws_final                  v23 as shipped: smoke, the README's train table, the
+#                                                          forward GPU tests, memcheck
+#   bash scripts/device_check.sh ws_final_race             racecheck of the Gluon forward alone, the probe again
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -307,14 +310,15 @@ if [ "$stage" = decode_paged ]; then
   done
 fi
 
-if [ "$stage" = ws ] || [ "$stage" = ws_table ] || [ "$stage" = ws_dyn ]; then
+if [ "$stage" = ws ] || [ "$stage" = ws_table ] || [ "$stage" = ws_dyn ] || [ "$stage" = ws_final ]; then
   # a deadlocked mbarrier hangs the GPU: a short smoke test first, the rest only if it passes
   timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/ws_smoke.log" || exit 1
 import os, torch
 from flashattn import flash_attn_func
 # the last two have more query tiles than the H200's 132 SMs: programs take tiles from the counter
 for d, causal, sq, sk, h in [(128, False, 1000, 1000, 4), (128, True, 1100, 1300, 4), (128, True, 1300, 100, 4),
-                             (128, True, 2100, 2100, 40), (128, False, 1000, 1500, 40)]:
+                             (128, True, 2100, 2100, 40), (128, False, 1000, 1500, 40), (64, False, 1000, 1500, 40),
+                             (64, True, 1000, 1000, 40), (64, True, 300, 1000, 4)]:
     q, k, v = (torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16) for n in (sq, sk, sk))
     os.environ["FLASHATTN_WS"] = "1"
     o1, l1, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -442,4 +446,20 @@ if [ "$stage" = short_probe ]; then
     > "$OUT/racecheck_handoff.log" 2>&1
   tail -6 "$OUT/racecheck_handoff.log"
   timeout 60 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k ineligible 2>&1 | tail -2
+fi
+
+if [ "$stage" = ws_final ]; then
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+    | tee "$OUT/pytest_fwd.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_fwd.log"
+fi
+if [ "$stage" = ws_final_race ]; then
+  timeout 120 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd > "$OUT/racecheck_fwd.log" 2>&1
+  grep -E "Race reported|hazards\]|SUMMARY" "$OUT/racecheck_fwd.log" | head -30
+  timeout 60 compute-sanitizer --tool racecheck python3 scripts/racecheck_mbarrier_probe.py \
+    > "$OUT/racecheck_handoff.log" 2>&1
+  tail -4 "$OUT/racecheck_handoff.log"
 fi

@@ -79,8 +79,9 @@ def sparse():
 
 def ws_fwd():
     # 140 tiles of 256 rows x 70 heads: more than the 132 programs, so some take a second from the counter
-    for causal, n, h in ((False, 200, 2), (True, 1100, 2), (True, 256, 70), (False, 256, 70)):
-        q, k, v = (torch.randn(1, n, h, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for causal, n, h, d in ((False, 200, 2, 128), (True, 1100, 2, 128), (True, 256, 70, 128),
+                            (False, 256, 70, 128), (False, 256, 70, 64), (True, 1000, 2, 64)):
+        q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()

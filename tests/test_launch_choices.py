@@ -84,11 +84,12 @@ def test_io_model_follows_the_gluon_forward(monkeypatch):
     assert kernel_tiles("fwd", 128, 1024, causal=False) == gluon  # its launcher takes N = 1K non-causal
     assert kernel_tiles("fwd", 128, 1024, causal=True) == gluon
     assert kernel_tiles("fwd", 128, 4096, causal=True) == gluon
-    assert kernel_tiles("fwd", 64, 1024, causal=False) == (64, 64)  # d = 64 stays on Triton
+    gluon64 = (_H200[("fwd_ws", 64)].block_m, _H200[("fwd_ws", 64)].block_n)
+    assert kernel_tiles("fwd", 64, 1024, causal=False) == gluon64
+    assert kernel_tiles("fwd", 64, 1024, causal=True) == gluon64
+    assert kernel_tiles("fwd", 64, 2048, causal=True) == (128, 64)  # causal d = 64 from 2K: Triton's row
     assert forward_io(AttnShape(16, 16, 1024, 128)).detail["block_m"] == gluon[0]
     assert forward_io(AttnShape(16, 16, 1024, 128, window=(256, 0))).detail["block_m"] == 64
-    monkeypatch.setenv("FLASHATTN_WS", "64")
-    assert kernel_tiles("fwd", 64, 1024, causal=True) == (_H200[("fwd_ws", 64)].block_m, 128)
     monkeypatch.setenv("FLASHATTN_WS", "0")
     assert kernel_tiles("fwd", 128, 1024, causal=False) == (64, 64)
 
@@ -160,8 +161,7 @@ def test_pointer_provider_turns_descriptors_off():
 
 
 @pytest.mark.parametrize("name, var, value", [("flashattn-triton", "FLASHATTN_WS", "0"),
-                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles"),
-                                              ("flashattn-ws-d64", "FLASHATTN_WS", "64")])
+                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles")])
 def test_gluon_ab_providers(name, var, value, monkeypatch):
     import os
 
@@ -217,7 +217,6 @@ def test_ws_takes_the_plain_d128_case(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(d=64),  # measured no faster than the Triton forward
         dict(d=96),
         dict(window_size=(64, 0)),
         dict(window_size=(-1, 8)),
@@ -239,11 +238,12 @@ def test_ws_switch_off(monkeypatch):
     assert not _ws_eligible(monkeypatch)
 
 
-def test_ws_switch_takes_d64_on_request(monkeypatch):
-    monkeypatch.setenv("FLASHATTN_WS", "64")
-    assert _ws_eligible(monkeypatch, d=64, causal=True)
-    assert _ws_eligible(monkeypatch, d=128)
-    assert not _ws_eligible(monkeypatch, d=96)
+def test_ws_takes_d64_without_a_mask_or_up_to_1k(monkeypatch):
+    assert _ws_eligible(monkeypatch, d=64)
+    assert _ws_eligible(monkeypatch, d=64, sq=16384, sk=16384)
+    assert _ws_eligible(monkeypatch, d=64, sq=1024, sk=1024, causal=True)
+    assert not _ws_eligible(monkeypatch, d=64, causal=True)  # 2K causal: the Triton forward
+    assert not _ws_eligible(monkeypatch, d=64, sq=1000, sk=1100, causal=True)  # the longer side decides
 
 
 def test_ws_grid(monkeypatch):

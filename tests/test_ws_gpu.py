@@ -43,16 +43,23 @@ def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
     return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
 
 
-# the kernel takes d = 128 only, and causal calls only when the longer side exceeds 1K (ops/attention_ws.py)
+# the kernel takes d = 128, and d = 64 without a mask or causal up to 1K (ops/attention_ws.py)
 SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (113, 1023), (1023, 113), (1, 1023), (2049, 1537),
            (128, 128), (256, 320)]
 CAUSAL_SEQLENS = [(1, 1537), (17, 1100), (1100, 17), (1025, 1025), (2049, 1537), (1537, 2049), (113, 2000),
-                  (1300, 1300), (1152, 1152)]
+                  (1300, 1300), (1152, 1152), (1, 1), (113, 1023), (1023, 113), (1024, 1024)]
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk", SEQLENS)
-def test_seqlens(ws_calls, sq, sk):
-    check_against_oracle(*_qkv(2, sq, sk, 4, 4, 128), causal=False)
+def test_seqlens(ws_calls, sq, sk, d):
+    check_against_oracle(*_qkv(2, sq, sk, 4, 4, d), causal=False)
+    assert ws_calls, "the warp-specialised forward did not run"
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (113, 1023), (1023, 113), (1024, 1024), (300, 700)])
+def test_seqlens_causal_d64(ws_calls, sq, sk):
+    check_against_oracle(*_qkv(2, sq, sk, 4, 2, 64), causal=True)
     assert ws_calls, "the warp-specialised forward did not run"
 
 
@@ -68,6 +75,11 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     # more tiles than SMs, so each persistent program takes several from the shared counter
     monkeypatch.setenv("FLASHATTN_WS_GRID", grid)
     check_against_oracle(*_qkv(3, 2100, 2100, 24, 8, 128), causal=causal, grads=False)
+    assert ws_calls
+
+
+def test_d64_many_tiles(ws_calls):
+    check_against_oracle(*_qkv(3, 2100, 1900, 24, 8, 64), causal=False, grads=False)
     assert ws_calls
 
 
@@ -119,7 +131,8 @@ def test_ineligible_calls_keep_triton(ws_calls):
     flash_attn_func(q, k, v, window_size=(64, 0))
     flash_attn_func(q, k, v, softcap=5.0)
     flash_attn_func(q, k, v, window_size=(-1, 8))
-    flash_attn_func(*_qkv(1, 256, 256, 2, 2, 64))
+    flash_attn_func(*_qkv(1, 256, 256, 2, 2, 96))
+    flash_attn_func(*_qkv(1, 1025, 1025, 2, 2, 64), causal=True)  # causal d = 64 past 1K
     assert not ws_calls
 
 

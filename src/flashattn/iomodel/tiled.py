@@ -55,7 +55,7 @@ def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None, causal: b
         block_m, block_n = _FALLBACK_TILES[kernel]
         return block_m, block_n if headdim <= 128 or kernel != "fwd" else 64
     cuda = torch.device("cuda")
-    if kernel == "fwd" and causal is not None and attention_ws.takes(headdim):
+    if kernel == "fwd" and causal is not None and attention_ws.takes(headdim, causal, seqlen or 1 << 30):
         cfg = tile_config("fwd_ws", headdim, cuda)
     else:
         cfg = tile_config(kernel, padded_headdim(headdim), cuda, seqlen)

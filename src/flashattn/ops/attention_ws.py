@@ -1,18 +1,17 @@
 """Launchers for the warp-specialised Hopper kernels: the forward (kernels/attn_fwd_ws.py) and the backward
 (kernels/attn_bwd_ws.py).
 
-The forward takes the plain case only: padded layout, fp16/bf16, d = dv = 128, no window other than causal, no
-softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors (16-byte aligned base and strides).
-Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton forward. Measured on the H200
-(benchmarks/NOTES.md v17, beside the Triton forward in the same run): d = 128 non-causal +37% at N = 1K and
-+24-35% from 2K, causal +13-32% from 2K (two runs); d = 64 within -4% .. +2% (the matmuls are too short to
-hide the softmax behind), and d = 128 causal at N = 1K -23% (tiles of 1-8 key blocks): those keep the Triton
-forward.
+The forward takes the plain case only: padded layout, fp16/bf16, d = dv = 128 (and 64, see `takes`), no
+window other than causal, no softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors
+(16-byte aligned base and strides). Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton
+forward. Measured on the H200 beside the Triton forward in the same run (benchmarks/NOTES.md v17, v23):
+d = 128 +24-37% without a mask, +25-32% causal from 4K; d = 64 +1-13% without a mask, causal at 1K +3-30%,
+but 1-5% behind it causal from 2K, which keeps the Triton forward.
 
-Grid: persistent (one program per SM) without a causal mask; with one, one program per tile, which measured
-7-15% faster than the persistent walk at 2K-16K, and 23-31% faster than a persistent walk whose odd rounds
-ran backwards to even out the programs' totals (NOTES v17). `FLASHATTN_WS_GRID=persistent|tiles` forces
-either (A/B timing).
+Grid: persistent (one program per SM); after the first, each program takes its next query tile from a
+shared counter, so under a causal mask the programs' totals even out (a static walk with the grid's stride
+left the busiest 15% over the mean, NOTES v23). `FLASHATTN_WS_GRID=tiles` runs one program per tile
+instead (A/B timing).
 
 The backward (FA3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair instead of the
 Triton backward's 7) takes the same plain calls at d = 64 and 128, causal or not: +8-24% over the Triton
@@ -21,6 +20,7 @@ deterministic=True (the reduce order varies, as with flash_attn's atomic dQ), no
 would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
 
+import functools
 import os
 
 import torch
@@ -37,11 +37,13 @@ _MAXNREG = 168
 _DQ_BUFFER_CAP = 512 << 20
 
 
-def takes(d: int) -> bool:
-    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 128, or also
-    d = 64 with FLASHATTN_WS=64 (A/B timing)."""
-    switch = os.environ.get("FLASHATTN_WS", "1")
-    return switch != "0" and (d == 128 or (d == 64 and switch == "64"))
+def takes(d: int, causal: bool, longest: int) -> bool:
+    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 128; d = 64
+    without a causal mask, or with one up to N = 1K. Causal d = 64 from 2K measured 1-5% behind the Triton
+    forward in two runs (NOTES v23)."""
+    if os.environ.get("FLASHATTN_WS", "1") == "0":
+        return False
+    return d == 128 or (d == 64 and (not causal or longest <= 1024))
 
 
 def _plain(pb, learnable_sink) -> bool:
@@ -55,21 +57,27 @@ def _plain(pb, learnable_sink) -> bool:
     return featureless and causal_only and learnable_sink is None and pb.d == pb.dv
 
 
-def _descriptor(t, rows: int, cols: int, dtype=None):
-    """A TMA descriptor over a (batch, seqlen, heads, d) tensor with (1, rows, 1, cols) blocks in the
-    wgmma-ready shared layout; dtype: the Gluon element type (default: t's 16-bit type)."""
+@functools.lru_cache(maxsize=32)
+def _shared_layout(rows: int, cols: int, dtype_name: str):
+    # cached: building it costs ~15 us of host time, and every launch asks for 4-7 of them
     from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, cols], getattr(gl, dtype_name))
+
+
+def _descriptor(t, rows: int, cols: int, dtype_name: str | None = None):
+    """A TMA descriptor over a (batch, seqlen, heads, d) tensor with (1, rows, 1, cols) blocks in the
+    wgmma-ready shared layout; dtype_name: the Gluon element type (default: t's 16-bit type)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if dtype is None:
-        dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
-    block = [1, rows, 1, cols]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    if dtype_name is None:
+        dtype_name = "float16" if t.dtype == torch.float16 else "bfloat16"
+    layout = _shared_layout(rows, cols, dtype_name)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], layout)
 
 
 def eligible(pb, q, k, v, learnable_sink) -> bool:
-    return (_plain(pb, learnable_sink) and takes(pb.d)
+    return (_plain(pb, learnable_sink) and takes(pb.d, pb.flags["WINDOW_RIGHT"], pb.longest)
             and tma.usable(q, k, v, varlen=False))
 
 
@@ -116,8 +124,6 @@ def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool
 
 def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
     """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward."""
-    from triton.experimental.gluon import language as gl
-
     from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
 
     cfg = tile_config("bwd_ws", pb.d, q.device)
@@ -127,7 +133,7 @@ def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv
     attn_bwd_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
         *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
-        _descriptor(dq_acc, cfg.block_m, pb.d // 2, gl.float32),
+        _descriptor(dq_acc, cfg.block_m, pb.d // 2, "float32"),
         lse, delta, lse.stride(0), lse.stride(1),
         pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -42,7 +42,7 @@ _H200 = {
     # the warp-specialised forward (ops/attention_ws.py, d = 128 only): block_m is two consumer warpgroups of
     # 64 rows, the stages are K/V ring slots (num_warps: the kernel fixes its own partitions)
     ("fwd_ws", 128): TileConfig(128, 128, 4, 2),
-    ("fwd_ws", 64): TileConfig(128, 128, 4, 3),  # A/B only (FLASHATTN_WS=64): 112 KiB of shared memory
+    ("fwd_ws", 64): TileConfig(128, 128, 4, 3),  # 3 K/V stages in 128 KiB of shared memory
     # the warp-specialised backward (d = 64 and 128): block_m query rows per step, block_n keys per program
     # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. 128 rows per step at
     # d = 64 spill 0.7-1.6 KB (ptxas -v, NOTES v20); d = 128 has shared memory for two stages only

@@ -1,8 +1,8 @@
 """`flashattn` (this project, through its public API); for A/B timing the same with one switch set:
 `flashattn-ptr` (TMA descriptors off: the pointer-load path), `flashattn-headmajor` (the former launch order),
 `flashattn-triton` (the warp-specialised Gluon forward off), `flashattn-triton-bwd` (the Gluon backward off),
-`flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of its persistent grid),
-`flashattn-ws-d64` (the Gluon forward at d = 64 too); and `torch-backend` (its pure-PyTorch backend)."""
+`flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of its persistent grid);
+and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,6 @@ PROVIDERS = [
     Provider("flashattn-triton-bwd", env_variant(_setup_public, "FLASHATTN_WS_BWD", "0"),
              "this project with FLASHATTN_WS_BWD=0: the Triton backward (dK/dV and dQ programs) instead of "
              "the warp-specialised Gluon one (A/B timing)"),
-    Provider("flashattn-ws-d64", env_variant(_setup_public, "FLASHATTN_WS", "64"),
-             "this project with FLASHATTN_WS=64: the Gluon forward at d = 64 too (A/B timing)"),
     Provider("flashattn-ws-tiles", env_variant(_setup_public, "FLASHATTN_WS_GRID", "tiles"),
              "this project with FLASHATTN_WS_GRID=tiles: the Gluon forward on one program per query tile "
              "instead of its persistent grid (A/B timing)"),
