@@ -45,6 +45,7 @@
 #   bash scripts/device_check.sh ws_final                  v23 as shipped: smoke, the README's train table, the
 #                                                          forward GPU tests, memcheck
 #   bash scripts/device_check.sh ws_final_race             racecheck of the Gluon forward alone, the probe again
+#   bash scripts/device_check.sh table_host                the README's train table with host_us per row
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -462,4 +463,10 @@ if [ "$stage" = ws_final_race ]; then
   timeout 60 compute-sanitizer --tool racecheck python3 scripts/racecheck_mbarrier_probe.py \
     > "$OUT/racecheck_handoff.log" 2>&1
   tail -4 "$OUT/racecheck_handoff.log"
+fi
+
+if [ "$stage" = table_host ]; then
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout 150 python3 scripts/short_n_probe.py "$OUT/short_n_probe.json" 2>&1 | tee "$OUT/short_n_probe.log"
 fi

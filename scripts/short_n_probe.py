@@ -28,8 +28,7 @@ SHAPES = [  # (batch, heads, seqlen, head dim, causal): 16K tokens, as the train
     (16, 32, 1024, 64, False), (16, 32, 1024, 64, True), (8, 32, 2048, 64, True),
 ]
 VARIANTS = {  # name -> environment for our calls; "cudnn" is torch's SDPA on its cuDNN backend
-    "ours": {}, "ws-tiles": {"FLASHATTN_WS_GRID": "tiles"}, "triton": {"FLASHATTN_WS": "0"},
-    "ws-d64": {"FLASHATTN_WS": "64"}, "cudnn": None,
+    "ours": {}, "ws-tiles": {"FLASHATTN_WS_GRID": "tiles"}, "triton": {"FLASHATTN_WS": "0"}, "cudnn": None,
 }
 
 
@@ -64,8 +63,6 @@ def main(path):
                    for _ in range(3))
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         for name, env in VARIANTS.items():
-            if (name == "ws-d64" and d != 64) or (name == "ws-tiles" and d != 128):
-                continue
             os.environ.pop("FLASHATTN_WS", None)
             os.environ.pop("FLASHATTN_WS_GRID", None)
             os.environ.update(env or {})

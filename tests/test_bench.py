@@ -370,3 +370,9 @@ def test_ncu_child_failure_is_recorded(tmp_path):
     ncu.annotate_rows(rows, str(fake), progress=lambda m: None)
     assert "profiling is not permitted" in rows[0]["ncu_error"] and "dram_bytes" not in rows[0]
     assert "ncu_error" not in rows[1]  # rows without a timing are not profiled
+
+
+def test_host_time_is_a_gpu_only_field():
+    from flashattn.bench.timing import host_us
+
+    assert host_us(lambda: None, torch.device("cpu")) is None

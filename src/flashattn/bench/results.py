@@ -43,6 +43,7 @@ def new_row(suite: str, provider: str, mode: str, case: Case) -> dict[str, Any]:
         ms=None,
         tflops=None,
         peak_mem_bytes=None,
+        host_us=None,
         error=None,
         max_abs_err=None,
         rel_err=None,

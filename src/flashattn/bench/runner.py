@@ -19,7 +19,7 @@ from .flops import MODE_FACTOR, attention_flops, tflops
 from .progress import Progress
 from .providers.base import Prepared, from_bshd, to_bshd
 from .suites import Suite
-from .timing import TimerConfig, median_ms, peak_extra_bytes, time_first_call
+from .timing import TimerConfig, host_us, median_ms, peak_extra_bytes, time_first_call
 
 
 def describe_error(exc: BaseException) -> str:
@@ -210,6 +210,7 @@ class Runner:
             fn = _timed_call(mode, prep, from_bshd(inputs.dout, prep.layout))
             row["peak_mem_bytes"] = peak_extra_bytes(fn, dev)
             row["ms"] = median_ms(fn, dev, self.cfg.timer)
+            row["host_us"] = host_us(fn, dev)
         except Exception as exc:  # noqa: BLE001
             row["error"] = describe_error(exc)
             return

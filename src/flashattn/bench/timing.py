@@ -65,6 +65,21 @@ def median_ms(fn: Callable[[], object], device: torch.device, cfg: TimerConfig) 
     return statistics.median(times) * 1e3
 
 
+def host_us(fn: Callable[[], object], device: torch.device, calls: int = 20) -> float | None:
+    """Host time per call in microseconds: back-to-back calls without a sync, so the GPU queue absorbs the
+    kernels (CUDA only). When it exceeds the kernels' time plus do_bench's L2 flush, `ms` measures the
+    host."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    synchronize(device)
+    return elapsed / calls * 1e6
+
+
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     """Peak memory one call allocates on top of what was live before it (inputs, saved graph): CUDA only."""
     if device.type != "cuda":
