@@ -411,13 +411,15 @@ fi
 if [ "$stage" = bwd_profile ]; then
   # where the d=64 Gluon backward waits, beside d=128 (where it reaches the bar) and the Triton backward
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
-  for case in "64 16384" "128 16384" "64 16384 triton"; do
+  # BWD_PROFILE_CASES narrows the list (each case: d N [triton])
+  IFS=';' read -ra cases <<< "${BWD_PROFILE_CASES:-64 16384;128 16384;64 16384 triton}"
+  for case in "${cases[@]}"; do
     set -- $case
     name="d$1_n$2${3:+_$3}"
     # the third backward's launches: one Gluon kernel per backward, or the Triton dK/dV and dQ programs
     if [ "${3:-}" = triton ]; then ws=0 kernel=regex:attn_bwd_kernel skip=4 count=2
     else ws=1 kernel=regex:attn_bwd_ws skip=2 count=1; fi
-    FLASHATTN_WS_BWD=$ws timeout 150 "$NCU" --kernel-name "$kernel" --launch-skip $skip --launch-count $count \
+    FLASHATTN_WS_BWD=$ws timeout ${BWD_PROFILE_S:-150} "$NCU" --kernel-name "$kernel" --launch-skip $skip --launch-count $count \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
       python3 scripts/profile_bwd_case.py "$1" "$2" > "$OUT/ncu_$name.txt" 2>&1
