@@ -55,8 +55,9 @@ def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, B
 @gluon.jit
 def _publish_tile(tile_smem, tile_ready, qb, t):
     """Write tile index t into slot qb and release it to the consumers (the loader warp). The slot has its
-    own barrier, arrived by this warp alone: q_ready's phase ends with the TMA's bytes, and racecheck does not
-    count that as ordering this warp's stores (a bare arrive it does: scripts/racecheck_mbarrier_probe.py)."""
+    own barrier, arrived by this warp alone, so the index does not wait for Q's bytes to land (q_ready's
+    phase ends with the TMA's). racecheck reports this hand-off all the same, and not the same protocol in
+    scripts/racecheck_mbarrier_probe.py (NOTES v23)."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     tile_smem.index(qb).store(gl.full([1], t, gl.int32, one))
     # every lane's store before the one lane's arrive

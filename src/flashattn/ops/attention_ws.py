@@ -5,8 +5,9 @@ The forward takes the plain case only: padded layout, fp16/bf16, d = dv = 128 (a
 window other than causal, no softcap, ALiBi, dropout or sink; q, k, v and out must suit TMA descriptors
 (16-byte aligned base and strides). Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton
 forward. Measured on the H200 beside the Triton forward in the same run (benchmarks/NOTES.md v17, v23):
-d = 128 +24-37% without a mask, +25-32% causal from 4K; d = 64 +1-13% without a mask, causal at 1K +3-30%,
-but 1-5% behind it causal from 2K, which keeps the Triton forward.
+d = 128 +24-37% without a mask, causal +20-25% at 1K-2K (GPU time, CUDA graphs) and +20-32% from 4K; d = 64
++1-14% without a mask and +3-4% causal at 1K (GPU time), but 1-5% behind it causal from 2K, which keeps the
+Triton forward.
 
 Grid: persistent (one program per SM); after the first, each program takes its next query tile from a
 shared counter, so under a causal mask the programs' totals even out (a static walk with the grid's stride
