@@ -46,6 +46,7 @@
 #                                                          forward GPU tests, memcheck
 #   bash scripts/device_check.sh ws_final_race             racecheck of the Gluon forward alone, the probe again
 #   bash scripts/device_check.sh table_host                the README's train table with host_us per row
+#   bash scripts/device_check.sh core_rest                 the core GPU tests past the realistic sizes
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -471,4 +472,9 @@ if [ "$stage" = table_host ]; then
   timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
   timeout 150 python3 scripts/short_n_probe.py "$OUT/short_n_probe.json" 2>&1 | tee "$OUT/short_n_probe.log"
+fi
+
+if [ "$stage" = core_rest ]; then
+  timeout 230 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
+    | tee "$OUT/pytest_core_rest.log" | tail -6
 fi
