@@ -238,8 +238,9 @@ def _gpu_doc() -> dict:
                 if p == "naive" and n > 8192:
                     row["error"] = "skipped: naive materialises the scores"
                 else:
-                    row.update(ms=1.0, tflops=tf, peak_mem_bytes=2**30, max_abs_err=1e-3)
+                    row.update(ms=1.0, tflops=tf, peak_mem_bytes=2**30, max_abs_err=1e-3, host_us=100.0)
                 rows.append(row)
+    rows[0]["host_us"] = 900.0  # flashattn at d=64, N=1K: host time close to the measured 1 ms
     meta = {"gpu": "NVIDIA H200", "suite": "train", "providers": ["flashattn", "flex", "sdpa-flash", "naive"]}
     return {"meta": meta, "rows": rows}
 
@@ -252,6 +253,8 @@ def test_report_renders_fabricated_gpu_rows(tmp_path):
     assert "| 64 | 16384 | 1 | 32 | 400 | 320 | 200 | – |" in md
     assert "- flashattn / flex: 1.25x geomean (1.25x to 1.25x, 4 shapes)" in md
     assert "naive: skipped: naive materialises the scores (2 shapes)" in md
+    assert "- flashattn fwd d=64 N=1024 causal: 1000 us measured, host 900 us per call" in md
+    assert md.count("us measured, host") == 1  # the rows with host time far below their time are not listed
     assert any(p.name == "train-fwd-tflops.png" for p in written) == HAS_MPL
 
 

@@ -6,6 +6,9 @@ from ..suites import lookup
 from .tables import Table, build_tables, fmt_value
 
 _META_LINE = ("gpu", "torch", "triton", "cuda", "cudnn", "git_sha", "date")
+# a row whose host time per call reaches this share of its measured time may be timing the host: do_bench's
+# L2 flush before each call hides host work only up to the flush's GPU time (~83 us on the H200)
+_HOST_BOUND_SHARE = 0.8
 
 
 def _table_md(t: Table) -> list[str]:
@@ -21,6 +24,21 @@ def _table_md(t: Table) -> list[str]:
     if t.errors:
         lines += ["Not measured:", ""] + [f"- {e}" for e in t.errors] + [""]
     return lines
+
+
+def _host_bound(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        host, ms = r.get("host_us"), r.get("ms")
+        if host is not None and ms and host >= _HOST_BOUND_SHARE * ms * 1e3:
+            shape = f"d={r['headdim']} N={r['seqlen_q']}" + (" causal" if r.get("causal") else "")
+            lines.append(f"- {r['provider']} {r['mode']} {shape}: {ms * 1e3:.0f} us measured, "
+                         f"host {host:.0f} us per call")
+    if not lines:
+        return []
+    head = (f"Host-bound rows (host time per call >= {_HOST_BOUND_SHARE:.0%} of the measured time; `ms` may "
+            "count host time here, see `host_us` in the JSON):")
+    return [head, ""] + lines + [""]
 
 
 def render_markdown(doc: dict) -> str:
@@ -48,4 +66,5 @@ def render_markdown(doc: dict) -> str:
     ]
     for table in build_tables(doc):
         lines += _table_md(table)
+    lines += _host_bound(doc["rows"])
     return "\n".join(lines).rstrip() + "\n"
