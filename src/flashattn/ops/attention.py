@@ -188,20 +188,20 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
+    row_bytes = (pb.d + pb.dv) * q.element_size()
+    kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
+    if attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic):
+        attention_ws.backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, kv_group)
+        return dq, dk, dv, None
     kv_cfg = tile_config("dkdv", block_d, q.device, pb.longest)
     q_cfg = tile_config("dq", block_d, q.device, pb.longest)
     # the dK/dV role loads Q/dO through pointers (kernels/attn_bwd.py says why); the dQ role streams K/V
     q_tma, (k_desc, v_desc) = pb.descriptors(q_cfg, q_cfg.block_n, k, v)
-    row_bytes = (pb.d + pb.dv) * q.element_size()
-    kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
     q_group = pb.lpt_group(pb.batch * pb.nheads, pb.seqlen_k * row_bytes // flags["GROUP"])
     roles = (
         (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, False, (None, None)),
         (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma, (k_desc, v_desc)),
     )
-    if attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic):
-        attention_ws.backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, kv_group)
-        roles = ()
     for n_programs, role_dkdv, cfg, use_tma, descs in roles:
         attn_bwd_kernel[(n_programs,)](
             q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,
