@@ -136,10 +136,8 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
 
     Tile sizes default to what the launcher uses (`kernel_tiles`).
     """
-    left, right = shape.bounds
-    plain = left == -1 and right in (-1, 0)  # causal or not, no other window: the Gluon forward's case
     default_m, default_n = kernel_tiles("fwd", shape.headdim, max(shape.seqlen_q, shape.seqlen_k),
-                                        right == 0 if plain else None)
+                                        shape.bounds[1] == 0 if _plain_mask(shape) else None)
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)
@@ -162,12 +160,17 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
     )
 
 
+def _plain_mask(shape: AttnShape) -> bool:
+    """Causal or no mask, no other window: the warp-specialised kernels' case."""
+    left, right = shape.bounds
+    return left == -1 and right in (-1, 0)
+
+
 def ws_backward_tiles(shape: AttnShape) -> tuple[int, int] | None:
     """(block_m, block_n) of the warp-specialised backward where its launcher takes `shape` on the H200
     (ops/attention_ws.py: plain causal or full attention, d = 64/128, the float32 dQ buffer under its cap),
     else None."""
-    left, right = shape.bounds
-    if not (left == -1 and right in (-1, 0)) or shape.density < 1.0:
+    if not _plain_mask(shape) or shape.density < 1.0:
         return None
     try:
         import torch

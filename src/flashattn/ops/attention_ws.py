@@ -111,16 +111,17 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
 
 
 def takes_backward(d: int, dq_buffer_bytes: int) -> bool:
-    """Whether a plain call at head dim `d` (= dv) takes the Gluon backward, by shape (shared with the IO
-    model, flashattn.iomodel): d = 64 or 128, and a float32 dQ buffer within _DQ_BUFFER_CAP."""
-    return d in (64, 128) and dq_buffer_bytes <= _DQ_BUFFER_CAP
+    """Whether a plain call at head dim `d` (= dv) takes the Gluon backward, by shape and switches (shared
+    with the IO model, flashattn.iomodel): d = 64 or 128, a float32 dQ buffer within _DQ_BUFFER_CAP, and
+    neither FLASHATTN_WS_BWD nor FLASHATTN_WS set to 0."""
+    switched_on = all(os.environ.get(name, "1") != "0" for name in ("FLASHATTN_WS_BWD", "FLASHATTN_WS"))
+    return switched_on and d in (64, 128) and dq_buffer_bytes <= _DQ_BUFFER_CAP
 
 
 def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool:
     """Whether the backward takes the Gluon kernel."""
-    switched_on = all(os.environ.get(name, "1") != "0" for name in ("FLASHATTN_WS_BWD", "FLASHATTN_WS"))
-    return (switched_on and not deterministic and _plain(pb, learnable_sink)
-            and takes_backward(pb.d, q.numel() * 4) and tma.usable(q, k, v, dout, varlen=False))
+    return (not deterministic and _plain(pb, learnable_sink) and takes_backward(pb.d, q.numel() * 4)
+            and tma.usable(q, k, v, dout, varlen=False))
 
 
 def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
