@@ -47,6 +47,8 @@
 #   bash scripts/device_check.sh ws_final_race             racecheck of the Gluon forward alone, the probe again
 #   bash scripts/device_check.sh table_host                the README's train table with host_us per row
 #   bash scripts/device_check.sh core_rest                 the core GPU tests past the realistic sizes
+#   bash scripts/device_check.sh defer_dq                  v24, the d=64 backward's deferred dQ: grads, A/B,
+#                                                          its GPU tests, memcheck, racecheck
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -477,4 +479,40 @@ fi
 if [ "$stage" = core_rest ]; then
   timeout 230 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
     | tee "$OUT/pytest_core_rest.log" | tail -6
+fi
+
+if [ "$stage" = defer_dq ]; then
+  # NOTES v24: the d=64 Gluon backward computing each step's dQ one step late, beside the step order and the
+  # Triton backward
+  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/defer_smoke.log" || exit 1
+import os, sys, torch
+from flashattn import flash_attn_func
+worst = 0.0
+for b, sq, sk, h, hk, causal in [(2, 1000, 1000, 4, 4, False), (2, 1100, 1300, 8, 2, True), (1, 1300, 100, 4, 4, True),
+                                 (2, 700, 900, 4, 4, True), (2, 2048, 2048, 4, 1, False), (1, 113, 1023, 2, 2, True)]:
+    q = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for flag in ("1", "0"):
+        os.environ["FLASHATTN_WS_BWD"] = flag
+        grads[flag] = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
+    torch.cuda.synchronize()
+    rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
+           for a, c in zip(grads["1"], grads["0"])]
+    worst = max(worst, *rel)
+    print(b, sq, sk, h, hk, causal, "rel max diff dq dk dv (deferred dQ vs Triton)", [f"{r:.2e}" for r in rel])
+sys.exit(0 if worst < 2e-2 else 1)
+PY
+  for defer in 1 0; do
+    FLASHATTN_BWD_DEFER_DQ=$defer timeout 60 python3 -m flashattn bench --suite train --headdims 64 \
+      --seqlens 1024,4096,16384 --modes bwd --quiet --no-plots --providers flashattn,flashattn-triton-bwd \
+      --out "$OUT/defer$defer" 2>&1 | tail -12
+  done
+  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k backward 2>&1 | tee "$OUT/pytest_bwd.log" \
+    | tail -6
+  timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_defer.log"
+  timeout 100 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -4 \
+    | tee "$OUT/racecheck_defer.log"
 fi

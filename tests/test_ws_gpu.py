@@ -160,6 +160,17 @@ def test_backward_gqa(ws_bwd_calls, h, hk, causal):
     assert ws_bwd_calls
 
 
+@pytest.mark.parametrize("defer", ["1", "0"], ids=["deferred-dq", "step-dq"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk, h, hk",
+                         [(17, 17, 4, 2), (1023, 113, 4, 4), (300, 1100, 4, 2), (2049, 1537, 8, 2)])
+def test_backward_d64_dq_orders(ws_bwd_calls, monkeypatch, defer, sq, sk, h, hk, causal):
+    # d = 64 computes each step's dQ one step late by default (NOTES v24); both orders against the oracle
+    monkeypatch.setenv("FLASHATTN_BWD_DEFER_DQ", defer)
+    check_against_oracle(*_qkv(2, sq, sk, h, hk, 64), causal=causal)
+    assert ws_bwd_calls
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_fp16_and_packed(ws_bwd_calls, d):
     check_against_oracle(*_qkv(2, 1000, 1200, 4, 2, d, torch.float16), causal=True)

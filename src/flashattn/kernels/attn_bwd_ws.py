@@ -12,6 +12,8 @@ pair, attn_bwd.py).
     memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
     and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order, which
     leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here (NOTES v19).
+    DEFER_DQ (d = 64): each step computes the previous step's dQ, so the dSᵀ hand-off no longer holds the two
+    warpgroups in step (NOTES v24).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
 Triton backward (as flash_attn's flag does). Only the plain case comes here (ops/attention_ws.py decides).
 """
@@ -118,8 +120,17 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
 
 
 @gluon.jit
+def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
+    """Issue this warpgroup's dQ columns of the step whose dSᵀ halves sit in buffer b, once both are there."""
+    mbarrier.wait(ds_ready.index(b), phase)
+    dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0_cols, q_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
+
+
+@gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+              WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, bars, LSE, Delta, strides,
      scales, problem) = args
     kv_bar, ready, empty, ds_ready, done = bars
@@ -154,6 +165,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     mbarrier.wait(kv_bar, 0)
 
     dq = warpgroup_mma_init(q_zero)
+    NBUF: gl.constexpr = 4 if DEFER_DQ else 2
+    m0_prev = m_first
+    off_h_prev = off_hk * GROUP
     n_steps = GROUP * n_m
     steps_per_head = gl.maximum(n_m, 1)  # n_m = 0 leaves no step, but the first prefetch still divides by it
     lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, 0, n_steps, steps_per_head, seqlen_q, strides,
@@ -163,7 +177,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         off_h = off_hk * GROUP + g
         m0 = m_first + (c - g * steps_per_head) * BLOCK_M
         s = c % STAGES
-        b = c % 2
+        b = c % NBUF
         offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -184,28 +198,45 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys. The
-        # buffer alternates: the other warpgroup's arrival at this step's barrier means it finished the dQ of
-        # two steps ago, the last reader of the buffer written now
+        # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys.
+        # In step order the barrier makes the warpgroups march in step (their softmaxes coincide); DEFER_DQ
+        # computes the previous step's dQ instead, whose other half was written a step ago, so neither waits
+        # for the other's current step. Buffers: the other warpgroup's arrival at a step's barrier means it
+        # finished the step before; a buffer is rewritten NBUF steps later, after its last reader's dQ.
         ds_buf = ds_smem.index(2 * b + WG)
         ds_buf.store(dst)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(b), count=1)
-        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
-        dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0_cols, q_zero, use_acc=False,
-                           is_async=True)
-        dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
+        if DEFER_DQ:
+            if c > 0:
+                pb_ = (c - 1) % NBUF
+                dq = _dq_of(ds_smem, ds_ready, pb_, ((c - 1) // NBUF) & 1, k0_cols, k1_cols, q_zero)
+        else:
+            dq = _dq_of(ds_smem, ds_ready, b, (c // NBUF) & 1, k0_cols, k1_cols, q_zero)
         # the next step's LSE and D: global loads whose latency hides behind this step's dV, dK and dQ
         lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, c + 1, n_steps, steps_per_head, seqlen_q,
                                 strides, GROUP, BLOCK_M, s_layout)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         # this tile's Q and dO have no reader left
         mbarrier.arrive(empty.index(s), count=1)
-        _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
+        if DEFER_DQ:
+            if c > 0:
+                _store_dq(dq, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+        else:
+            _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
+        m0_prev = m0
+        off_h_prev = off_h
         dq = warpgroup_mma_init(dq)
         dk = warpgroup_mma_init(dk)
         dv = warpgroup_mma_init(dv)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    if DEFER_DQ:
+        if n_steps > 0:
+            # the last step's dQ
+            last = n_steps - 1
+            dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
+            dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
+            _store_dq(dq_last, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
 
     # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
     # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
@@ -221,15 +252,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
     # a worker partition: the loader's signature
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 1)
 
 
 @gluon.jit
@@ -237,29 +268,31 @@ def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE, Delta, stride_lse_b, stride_lse_h,
     nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale, n_bhk, lpt_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_N == 2 * HALF_N)
+    # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
+    NBUF: gl.constexpr = 4 if DEFER_DQ else 2
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    # dSᵀ (keys, queries): two steps x two warpgroups; dQ staging for the reduce-adds: one per warpgroup
+    # dSᵀ (keys, queries): NBUF steps x two warpgroups; dQ staging for the reduce-adds: one per warpgroup
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * NBUF, HALF_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-    for i in gl.static_range(2):
+    for i in gl.static_range(NBUF):
         mbarrier.init(ds_ready.index(i), count=2)
     bars = (kv_bar, ready, empty, ds_ready, done)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group)
@@ -269,7 +302,7 @@ def attn_bwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
         (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])

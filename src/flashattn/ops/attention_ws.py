@@ -132,6 +132,8 @@ def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     n_bhk = pb.batch * pb.nheads_k
     half_n = cfg.block_n // 2
+    # d = 64: each step computes the previous step's dQ (NOTES v24); FLASHATTN_BWD_DEFER_DQ=0 for the A/B
+    defer_dq = pb.d == 64 and os.environ.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
     attn_bwd_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
         *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
@@ -139,6 +141,7 @@ def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv
         lse, delta, lse.stride(0), lse.stride(1),
         pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
+        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], DEFER_DQ=defer_dq, num_warps=4,
+        maxnreg=cfg.maxnreg or _MAXNREG,
     )
     dq.copy_(dq_acc)
