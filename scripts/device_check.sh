@@ -49,6 +49,8 @@
 #   bash scripts/device_check.sh core_rest                 the core GPU tests past the realistic sizes
 #   bash scripts/device_check.sh defer_dq                  v24, the d=64 backward's deferred dQ: grads, A/B,
 #                                                          its GPU tests, memcheck, racecheck
+#   bash scripts/device_check.sh host_profile              host time per call, layer by layer, and a cProfile
+#                                                          (scripts/host_profile.py); the realistic core tests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -515,4 +517,10 @@ PY
     | tee "$OUT/memcheck_defer.log"
   timeout 100 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -4 \
     | tee "$OUT/racecheck_defer.log"
+fi
+
+if [ "$stage" = host_profile ]; then
+  timeout 200 python3 scripts/host_profile.py "$OUT/host_profile.json" 2>&1 | tee "$OUT/host_profile.log" | head -30
+  timeout 330 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k realistic 2>&1 \
+    | tee "$OUT/pytest_core_realistic.log" | tail -6
 fi
