@@ -51,6 +51,9 @@
 #                                                          its GPU tests, memcheck, racecheck
 #   bash scripts/device_check.sh host_profile              host time per call, layer by layer, and a cProfile
 #                                                          (scripts/host_profile.py); the realistic core tests
+#   bash scripts/device_check.sh host_table                v25: repeated calls against the Triton kernels, the
+#                                                          host profile, the train table, the short-N probe
+#   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -523,4 +526,46 @@ if [ "$stage" = host_profile ]; then
   timeout 200 python3 scripts/host_profile.py "$OUT/host_profile.json" 2>&1 | tee "$OUT/host_profile.log" | head -30
   timeout 330 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k realistic 2>&1 \
     | tee "$OUT/pytest_core_realistic.log" | tail -6
+fi
+
+if [ "$stage" = host_table ]; then
+  # NOTES v25: launch plans, the self-resetting tile counter, the dQ buffer zeroed by the preprocess. Each
+  # call repeated on one stream (a counter left non-zero would skip tiles on the next call), and under
+  # FLASHATTN_WS_GRID=tiles, against the Triton kernels
+  timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/host_smoke.log" || exit 1
+import os, sys, torch
+from flashattn import flash_attn_func
+worst = 0.0
+for d, b, sq, sk, h, hk, causal in [(128, 2, 1000, 1000, 4, 4, True), (128, 1, 4096, 4096, 70, 70, False),
+                                    (64, 2, 1100, 1300, 8, 2, False), (64, 2, 1024, 1024, 8, 8, True),
+                                    (128, 2, 700, 900, 4, 1, True)]:
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    os.environ["FLASHATTN_WS"] = "0"
+    ref = flash_attn_func(q, k, v, causal=causal)
+    ref_g = torch.autograd.grad(ref, (q, k, v), do)
+    os.environ["FLASHATTN_WS"] = "1"
+    for grid in ("persistent", "tiles", "persistent"):
+        os.environ["FLASHATTN_WS_GRID"] = grid
+        for _ in range(3):
+            out = flash_attn_func(q, k, v, causal=causal)
+            g = torch.autograd.grad(out, (q, k, v), do)
+            torch.cuda.synchronize()
+            rel = [((a.float() - c.float()).abs().max() / c.float().abs().max()).item()
+                   for a, c in zip((out, *g), (ref, *ref_g))]
+            worst = max(worst, *rel)
+        print(d, b, sq, sk, h, hk, causal, grid, "rel max diff out dq dk dv vs Triton", [f"{r:.1e}" for r in rel])
+os.environ.pop("FLASHATTN_WS_GRID")
+sys.exit(0 if worst < 2e-2 else 1)
+PY
+  timeout 100 python3 scripts/host_profile.py "$OUT/host_profile.json" 2>&1 | tee "$OUT/host_profile.log" | head -24
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout 100 python3 scripts/short_n_probe.py "$OUT/short_n_probe.json" 2>&1 | tee "$OUT/short_n_probe.log"
+fi
+if [ "$stage" = host_tests ]; then
+  timeout 400 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
+  timeout 80 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_fwd.log"
 fi

@@ -6,7 +6,8 @@ call of back-to-back calls without a sync, the median of 7 repetitions of 200 ca
   nograd   the same under torch.no_grad (the autograd Function's share is the difference)
   launcher ops.attention.attention_forward / attention_backward (argument checks and autograd excluded)
   jit      the kernel's launch through the JIT (kernel[grid](...)) with every argument built beforehand
-  compiled the compiled kernel's run() with the same arguments (the JIT's binding and cache lookup excluded)
+  compiled the compiled kernel's run() with the same arguments (the JIT's binding and cache lookup excluded:
+           what ops/launch.py's plans do)
 and sdpa-cudnn's public call beside them. Then a cProfile of forward + backward through the public API.
 
     python scripts/host_profile.py OUT.json
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
-from flashattn.ops import attention
+from flashattn.ops import attention, launch
 
 
 def _per_call_us(fn, calls=200, reps=7):
@@ -63,6 +64,7 @@ class _Capture:
 
 def _launches(jit_fn, call):
     """(jit launch, compiled launch) closures replaying the last launch of jit_fn made by call()."""
+    launch._plans.clear()  # a launch plan would bypass the JIT's run(), which the capture hooks
     with _Capture(jit_fn) as cap:
         call()
     args, kwargs, grid, kernel = cap.calls[-1]

@@ -78,12 +78,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 def _bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
               learnable_sink, deterministic):
-    dq, dk, dv, dsink = backend_module(q).attention_backward(dout, q, k, v, out, lse, **_options(
+    """dq, dk, dv and dsink (None without a sink)."""
+    return backend_module(q).attention_backward(dout, q, k, v, out, lse, **_options(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
         window_right, softcap, alibi_slopes, dropout_p, rng_state, learnable_sink),
         deterministic=deterministic)
-    # a custom op returns tensors only: an empty dsink stands for "no sink"
-    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashattn::attn_bwd", mutates_args=())
@@ -93,9 +92,12 @@ def attn_bwd(
     softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
     alibi_slopes: Tensor | None, dropout_p: float, learnable_sink: Tensor | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                     dropout_p, learnable_sink, deterministic)
+    dq, dk, dv, dsink = _bwd_impl(
+        dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, learnable_sink,
+        deterministic)
+    # a custom op returns tensors only: an empty dsink stands for "no sink"
+    return dq, dk, dv, dsink if dsink is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attn_bwd.register_fake

@@ -24,7 +24,18 @@ from flashattn.dropout import dropout_keep_mask
 from flashattn.ops.attention import default_scale
 
 
+def _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink) -> bool:
+    """Every option at its default: the common call, valid as it is (the checks' numbers.Real instance tests
+    are host time on every call)."""
+    return (softmax_scale is None and alibi_slopes is None and learnable_sink is None
+            and type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0
+            and type(window_size) is tuple and window_size == (-1, -1)
+            and type(window_size[0]) is int and type(window_size[1]) is int)
+
+
 def _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch):
+    if _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink):
+        return
     _validate.check_scale(softmax_scale)
     _validate.check_dropout(dropout_p)
     _validate.check_window(window_size)

@@ -106,6 +106,13 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     qb = i % 2
     mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
     _publish_tile(tile_smem, tile_ready, qb, n_work)
+    # the last program to get here zeroes the counter for the next launch, which saves the host a zeroing
+    # launch per call (NOTES v25): every program's last take precedes its arrival (release), and the last
+    # arrival sees them all (acquire), so no take can follow the reset
+    arrived = gl.atomic_add(tile_counter + 1, 1, sem="acq_rel")
+    if arrived == gl.num_programs(0) - 1:
+        gl.atomic_xchg(tile_counter, 0, sem="relaxed")
+        gl.atomic_xchg(tile_counter + 1, 0, sem="relaxed")
 
 
 @gluon.jit

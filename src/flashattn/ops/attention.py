@@ -20,6 +20,7 @@ from flashattn.kernels.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kern
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
 from flashattn.ops import attention_ws, host, tma
 from flashattn.ops.configs import TileConfig, tile_config
+from flashattn.ops.launch import launch
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
 _INT32_MAX = 2**31 - 1
@@ -143,7 +144,8 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device, pb.longest)
     use_tma, descs = pb.descriptors(cfg, cfg.block_n, k, v)
-    attn_fwd_kernel[(host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,)](
+    launch(
+        attn_fwd_kernel, (host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,),
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
         learnable_sink if learnable_sink is not None else q, *descs,
@@ -180,18 +182,22 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     flags = pb.flags
     block_d = max(flags["BLOCK_D"], flags["BLOCK_DV"])
 
+    # the Gluon backward adds dQ into a float32 buffer, which the preprocess zeroes (no launch of its own)
+    gluon = attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic)
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if gluon else delta
     pre_m = 64 if q.device.type == "cuda" else 32
-    attn_bwd_preprocess_kernel[(host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads)](
-        out, dout, delta, cu_q, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
-        HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
+    launch(
+        attn_bwd_preprocess_kernel, (host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads),
+        out, dout, delta, cu_q, dq_acc, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
+        HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen, ZERO_DQ=gluon,
     )
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     row_bytes = (pb.d + pb.dv) * q.element_size()
     kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
-    if attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic):
-        attention_ws.backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale, kv_group)
+    if gluon:
+        attention_ws.backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale, kv_group)
         return dq, dk, dv, None
     kv_cfg = tile_config("dkdv", block_d, q.device, pb.longest)
     q_cfg = tile_config("dq", block_d, q.device, pb.longest)
@@ -203,7 +209,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, q_tma, (k_desc, v_desc)),
     )
     for n_programs, role_dkdv, cfg, use_tma, descs in roles:
-        attn_bwd_kernel[(n_programs,)](
+        launch(
+            attn_bwd_kernel, (n_programs,),
             q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,
             dsink_rows, *descs,
             *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq), *pb.rows(dk), *pb.rows(dv),

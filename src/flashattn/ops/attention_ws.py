@@ -28,6 +28,7 @@ import torch
 
 from flashattn.ops import host, merge, tma
 from flashattn.ops.configs import tile_config
+from flashattn.ops.launch import launch
 
 _HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
 # registers per thread for the kernel's 12 warps (two consumer warpgroups, the loader's): 168 x 384 fills the
@@ -66,15 +67,27 @@ def _shared_layout(rows: int, cols: int, dtype_name: str):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, cols], getattr(gl, dtype_name))
 
 
+@functools.cache
+def _descriptor_type():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    class CheckedDescriptor(TensorDescriptor):
+        """Gluon's host descriptor without its constructor's checks (3 of the ~5 us each costs, 4-7 per
+        launch): the launchers hand it tensors that tma.usable passed or that they allocated contiguous."""
+
+        def __post_init__(self):
+            pass
+
+    return CheckedDescriptor
+
+
 def _descriptor(t, rows: int, cols: int, dtype_name: str | None = None):
     """A TMA descriptor over a (batch, seqlen, heads, d) tensor with (1, rows, 1, cols) blocks in the
     wgmma-ready shared layout; dtype_name: the Gluon element type (default: t's 16-bit type)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     if dtype_name is None:
         dtype_name = "float16" if t.dtype == torch.float16 else "bfloat16"
     layout = _shared_layout(rows, cols, dtype_name)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], layout)
+    return _descriptor_type()(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], layout)
 
 
 def eligible(pb, q, k, v, learnable_sink) -> bool:
@@ -89,6 +102,24 @@ def programs(n_work: int, device: torch.device) -> int:
     return min(n_work, merge.sm_count(device)) if persistent else n_work
 
 
+_counters: dict = {}
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """The forward's tile counter and arrival count (int32 x 2), zero between launches: the kernel's last
+    program resets them, so each stream keeps one (launches on a stream run one after another) and a call
+    launches no zeroing kernel. Under CUDA graph capture every call gets a fresh zeroed pair of its own (the
+    zeroing is captured): graphs may replay on several streams at once."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # CPU: the sm90 compile check
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel; lpt_group: heads per
     group of the launch order, as the Triton forward's."""
@@ -99,8 +130,9 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     causal = pb.flags["WINDOW_RIGHT"]
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
-    tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    attn_fwd_ws_kernel[(programs(n_work, q.device),)](
+    tile_counter = _tile_counter(q.device)
+    launch(
+        attn_fwd_ws_kernel, (programs(n_work, q.device),),
         _descriptor(q, _HALF_M, pb.d), _descriptor(k, cfg.block_n, pb.d), _descriptor(v, cfg.block_n, pb.d),
         _descriptor(out, _HALF_M, pb.d),
         lse, lse.stride(0), lse.stride(1),
@@ -124,17 +156,18 @@ def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool
             and tma.usable(q, k, v, dout, varlen=False))
 
 
-def backward(pb, q, k, v, dout, lse, delta, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
-    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward."""
+def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
+    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward; dq_acc: a zeroed
+    float32 buffer shaped like q (contiguous), into which the kernel adds dQ."""
     from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
 
     cfg = tile_config("bwd_ws", pb.d, q.device)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     n_bhk = pb.batch * pb.nheads_k
     half_n = cfg.block_n // 2
     # d = 64: each step computes the previous step's dQ (NOTES v24); FLASHATTN_BWD_DEFER_DQ=0 for the A/B
     defer_dq = pb.d == 64 and os.environ.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
-    attn_bwd_ws_kernel[(host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,)](
+    launch(
+        attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,),
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
         *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
         _descriptor(dq_acc, cfg.block_m, pb.d // 2, "float32"),

@@ -1,0 +1,147 @@
+"""ops/launch.py: a launch plan is reused only where Triton's JIT would pick the same compiled kernel."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import INTERPRET
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+
+from flashattn.ops import launch as launch_mod
+
+_BACKEND = make_backend(GPUTarget("cuda", 90, 32))
+
+
+def _native(x):
+    return native_specialize_impl(_BACKEND, x, False, True, True)
+
+
+def _values():
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 1000, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40, -1, -16,
+            -(2**31), -(2**31) - 16]
+    floats = [0.0, 1.0, 0.125, -3.5]
+    base = torch.empty(64, dtype=torch.float32)
+    tensors = [base, base[1:], base[4:], base.to(torch.float16), base.to(torch.float16)[8:],
+               base.to(torch.bfloat16)[3:], base.to(torch.int32)]
+    return ints + floats + [True, False] + tensors
+
+
+def test_spec_never_merges_what_triton_tells_apart():
+    values = _values()
+    for a, b in itertools.combinations(values, 2):
+        if type(a) is type(b) and launch_mod._spec(a) == launch_mod._spec(b):
+            assert _native(a) == _native(b), (a, b)
+    # and it tells apart the cases that matter: 16 | x, x = 1, 32-bit range, alignment, dtype
+    assert launch_mod._spec(16) != launch_mod._spec(17) != launch_mod._spec(1)
+    assert launch_mod._spec(2**31 + 16) != launch_mod._spec(32)
+    t = torch.empty(8, dtype=torch.float16)
+    assert launch_mod._spec(t) != launch_mod._spec(t[1:]) != launch_mod._spec(t.float())
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeKernel:
+    """Stands for a JITFunction: kernel[grid](...) compiles (counted) and returns the compiled kernel."""
+
+    arg_names = ["x", "n", "scale", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.jit_calls, self.compiled = [], {}
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            key = (args[1] % 16 == 0, kwargs["BLOCK"])
+            return self.compiled.setdefault(key, _Compiled())
+        return call
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch_mod, "_plans", {})
+
+
+def test_plan_reuses_the_compiled_kernel_with_every_parameter_in_order(fake_cuda):
+    kernel, x = _FakeKernel(), torch.empty(4)
+    launch_mod.launch(kernel, (3,), x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(kernel.jit_calls) == 1
+    launch_mod.launch(kernel, (5, 2), x, 48, 0.25, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(kernel.jit_calls) == 1  # same signature: no JIT
+    (compiled,) = kernel.compiled.values()
+    assert compiled.runs == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, 48, 0.25, 64, True)]
+
+
+def test_plan_misses_where_the_specialisation_changes(fake_cuda):
+    kernel, x = _FakeKernel(), torch.empty(4)
+    launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=64, FLAG=True)
+    launch_mod.launch(kernel, (1,), x, 33, 0.5, BLOCK=64, FLAG=True)  # 16 no longer divides n
+    launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=128, FLAG=True)  # another constexpr
+    launch_mod.launch(kernel, (1,), x[1:], 32, 0.5, BLOCK=64, FLAG=True)  # misaligned pointer
+    launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=8)  # another option
+    assert len(kernel.jit_calls) == 5
+    assert all(not c.runs for c in kernel.compiled.values())
+
+
+def test_no_plan_without_every_constexpr_named(fake_cuda):
+    kernel, x = _FakeKernel(), torch.empty(4)
+    for _ in range(2):
+        launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=64)  # FLAG left to a default
+    assert len(kernel.jit_calls) == 2
+
+
+def test_interpreter_always_takes_the_jit(fake_cuda, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel, x = _FakeKernel(), torch.empty(4)
+    for _ in range(3):
+        launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=64, FLAG=True)
+    assert len(kernel.jit_calls) == 3
+
+
+def test_an_installed_hook_takes_the_jit(fake_cuda):
+    from triton import knobs
+
+    def hook(metadata):
+        return None
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        kernel, x = _FakeKernel(), torch.empty(4)
+        for _ in range(2):
+            launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=64, FLAG=True)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(kernel.jit_calls) == 2
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
+@pytest.mark.parametrize("sq", [1, 17, 113])
+def test_preprocess_zeroes_the_dq_buffer(sq):
+    """ZERO_DQ: the backward's preprocess also zeroes the Gluon backward's float32 dQ buffer, every row and
+    column of it (the tail tile included), and still writes delta = rowsum(dO * O)."""
+    from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
+
+    b, h, d = 2, 3, 40
+    o, do = (torch.randn(b, sq, h, d, dtype=torch.float16) for _ in range(2))
+    delta = torch.full((b, h, sq), float("nan"))
+    dq_acc = torch.full((b, sq, h, d), float("nan"))
+    launch_mod.launch(
+        attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
+        o, do, delta, o, dq_acc, *o.stride()[:3], *do.stride()[:3], delta.stride(0), delta.stride(1), h, sq,
+        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, ZERO_DQ=True,
+    )
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    expected = (o.float() * do.float()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
