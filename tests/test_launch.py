@@ -19,8 +19,8 @@ def _native(x):
 
 
 def _values():
-    ints = [0, 1, 2, 15, 16, 17, 32, 48, 1000, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40, -1, -16,
-            -(2**31), -(2**31) - 16]
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 1000, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40,
+            2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16, -1, -16, -(2**31), -(2**31) - 16]
     floats = [0.0, 1.0, 0.125, -3.5]
     base = torch.empty(64, dtype=torch.float32)
     tensors = [base, base[1:], base[4:], base.to(torch.float16), base.to(torch.float16)[8:],
@@ -36,6 +36,7 @@ def test_spec_never_merges_what_triton_tells_apart():
     # and it tells apart the cases that matter: 16 | x, x = 1, 32-bit range, alignment, dtype
     assert launch_mod._spec(16) != launch_mod._spec(17) != launch_mod._spec(1)
     assert launch_mod._spec(2**31 + 16) != launch_mod._spec(32)
+    assert launch_mod._spec(2**63 + 16) != launch_mod._spec(2**62)
     t = torch.empty(8, dtype=torch.float16)
     assert launch_mod._spec(t) != launch_mod._spec(t[1:]) != launch_mod._spec(t.float())
 

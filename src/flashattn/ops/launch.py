@@ -6,7 +6,7 @@ kernel's own launcher (results/h200-2026-11-29-s10/host-profile). A training ste
 kernels per layer, and at N <= 2K that host time outlasts the kernels (NOTES v25). `launch` keys a plan on
 exactly what Triton 3.6 specialises on, so a plan is reused only where the JIT would pick the same compiled
 kernel:
-  - an int: 1 is a constant; otherwise its width (i32 / i64) and whether 16 divides it;
+  - an int: 1 is a constant; otherwise its width (i32 / i64 / u64) and whether 16 divides it;
   - a tensor (pointer): its dtype and whether its address is 16-byte aligned;
   - a float or bool: nothing (not specialised);
   - a Gluon tensor descriptor: its dtype, block shape and layout, which the call's constexprs fix (the
@@ -21,6 +21,7 @@ import os
 import torch
 
 _I32 = (-(2**31), 2**31)
+_I64_END = 2**63  # past it, an unsigned 64-bit parameter (a dropout seed can be)
 _plans: dict = {}
 
 
@@ -29,7 +30,7 @@ def _spec(x):
     if isinstance(x, bool) or isinstance(x, float):
         return None
     if isinstance(x, int):
-        return 1 if x == 1 else (x % 16 == 0, _I32[0] <= x < _I32[1])
+        return 1 if x == 1 else (x % 16 == 0, _I32[0] <= x < _I32[1], x < _I64_END)
     if isinstance(x, torch.Tensor):
         return x.dtype, x.data_ptr() % 16 == 0
     base = getattr(x, "base", None)  # a tensor descriptor: its type comes from the constexprs and the dtype
@@ -53,7 +54,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, tuple(kwargs.items()), tuple(_spec(a) for a in args))
+    key = (id(kernel), device, tuple(kwargs.items()), tuple(map(_spec, args)))
     plan = _plans.get(key)
     if plan is None:
         compiled = kernel[grid](*args, **kwargs)
