@@ -54,6 +54,7 @@
 #   bash scripts/device_check.sh host_table                v25: repeated calls against the Triton kernels, a
 #                                                          CUDA graph, the host profile, the train table
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
+#   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -584,4 +585,8 @@ if [ "$stage" = host_tests ]; then
   timeout 330 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
   timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
     | tee "$OUT/memcheck_fwd.log"
+fi
+
+if [ "$stage" = fwd64_sweep ]; then
+  timeout 400 python3 scripts/fwd64_sweep.py "$OUT/fwd64_sweep.json" 2>&1 | tee "$OUT/fwd64_sweep.log"
 fi
