@@ -48,39 +48,48 @@ def _run_variant(env, forced, fn):
         attention_ws.takes = _takes
 
 
+def _shape(b, n, causal, rows, path):
+    q, k, v = (torch.randn(b, n, 32, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * b * 32 * n * n * 64 / (2 if causal else 1)
+    ref = flash_attn_func(q, k, v, causal=causal)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def fa2():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def call():
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def bench():
+        return do_bench(call, warmup=25, rep=100, return_mode="median")
+
+    def graph():
+        return do_bench_cudagraph(call, rep=100, return_mode="median")
+    bar = 1.4 * flops / do_bench(fa2, warmup=25, rep=100, return_mode="median") * 1e-9
+    print(f"N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s", flush=True)
+    for name, (env, forced) in VARIANTS.items():
+        row = dict(n=n, causal=causal, variant=name, bar_tflops=bar)
+        try:
+            out = _run_variant(env, forced, call)
+            torch.cuda.synchronize()
+            row["rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            ms, graph_ms = _run_variant(env, forced, bench), _run_variant(env, forced, graph)
+            row.update(ms=ms, tflops=flops / ms * 1e-9, graph_tflops=flops / graph_ms * 1e-9)
+            print(f"  {name:20} {row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar), "
+                  f"graph {row['graph_tflops']:5.0f}, rel err {row['rel_err']:.1e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"  {name:20} {row['error']}", flush=True)
+        rows.append(row)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main(path):
     rows = []
     for b, n, causal in SHAPES:
-        q, k, v = (torch.randn(b, n, 32, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * b * 32 * n * n * 64 / (2 if causal else 1)
-        ref = flash_attn_func(q, k, v, causal=causal)
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-        def fa2():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        fa2_ms = do_bench(fa2, warmup=25, rep=100, return_mode="median")
-        bar = 1.4 * flops / fa2_ms * 1e-9
-        print(f"N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s", flush=True)
-        for name, (env, forced) in VARIANTS.items():
-            def call():
-                return flash_attn_func(q, k, v, causal=causal)
-            row = dict(n=n, causal=causal, variant=name, bar_tflops=bar)
-            try:
-                out = _run_variant(env, forced, call)
-                torch.cuda.synchronize()
-                row["rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                ms = _run_variant(env, forced, lambda: do_bench(call, warmup=25, rep=100, return_mode="median"))
-                graph = _run_variant(env, forced, lambda: do_bench_cudagraph(call, rep=100, return_mode="median"))
-                row.update(ms=ms, tflops=flops / ms * 1e-9, graph_tflops=flops / graph * 1e-9)
-                print(f"  {name:20} {row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar), "
-                      f"graph {row['graph_tflops']:5.0f}, rel err {row['rel_err']:.1e}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                print(f"  {name:20} {row['error']}", flush=True)
-            rows.append(row)
-            with open(path, "w") as f:
-                json.dump(rows, f, indent=1)
+        _shape(b, n, causal, rows, path)
 
 
 if __name__ == "__main__":
