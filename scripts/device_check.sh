@@ -55,6 +55,8 @@
 #                                                          CUDA graph, the host profile, the train table
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
+#   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
+#                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -589,4 +591,11 @@ fi
 
 if [ "$stage" = fwd64_sweep ]; then
   timeout 400 python3 scripts/fwd64_sweep.py "$OUT/fwd64_sweep.json" 2>&1 | tee "$OUT/fwd64_sweep.log"
+fi
+
+if [ "$stage" = plan_checks ]; then
+  timeout 90 python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log" | tail -4
+  timeout 70 python3 -m flashattn check 2>&1 | tee "$OUT/check.log" | tail -3
+  timeout 180 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
+    | tee "$OUT/pytest_core_rest.log" | tail -6
 fi
