@@ -11,12 +11,14 @@ Triton forward.
 
 Grid: persistent (one program per SM); after the first, each program takes its next query tile from a
 shared counter, so under a causal mask the programs' totals even out (a static walk with the grid's stride
-left the busiest 15% over the mean, NOTES v23). `FLASHATTN_WS_GRID=tiles` runs one program per tile
+left the busiest 15% over the mean, NOTES v23); the kernel's last program zeroes the counter again, so one
+per stream serves every call (`_tile_counter`). `FLASHATTN_WS_GRID=tiles` runs one program per tile
 instead (A/B timing).
 
 The backward (FA3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair instead of the
 Triton backward's 7) takes the same plain calls at d = 64 and 128, causal or not: +8-24% over the Triton
-backward at d = 128, -4% to +8% at d = 64 (benchmarks/NOTES.md v20, one run). It never runs with
+backward at d = 128 (benchmarks/NOTES.md v20), +2% to +19% at d = 64 with its deferred dQ (v24); one run
+each. It never runs with
 deterministic=True (the reduce order varies, as with flash_attn's atomic dQ), nor once its float32 dQ buffer
 would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
