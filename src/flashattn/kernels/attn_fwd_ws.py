@@ -13,9 +13,7 @@ one from a counter in global memory (an atomic add) and hands its index to the c
 memory, then fetches its Q (double-buffered) and K/V during the current tile's epilogue, so short sequences
 do not pay a prologue and an epilogue per tile and causal tiles of unequal weight even out across programs.
 With one program per tile (a grid of every tile) the counter hands out nothing. The K/V ring's slot and
-phase come from a counter that runs on across tiles, identical in every partition. A tile's O is staged in
-its Q buffer for a TMA store; DEFER_RELEASE waits for that store, and returns the buffer to the loader,
-under the next tile's first QK^T rather than at the tile's end (NOTES v27).
+phase come from a counter that runs on across tiles, identical in every partition.
 Only the plain case comes here (16-bit, padded layout, causal or not, GQA, head dims 64 and 128: the
 launcher decides): every other feature keeps the Triton kernel (attn_fwd.py), whose online-softmax
 invariants this body shares.
@@ -141,15 +139,6 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
 
 
 @gluon.jit
-def _release_q(q_empty, i):
-    """Return the previous query tile's Q buffer (tile i - 1's, none for i = 0) to the loader once the TMA
-    store of its O, staged there, has read it."""
-    if i > 0:
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index((i - 1) % 2), count=1)
-
-
-@gluon.jit
 def _next_tile(tile_smem, tile_ready, i):
     """The consumers' i-th query tile, from the loader's slot (n_work: none left)."""
     qb = i % 2
@@ -160,8 +149,7 @@ def _next_tile(tile_smem, tile_ready, i):
 
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              WG: gl.constexpr):
+              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -200,9 +188,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-            if DEFER_RELEASE:
-                # while it runs: the previous tile's O store and the release of its buffer
-                _release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
@@ -232,8 +217,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last), count=1)
-        elif DEFER_RELEASE:
-            _release_q(q_empty, i)
         c += n_k
 
         # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
@@ -244,34 +227,27 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
                  mask=offs_q < seqlen_q)
         # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
-        # past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE waits
-        # for that under the next tile's first QK^T instead of here (the loader needs the buffer back only
-        # for the tile after that, NOTES v27)
+        # past seqlen_q; the buffer returns to the loader once the store has read it
         q.store(out.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_buf)
-        if not DEFER_RELEASE:
-            tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(qb), count=1)
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(qb), count=1)
         i += 1
         t = _next_tile(tile_smem, tile_ready, i)
-    if DEFER_RELEASE:
-        _release_q(q_empty, i)
 
 
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 0)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr):
-    # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 1)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    # a worker partition: the loader's signature
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, 1)
 
 
 @gluon.jit
@@ -279,7 +255,7 @@ def attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     # two consumer warpgroups of 64 rows. (Three, FA3's choice at d = 64, spill: ptxas holds each partition to
     # its setmaxnreg share, and 160 registers do not hold QK^T, P and O in flight at once.)
@@ -320,7 +296,7 @@ def attn_fwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
         (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])
