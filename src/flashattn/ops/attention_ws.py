@@ -73,14 +73,14 @@ def _shared_layout(rows: int, cols: int, dtype_name: str):
 def _descriptor_type():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    class CheckedDescriptor(TensorDescriptor):
+    class PrecheckedDescriptor(TensorDescriptor):
         """Gluon's host descriptor without its constructor's checks (3 of the ~5 us each costs, 4-7 per
         launch): the launchers hand it tensors that tma.usable passed or that they allocated contiguous."""
 
         def __post_init__(self):
             pass
 
-    return CheckedDescriptor
+    return PrecheckedDescriptor
 
 
 def _descriptor(t, rows: int, cols: int, dtype_name: str | None = None):
