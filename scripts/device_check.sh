@@ -78,6 +78,32 @@ sparse_memcheck() {  # TIMEOUT DIR
     | tee "$2/memcheck_sparse.log"
 }
 
+ws_bwd_smoke() {  # LOG [HEAD_DIM]: the Gluon backward's gradients against the Triton backward's, odd shapes
+  # (every shape at HEAD_DIM when given); exits 1 past a 2e-2 relative difference
+  timeout 90 python3 - "${2:-}" <<'PY' 2>&1 | tee "$1"
+import os, sys, torch
+from flashattn import flash_attn_func
+worst = 0.0
+for b, sq, sk, h, hk, d, causal in [(2, 1000, 1000, 4, 4, 128, False), (2, 1100, 1300, 8, 2, 128, True),
+                                    (1, 1300, 100, 4, 4, 128, True), (2, 700, 900, 4, 4, 64, True),
+                                    (2, 2048, 2048, 4, 1, 64, False), (1, 113, 1023, 2, 2, 128, True)]:
+    d = int(sys.argv[1]) if sys.argv[1] else d
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for flag in ("1", "0"):
+        os.environ["FLASHATTN_WS_BWD"] = flag
+        grads[flag] = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
+    torch.cuda.synchronize()
+    rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
+           for a, c in zip(grads["1"], grads["0"])]
+    worst = max(worst, *rel)
+    print(b, sq, sk, h, hk, d, causal, "rel max diff dq dk dv (Gluon vs Triton backward)", [f"{r:.2e}" for r in rel])
+sys.exit(0 if worst < 2e-2 else 1)
+PY
+}
+
 if [ "$stage" = tune ]; then
   python3 -c "import sys; from flashattn.demo import check; sys.exit(check())" 2>&1 | tee "$OUT/check.log"
   python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log"
@@ -367,27 +393,7 @@ if [ "$stage" = ws_tests ]; then
 fi
 
 if [ "$stage" = ws_bwd ]; then
-  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/ws_bwd_smoke.log" || exit 1
-import os, sys, torch
-from flashattn import flash_attn_func
-worst = 0.0
-for b, sq, sk, h, hk, d, causal in [(2, 1000, 1000, 4, 4, 128, False), (2, 1100, 1300, 8, 2, 128, True),
-                                    (1, 1300, 100, 4, 4, 128, True), (2, 700, 900, 4, 4, 64, True),
-                                    (2, 2048, 2048, 4, 1, 64, False), (1, 113, 1023, 2, 2, 128, True)]:
-    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    do = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-    grads = {}
-    for flag in ("1", "0"):
-        os.environ["FLASHATTN_WS_BWD"] = flag
-        grads[flag] = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
-    torch.cuda.synchronize()
-    rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
-           for a, c in zip(grads["1"], grads["0"])]
-    worst = max(worst, *rel)
-    print(b, sq, sk, h, hk, d, causal, "rel max diff dq dk dv (Gluon vs Triton backward)", [f"{r:.2e}" for r in rel])
-sys.exit(0 if worst < 2e-2 else 1)
-PY
+  ws_bwd_smoke "$OUT/ws_bwd_smoke.log" || exit 1
   timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
   timeout 150 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py 2>&1 | tee "$OUT/pytest_ws.log" | tail -6
@@ -492,26 +498,7 @@ fi
 if [ "$stage" = defer_dq ]; then
   # NOTES v24: the d=64 Gluon backward computing each step's dQ one step late, beside the step order and the
   # Triton backward
-  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/defer_smoke.log" || exit 1
-import os, sys, torch
-from flashattn import flash_attn_func
-worst = 0.0
-for b, sq, sk, h, hk, causal in [(2, 1000, 1000, 4, 4, False), (2, 1100, 1300, 8, 2, True), (1, 1300, 100, 4, 4, True),
-                                 (2, 700, 900, 4, 4, True), (2, 2048, 2048, 4, 1, False), (1, 113, 1023, 2, 2, True)]:
-    q = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, sk, hk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    do = torch.randn(b, sq, h, 64, device="cuda", dtype=torch.bfloat16)
-    grads = {}
-    for flag in ("1", "0"):
-        os.environ["FLASHATTN_WS_BWD"] = flag
-        grads[flag] = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
-    torch.cuda.synchronize()
-    rel = [((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6)).item()
-           for a, c in zip(grads["1"], grads["0"])]
-    worst = max(worst, *rel)
-    print(b, sq, sk, h, hk, causal, "rel max diff dq dk dv (deferred dQ vs Triton)", [f"{r:.2e}" for r in rel])
-sys.exit(0 if worst < 2e-2 else 1)
-PY
+  ws_bwd_smoke "$OUT/defer_smoke.log" 64 || exit 1
   for defer in 1 0; do
     FLASHATTN_BWD_DEFER_DQ=$defer timeout 60 python3 -m flashattn bench --suite train --headdims 64 \
       --seqlens 1024,4096,16384 --modes bwd --quiet --no-plots --providers flashattn,flashattn-triton-bwd \
