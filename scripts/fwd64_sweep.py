@@ -1,10 +1,10 @@
 """The d=64 forward's tiles, side by side with FlashAttention-2 (the M1 bar is 1.4x it at d=64), H200 only.
 
-The forward points of the train grid still under the bar in the s10 table are d=64: 1K (0.997), causal 1K
-and 2K (0.93, 0.98). This times, in one process, the shipped choice, the Triton forward, and the Gluon
-forward (forced past its shape rule) with and without v27's deferred release and v28's prefetched first
-QK^T, each checked against the shipped output first; do_bench medians as `flashattn bench`, and the GPU time
-from a CUDA graph. (s10's run, `results/h200-2026-11-29-s10/fwd64-sweep`, swept the tiles.)
+The four forward points of the train grid still under the bar in the s10 table are d=64: 1K (0.998), and
+causal 1K, 2K, 4K (0.93, 0.98, 0.9995). This times, in one process, the shipped choice, the Triton forward
+under other tile configs and the Gluon forward under other key tiles and stage counts (forced past its shape
+rule), each checked against the shipped output first; do_bench medians as `flashattn bench`, and the GPU
+time from a CUDA graph.
 
     python scripts/fwd64_sweep.py OUT.json
 """
@@ -25,19 +25,20 @@ SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True)]
 VARIANTS = {  # name -> (environment, Gluon forced)
     "shipped": ({}, False),
     "triton": ({"FLASHATTN_WS": "0"}, False),
+    "triton 128,128,8,3": ({"FLASHATTN_WS": "0", "FLASHATTN_CONFIG": "fwd=128,128,8,3"}, False),
     "triton 128,64,4,3": ({"FLASHATTN_WS": "0", "FLASHATTN_CONFIG": "fwd=128,64,4,3"}, False),
-    "gluon st3 v28": ({}, True),  # the first QK^T prefetched and the deferred release (NOTES v27, v28)
-    "gluon st3 v27": ({"FLASHATTN_FWD_PREFETCH_QK": "0"}, True),
-    "gluon st3 tile-end": ({"FLASHATTN_FWD_PREFETCH_QK": "0", "FLASHATTN_FWD_DEFER_RELEASE": "0"}, True),
-    "gluon st2 v28": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,2"}, True),
-    "gluon st4 v28": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
+    "triton 128,32,4,4": ({"FLASHATTN_WS": "0", "FLASHATTN_CONFIG": "fwd=128,32,4,4"}, False),
+    "gluon 128,128 st3": ({}, True),
+    "gluon 128,128 st2": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,2"}, True),
+    "gluon 128,128 st4": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
+    "gluon 128,64 st3": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,3"}, True),
+    "gluon 128,64 st5": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,5"}, True),
 }
-_ENV = ("FLASHATTN_WS", "FLASHATTN_CONFIG", "FLASHATTN_FWD_PREFETCH_QK", "FLASHATTN_FWD_DEFER_RELEASE")
 _takes = attention_ws.takes
 
 
 def _run_variant(env, forced, fn):
-    for name in _ENV:
+    for name in ("FLASHATTN_WS", "FLASHATTN_CONFIG"):
         os.environ.pop(name, None)
     os.environ.update(env)
     attention_ws.takes = (lambda d, causal, longest: True) if forced else _takes

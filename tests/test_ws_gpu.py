@@ -78,17 +78,14 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     assert ws_calls
 
 
-@pytest.mark.parametrize("defer, prefetch", [("1", "1"), ("1", "0"), ("0", "0")],
-                         ids=["prefetch-qk", "deferred-release", "tile-end-release"])
+@pytest.mark.parametrize("defer", ["1", "0"], ids=["deferred-release", "tile-end-release"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk, causal", [(2100, 2100, True), (1400, 3, True), (1400, 700, True),
                                             (17, 1023, False)])
-def test_tile_boundary_orders(ws_calls, monkeypatch, defer, prefetch, d, sq, sk, causal):
-    # each persistent program takes several tiles, some without keys (sq > sk, causal): a Q buffer returned
-    # before its O store has read it, never returned, or a first QK^T issued against the wrong Q or K
-    # stage shows as a wrong or hanging result (NOTES v27, v28; the prefetch runs at d = 64 only)
+def test_q_buffer_release_orders(ws_calls, monkeypatch, defer, d, sq, sk, causal):
+    # each persistent program takes several tiles (some without keys): a Q buffer returned before its O
+    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27)
     monkeypatch.setenv("FLASHATTN_FWD_DEFER_RELEASE", defer)
-    monkeypatch.setenv("FLASHATTN_FWD_PREFETCH_QK", prefetch)
     check_against_oracle(*_qkv(3, sq, sk, 24, 8, d), causal=causal, grads=False)
     assert ws_calls
 

@@ -159,60 +159,9 @@ def _next_tile(tile_smem, tile_ready, i):
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, q_buf, o_desc, LSE, off_b, off_h, row0, offs_q, seqlen_q, stride_lse_b,
-              stride_lse_h, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    """Normalise O, store LSE, and issue the TMA store of O staged in the tile's (no longer read) Q buffer."""
-    # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
-             mask=offs_q < seqlen_q)
-    q_buf.reshape([HALF_M, HEAD_DIM]).store(out.to(q_buf.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_buf)
-
-
-@gluon.jit
-def _issue_first_qk(q_smem, k_smem, q_ready, k_ready, i, c, s_zero, STAGES: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, WG: gl.constexpr):
-    """Issue QK^T of query tile i (the consumers' count) against key tile c (the ring's count), once both
-    have landed; the caller waits for it."""
-    qb = i % 2
-    mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
-    q = q_smem.index((BLOCK_M // HALF_M) * qb + WG).reshape([HALF_M, HEAD_DIM])
-    mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
-    return warpgroup_mma(q, k_smem.index(c % STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                         use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _first_qk(q_smem, k_smem, q_ready, k_ready, k_empty, i, c, s_zero, STAGES: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, WG: gl.constexpr):
-    """QK^T of query tile i against key tile c with nothing to hide it under: issued, waited for, the K
-    stage released."""
-    s = _issue_first_qk(q_smem, k_smem, q_ready, k_ready, i, c, s_zero, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        WG)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(c % STAGES), count=1)
-    return s
-
-
-@gluon.jit
-def _keys_of(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, GROUP: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tiles of query tile t; 0 for the stop sentinel (t = n_work)."""
-    n_k = 0
-    if t < n_work:
-        n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP, BLOCK_M, BLOCK_N, CAUSAL)[4]
-    return n_k
-
-
-@gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              PREFETCH_QK: gl.constexpr, WG: gl.constexpr):
+              WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -228,13 +177,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
     i = 0
     t = _next_tile(tile_smem, tile_ready, i)
-    # PREFETCH_QK: a tile's first QK^T, issued under the previous tile's last PV and epilogue (NOTES v28)
-    s_next = s_zero
-    if PREFETCH_QK:
-        if _keys_of(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, GROUP, BLOCK_M, BLOCK_N,
-                    CAUSAL) > 0:
-            s_next = _first_qk(q_smem, k_smem, q_ready, k_ready, k_empty, i, c, s_zero, STAGES, BLOCK_M,
-                               BLOCK_N, HEAD_DIM, WG)
     while t < n_work:
         off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
                                                    BLOCK_M, BLOCK_N, CAUSAL)
@@ -253,24 +195,18 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
 
         if n_k > 0:
-            if PREFETCH_QK:
-                s = s_next  # issued and waited for at the end of the previous tile
-            else:
-                # key tile 0: QK^T alone
-                s0 = c % STAGES
-                mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
-                s = warpgroup_mma(q, k_smem.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-                if DEFER_RELEASE:
-                    # while it runs: the previous tile's O store and the release of its buffer
-                    _release_q(q_empty, i)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(s0), count=1)
+            # key tile 0: QK^T alone
+            s0 = c % STAGES
+            mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            if DEFER_RELEASE:
+                # while it runs: the previous tile's O store and the release of its buffer
+                _release_q(q_empty, i)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
                                           s_layout, BLOCK_N, CAUSAL)
-            if PREFETCH_QK:
-                # the previous tile's O store has had the softmax to read its buffer
-                _release_q(q_empty, i)
             for j in range(1, n_k):
                 cur = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
@@ -293,78 +229,49 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             last = (c + n_k - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((c + n_k - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            if PREFETCH_QK:
-                # the last PV stays an in-flight handle of its own (no branch below may rebind acc to it)
-                acc_pv = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
-                                       is_async=True)
-                # the next tile's first QK^T joins this PV in flight; this tile's epilogue runs under both
-                t = _next_tile(tile_smem, tile_ready, i + 1)
-                if _keys_of(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, GROUP, BLOCK_M, BLOCK_N,
-                            CAUSAL) > 0:
-                    s_pend = _issue_first_qk(q_smem, k_smem, q_ready, k_ready, i + 1, c + n_k, s_zero, STAGES,
-                                             BLOCK_M, BLOCK_N, HEAD_DIM, WG)
-                    # wgmma groups retire in order: one left outstanding means this PV is done
-                    acc_done = warpgroup_mma_wait(1, deps=(acc_pv,))
-                    mbarrier.arrive(v_empty.index(last), count=1)
-                    _epilogue(acc_done, m_i, l_i, q_buf, o_desc, LSE, off_b, off_h, row0, offs_q, seqlen_q,
-                              stride_lse_b, stride_lse_h, HEAD_DIM, o_layout)
-                    s_next = warpgroup_mma_wait(0, deps=(s_pend,))
-                    mbarrier.arrive(k_empty.index((c + n_k) % STAGES), count=1)
-                else:
-                    acc_done = warpgroup_mma_wait(0, deps=(acc_pv,))
-                    mbarrier.arrive(v_empty.index(last), count=1)
-                    _epilogue(acc_done, m_i, l_i, q_buf, o_desc, LSE, off_b, off_h, row0, offs_q, seqlen_q,
-                              stride_lse_b, stride_lse_h, HEAD_DIM, o_layout)
-                    # every path sets it, so no old value stays live through the next tile's loop
-                    s_next = s_zero
-            else:
-                acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(last), count=1)
-        elif DEFER_RELEASE or PREFETCH_QK:
+            acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(last), count=1)
+        elif DEFER_RELEASE:
             _release_q(q_empty, i)
-            if PREFETCH_QK:
-                # no key for this tile: out = 0, lse = +inf; then the next tile's first QK^T, unhidden
-                _epilogue(acc, m_i, l_i, q_buf, o_desc, LSE, off_b, off_h, row0, offs_q, seqlen_q,
-                          stride_lse_b, stride_lse_h, HEAD_DIM, o_layout)
-                t = _next_tile(tile_smem, tile_ready, i + 1)
-                s_next = s_zero
-                if _keys_of(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, GROUP, BLOCK_M, BLOCK_N,
-                            CAUSAL) > 0:
-                    s_next = _first_qk(q_smem, k_smem, q_ready, k_ready, k_empty, i + 1, c, s_zero, STAGES,
-                                       BLOCK_M, BLOCK_N, HEAD_DIM, WG)
         c += n_k
-        if PREFETCH_QK:
-            i += 1
-        else:
-            # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips
-            # rows past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE
-            # waits for that under the next tile's first QK^T instead of here (the loader needs the buffer
-            # back only for the tile after that, NOTES v27)
-            _epilogue(acc, m_i, l_i, q_buf, o_desc, LSE, off_b, off_h, row0, offs_q, seqlen_q, stride_lse_b,
-                      stride_lse_h, HEAD_DIM, o_layout)
-            if not DEFER_RELEASE:
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(qb), count=1)
-            i += 1
-            t = _next_tile(tile_smem, tile_ready, i)
-    if DEFER_RELEASE or PREFETCH_QK:
+
+        # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
+                 mask=offs_q < seqlen_q)
+        # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
+        # past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE waits
+        # for that under the next tile's first QK^T instead of here (the loader needs the buffer back only
+        # for the tile after that, NOTES v27)
+        q.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_buf)
+        if not DEFER_RELEASE:
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(qb), count=1)
+        i += 1
+        t = _next_tile(tile_smem, tile_ready, i)
+    if DEFER_RELEASE:
         _release_q(q_empty, i)
 
 
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, PREFETCH_QK: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, PREFETCH_QK, 0)
+               DEFER_RELEASE: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, PREFETCH_QK: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, PREFETCH_QK, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 1)
 
 
 @gluon.jit
@@ -373,7 +280,6 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    PREFETCH_QK: gl.constexpr = False,
 ):
     # two consumer warpgroups of 64 rows. (Three, FA3's choice at d = 64, spill: ptxas holds each partition to
     # its setmaxnreg share, and 160 registers do not hold QK^T, P and O in flight at once.)
@@ -414,8 +320,7 @@ def attn_fwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, PREFETCH_QK)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                      PREFETCH_QK)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
         (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])
