@@ -55,8 +55,8 @@
 #                                                          CUDA graph, the host profile, the train table
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
-#   bash scripts/device_check.sh defer_release             v27: the forward's deferred Q-buffer release: smoke,
-#                                                          A/B, its GPU tests, memcheck, racecheck
+#   bash scripts/device_check.sh pingpong                  v29: the forward's consumers taking turns: smoke,
+#                                                          the d=64 sweep, the d=128 A/B, GPU tests, sanitizers
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
@@ -589,9 +589,9 @@ if [ "$stage" = plan_checks ]; then
     | tee "$OUT/pytest_core_rest.log" | tail -6
 fi
 
-if [ "$stage" = defer_release ]; then
-  # NOTES v27: the forward waits for a tile's O store under the next tile's first QK^T
-  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/release_smoke.log" || exit 1
+if [ "$stage" = pingpong ]; then
+  # NOTES v29: the forward's two consumers take turns issuing their matmuls
+  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/pingpong_smoke.log" || exit 1
 import os, sys, torch
 from flashattn import flash_attn_func
 worst = 0.0
@@ -603,24 +603,25 @@ for d, b, sq, sk, h, causal in [(64, 16, 1024, 1024, 32, True), (128, 8, 2048, 2
     ref = flash_attn_func(q, k, v, causal=causal)
     os.environ["FLASHATTN_WS"] = "1"
     for flag in ("1", "0", "1"):
-        os.environ["FLASHATTN_FWD_DEFER_RELEASE"] = flag
+        os.environ["FLASHATTN_FWD_PINGPONG"] = flag
         for _ in range(3):
             out = flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
         rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         worst = max(worst, rel)
-        print(d, b, sq, sk, h, causal, "defer", flag, "rel max diff vs Triton", f"{rel:.1e}")
+        print(d, b, sq, sk, h, causal, "pingpong", flag, "rel max diff vs Triton", f"{rel:.1e}")
 sys.exit(0 if worst < 2e-2 else 1)
 PY
+  timeout 200 python3 scripts/fwd64_sweep.py "$OUT/fwd64_sweep.json" 2>&1 | tee "$OUT/fwd64_sweep.log"
   for flag in 1 0; do
-    FLASHATTN_FWD_DEFER_RELEASE=$flag timeout 100 python3 -m flashattn bench --suite train --headdims 64,128 \
+    FLASHATTN_FWD_PINGPONG=$flag timeout 70 python3 -m flashattn bench --suite train --headdims 128 \
       --seqlens 1024,2048,4096,16384 --modes fwd --quiet --no-plots --providers flashattn,sdpa-flash \
-      --out "$OUT/release$flag" 2>&1 | tail -14
+      --out "$OUT/pingpong$flag" 2>&1 | tail -12
   done
-  timeout 150 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
     | tee "$OUT/pytest_fwd.log" | tail -4
-  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
-    | tee "$OUT/memcheck_release.log"
-  timeout 80 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -6 \
-    | tee "$OUT/racecheck_release.log"
+  timeout 50 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
+    | tee "$OUT/memcheck_pingpong.log"
+  timeout 70 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -6 \
+    | tee "$OUT/racecheck_pingpong.log"
 fi
