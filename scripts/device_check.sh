@@ -55,6 +55,7 @@
 #                                                          CUDA graph, the host profile, the train table
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
+#   bash scripts/device_check.sh fwd_profile               ncu pipes/stalls of the Gluon forward, the boundary tests
 #   bash scripts/device_check.sh pingpong                  v29: the forward's consumers taking turns: smoke,
 #                                                          the d=64 sweep, the d=128 A/B, GPU tests, sanitizers
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -441,10 +442,31 @@ if [ "$stage" = bwd_profile ]; then
     FLASHATTN_WS_BWD=$ws timeout ${BWD_PROFILE_S:-150} "$NCU" --kernel-name "$kernel" --launch-skip $skip --launch-count $count \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
-      python3 scripts/profile_bwd_case.py "$1" "$2" > "$OUT/ncu_$name.txt" 2>&1
+      python3 scripts/profile_case.py "$1" "$2" > "$OUT/ncu_$name.txt" 2>&1
     grep -E -i "Duration|Throughput|Stall|Issued|Eligible|Active Warps|Registers|Pipe" "$OUT/ncu_$name.txt" \
       | head -40
   done
+fi
+
+if [ "$stage" = fwd_profile ]; then
+  # where the Gluon forward's time goes (NOTES v29/v30): pipes (tensor, SFU = xu, fma, alu), issue slots and
+  # stalls; d=64 at 16K with and without the consumers' turns, 1K causal, and d=128 at 16K
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  IFS=';' read -ra cases <<< "${FWD_PROFILE_CASES:-64 16384 1;64 16384 0;64 1024 0 causal;128 16384 0}"
+  for case in "${cases[@]}"; do
+    set -- $case
+    name="d$1_n$2_pp$3${4:+_$4}"
+    FLASHATTN_FWD_PINGPONG=$3 timeout 100 "$NCU" --kernel-name regex:attn_fwd_ws --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section InstructionStats \
+      --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*.avg.pct_of_peak_sustained_active" \
+      python3 scripts/profile_case.py "$1" "$2" ${4:-} fwd > "$OUT/ncu_fwd_$name.txt" 2>&1
+    echo "== $name"
+    grep -E -i "Duration|SM Busy|Issue Slots|Issued Ipc|Stall|Eligible|pipe_(tensor|xu|fma|alu|fp16|uniform).*(pct|%)" \
+      "$OUT/ncu_fwd_$name.txt" | grep -v -E " 0(\.0+)?$" | head -40
+  done
+  timeout 150 python3 -m pytest -m gpu -q -rs -x tests/test_ws_gpu.py -k tile_boundary 2>&1 \
+    | tee "$OUT/pytest_boundary.log" | tail -4
 fi
 
 if [ "$stage" = ws_dyn ]; then

@@ -1,0 +1,33 @@
+"""One forward or backward call of the plain training shape, for Nsight Compute's stall and pipe sections.
+
+    ncu --kernel-name regex:attn_bwd_ws --launch-skip 2 --launch-count 1 --section WarpStateStats ... \
+        python scripts/profile_case.py D N [causal] [fwd]
+
+b x N = 16K tokens, h = 2048 / d, bf16 (the train suite's grid). Warm-up calls come first, so the launch that
+is profiled is compiled and cached (skip 2 launches of the kernel); FLASHATTN_WS_BWD=0 profiles the Triton
+backward instead, FLASHATTN_WS=0 the Triton forward.
+"""
+
+import sys
+
+import torch
+
+from flashattn import flash_attn_func
+
+d, n = int(sys.argv[1]), int(sys.argv[2])
+causal = "causal" in sys.argv[3:]
+forward_only = "fwd" in sys.argv[3:]
+shape = (16384 // n, n, 2048 // d, d)
+q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=not forward_only)
+           for _ in range(3))
+if forward_only:
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=causal)
+else:
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    for _ in range(3):
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+torch.cuda.synchronize()
+print("profiled", shape, "causal" if causal else "full", "forward" if forward_only else "backward",
+      flush=True)
