@@ -26,18 +26,15 @@ SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True),
 VARIANTS = {  # name -> (environment, Gluon forced)
     "shipped": ({}, False),
     "triton": ({"FLASHATTN_WS": "0"}, False),
-    "triton 128,64,4,3": ({"FLASHATTN_WS": "0", "FLASHATTN_CONFIG": "fwd=128,64,4,3"}, False),
-    "gluon st3 pingpong": ({}, True),
-    "gluon st3 drift": ({"FLASHATTN_FWD_PINGPONG": "0"}, True),
-    "gluon st2 pingpong": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,2"}, True),
-    "gluon st4 pingpong": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
-    "gluon 128,64 st5 pp": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,5"}, True),
+    "gluon sfu": ({"FLASHATTN_FWD_EXP_EMU": "0"}, True),
+    "gluon 1/2 emulated": ({"FLASHATTN_FWD_EXP_EMU": "2"}, True),
+    "gluon 1/4 emulated": ({"FLASHATTN_FWD_EXP_EMU": "4"}, True),
 }
 _takes = attention_ws.takes
 
 
 def _run_variant(env, forced, fn):
-    for name in ("FLASHATTN_WS", "FLASHATTN_CONFIG", "FLASHATTN_FWD_PINGPONG"):
+    for name in ("FLASHATTN_WS", "FLASHATTN_CONFIG", "FLASHATTN_FWD_EXP_EMU"):
         os.environ.pop(name, None)
     os.environ.update(env)
     attention_ws.takes = (lambda d, causal, longest: True) if forced else _takes

@@ -7,8 +7,7 @@ cores idle during the softmax. Here the roles are explicit:
     (ready: bytes landed; empty: both consumers done) per stage and operand;
   - two consumer warpgroups each own 64 query rows of the 128-row tile. Inside one, the next tile's QK^T and
     the previous tile's PV are in flight while the softmax runs (wgmma is asynchronous; we wait explicitly),
-    and with PINGPONG the two warpgroups take turns issuing their matmuls, so one's softmax runs under the
-    other's matmuls (NOTES v29); they share nothing else but the K/V stages.
+    and the two warpgroups never synchronise with each other, so one's softmax overlaps the other's matmuls.
 The grid is persistent (one program per SM): after its first tile, the loader takes the program's next
 one from a counter in global memory (an atomic add) and hands its index to the consumers through shared
 memory, then fetches its Q (double-buffered) and K/V during the current tile's epilogue, so short sequences
@@ -36,6 +35,46 @@ from flashattn.kernels.common import grouped_program  # scalar arithmetic: Gluon
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup: the wgmma M of one warpgroup
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
+
+
+def _exp2_asm(pack: int) -> str:
+    """PTX for 2^x of `pack` elements (x <= 0, finite): the SFU's ex2 for all but the last, the last on the
+    FMA and integer pipes (FlashAttention-4's split of the exponentials, NOTES v30). 2^x = 2^j * 2^f with j
+    the integer nearest x (the 1.5 * 2^23 rounding trick, which also leaves j in the sum's low bits) and
+    f in [-0.5, 0.5]; 2^f by a cubic fitted for relative error (2.2e-4 at most, a tenth of a bfloat16
+    rounding of P); j enters as an add to the exponent field. x is clamped at -126, where 2^x is ~1e-38
+    instead of 0 (callers pass no -inf: rows with a visible key only)."""
+    ex2 = "".join(f"ex2.approx.ftz.f32 ${i}, ${pack + i};\n" for i in range(pack - 1))
+    last_out, last_in = f"${pack - 1}", f"${2 * pack - 1}"
+    return (
+        "{\n.reg .f32 f, t, j, p;\n.reg .b32 ti, pi;\n" + ex2
+        + f"max.ftz.f32 f, {last_in}, 0fC2FC0000;\n"  # -126.0
+        + "add.rn.ftz.f32 t, f, 0f4B400000;\n"  # + 1.5 * 2^23: rounds to an integer, j in the low bits
+        + "sub.rn.ftz.f32 j, t, 0f4B400000;\n"
+        + "sub.rn.ftz.f32 f, f, j;\n"
+        # 2^f ~ 0.99996275 + f (0.69358683 + f (0.24215215 + f 0.05286732))
+        + "fma.rn.ftz.f32 p, f, 0f3D588B66, 0f3E77F6BB;\n"
+        + "fma.rn.ftz.f32 p, p, f, 0f3F318EE8;\n"
+        + "fma.rn.ftz.f32 p, p, f, 0f3F7FFD8F;\n"
+        + "mov.b32 ti, t;\nshl.b32 ti, ti, 23;\nmov.b32 pi, p;\nadd.s32 pi, pi, ti;\n"
+        + f"mov.b32 {last_out}, pi;\n}}"
+    )
+
+
+_EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
+_EXP2_ASM_4 = gl.constexpr(_exp2_asm(4))
+
+
+@gluon.jit
+def _exp2(x, EXP_EMU: gl.constexpr):
+    """2^x elementwise; EXP_EMU = 2 or 4 computes one element in EXP_EMU off the SFU (_exp2_asm)."""
+    if EXP_EMU == 2:
+        y = gl.inline_asm_elementwise(_EXP2_ASM_2, "=f,=f,f,f", [x], gl.float32, True, 2)
+    elif EXP_EMU == 4:
+        y = gl.inline_asm_elementwise(_EXP2_ASM_4, "=f,=f,=f,=f,f,f,f,f", [x], gl.float32, True, 4)
+    else:
+        y = gl.exp2(x)
+    return y
 
 
 @gluon.jit
@@ -73,7 +112,7 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready, turn = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
     c = 0  # K/V tiles loaded so far, across query tiles: the ring slot and its phase
     i = 0  # query tiles taken so far: the Q buffer and its phase
@@ -120,7 +159,7 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
-             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EXP_EMU: gl.constexpr):
     """One tile of the online softmax (base 2): (p, m_new, l_new, alpha)."""
     if start_n + BLOCK_N > unmasked_to:
         offs_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -135,7 +174,8 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_sub = m_new
-        p = gl.exp2(s * qk_scale - m_sub[:, None])
+        # every key visible: m is finite, so the arguments are finite and <= 0, as _exp2's split needs
+        p = _exp2(s * qk_scale - m_sub[:, None], EXP_EMU)
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
@@ -151,27 +191,6 @@ def _release_q(q_empty, i):
 
 
 @gluon.jit
-def _take_turn(turn, g, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Wait until this warpgroup may issue its g-th batch of wgmmas (PINGPONG: the two consumers take
-    turns, FlashAttention-3's warp scheduling): warpgroup 0's batch g follows warpgroup 1's batch g - 1,
-    warpgroup 1's follows warpgroup 0's batch g. So one's matmuls run while the other's softmax does, instead
-    of both warpgroups, which start each query tile on the same K tile, drifting into the same phase and
-    leaving the tensor cores idle during their softmaxes (NOTES v29). Returns g + 1."""
-    if PINGPONG:
-        # a fresh mbarrier counts as having completed the phase before 0: warpgroup 0's first batch goes
-        # at once
-        mbarrier.wait(turn.index(WG), (g + 1 - WG) & 1)
-    return g + 1
-
-
-@gluon.jit
-def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Let the other consumer issue its next batch (after this warpgroup's batch is issued, not finished)."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-
-
-@gluon.jit
 def _next_tile(tile_smem, tile_ready, i):
     """The consumers' i-th query tile, from the loader's slot (n_work: none left)."""
     qb = i % 2
@@ -183,9 +202,9 @@ def _next_tile(tile_smem, tile_ready, i):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              PINGPONG: gl.constexpr, WG: gl.constexpr):
+              EXP_EMU: gl.constexpr, WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready, turn = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -197,7 +216,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
 
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
-    g = 0  # wgmma batches issued so far, across query tiles: the same count in both consumers (PINGPONG)
     i = 0
     t = _next_tile(tile_smem, tile_ready, i)
     while t < n_work:
@@ -221,34 +239,30 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             # key tile 0: QK^T alone
             s0 = c % STAGES
             mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
-            g = _take_turn(turn, g, WG, PINGPONG)
             s = warpgroup_mma(q, k_smem.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
             if DEFER_RELEASE:
                 # while it runs: the previous tile's O store and the release of its buffer
                 _release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
-                                          s_layout, BLOCK_N, CAUSAL)
+                                          s_layout, BLOCK_N, CAUSAL, EXP_EMU)
             for j in range(1, n_k):
                 cur = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
                 # issue this key tile's QK^T, then the previous one's PV; the softmax below runs while they do
                 mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                g = _take_turn(turn, g, WG, PINGPONG)
                 s = warpgroup_mma(q, k_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(cur), count=1)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
-                                              unmasked_to, s_layout, BLOCK_N, CAUSAL)
+                                              unmasked_to, s_layout, BLOCK_N, CAUSAL, EXP_EMU)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
@@ -256,9 +270,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             last = (c + n_k - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((c + n_k - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            g = _take_turn(turn, g, WG, PINGPONG)
             acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last), count=1)
         elif DEFER_RELEASE:
@@ -291,16 +303,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, PINGPONG, 0)
+               DEFER_RELEASE: gl.constexpr, EXP_EMU: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, EXP_EMU, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, PINGPONG: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, EXP_EMU: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, PINGPONG, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, EXP_EMU, 1)
 
 
 @gluon.jit
@@ -309,7 +321,7 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    PINGPONG: gl.constexpr = False,
+    EXP_EMU: gl.constexpr = 0,
 ):
     # two consumer warpgroups of 64 rows. (Three, FA3's choice at d = 64, spill: ptxas holds each partition to
     # its setmaxnreg share, and 160 registers do not hold QK^T, P and O in flight at once.)
@@ -331,11 +343,8 @@ def attn_fwd_ws_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # consumer w's turn to issue wgmmas (PINGPONG), arrived by the other consumer
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
         mbarrier.init(tile_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
@@ -344,7 +353,7 @@ def attn_fwd_ws_kernel(
         # released by every consumer warpgroup
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready, turn)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready)
     problem = (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter)
 
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale,
@@ -353,8 +362,8 @@ def attn_fwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, PINGPONG)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, EXP_EMU)),
         (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                      PINGPONG)),
+                      EXP_EMU)),
         (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])
