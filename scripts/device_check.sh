@@ -56,8 +56,8 @@
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
 #   bash scripts/device_check.sh fwd_profile               ncu pipes/stalls of the Gluon forward, the boundary tests
-#   bash scripts/device_check.sh exp_emu                   v30: exponentials on the FMA pipe: smoke, the d=64
-#                                                          sweep, the d=128 A/B, the forward GPU tests
+#   bash scripts/device_check.sh final                     the train table, the torch.compile GPU tests,
+#                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
@@ -450,14 +450,15 @@ fi
 
 if [ "$stage" = fwd_profile ]; then
   # where the Gluon forward's time goes (NOTES v29/v30): pipes (tensor, SFU = xu, fma, alu), issue slots and
-  # stalls; d=64 at 16K with and without exponentials off the SFU, 1K causal, and d=128 at 16K
+  # stalls; d=64 at 16K and 1K causal, and d=128 at 16K
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
-  # each case: d N EXP_EMU [causal]
-  IFS=';' read -ra cases <<< "${FWD_PROFILE_CASES:-64 16384 0;64 16384 4;64 1024 0 causal;128 16384 0}"
+  # each case: d N FLASHATTN_WS (1: the Gluon forward) [causal]
+  IFS=';' read -ra cases <<< "${FWD_PROFILE_CASES:-64 16384 1;64 1024 1 causal;128 16384 1}"
   for case in "${cases[@]}"; do
     set -- $case
-    name="d$1_n$2_emu$3${4:+_$4}"
-    FLASHATTN_FWD_EXP_EMU=$3 timeout 100 "$NCU" --kernel-name regex:attn_fwd_ws --launch-skip 2 \
+    name="d$1_n$2_ws$3${4:+_$4}"
+    kernel=$([ "$3" = 0 ] && echo regex:attn_fwd_kernel || echo regex:attn_fwd_ws)
+    FLASHATTN_WS=$3 timeout 100 "$NCU" --kernel-name "$kernel" --launch-skip 2 \
       --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section InstructionStats \
       --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*.avg.pct_of_peak_sustained_active" \
@@ -612,34 +613,12 @@ if [ "$stage" = plan_checks ]; then
     | tee "$OUT/pytest_core_rest.log" | tail -6
 fi
 
-if [ "$stage" = exp_emu ]; then
-  # NOTES v30: one exponential in 2 or 4 computed on the FMA pipe instead of the SFU
-  timeout 90 python3 - <<'PY' 2>&1 | tee "$OUT/emu_smoke.log" || exit 1
-import os, sys, torch
-from flashattn import flash_attn_func
-worst = 0.0
-for d, b, sq, sk, h, causal in [(64, 16, 1024, 1024, 32, True), (128, 8, 2048, 2048, 16, True),
-                                (64, 3, 1400, 3, 24, True), (128, 2, 1000, 1300, 8, False)]:
-    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    os.environ["FLASHATTN_WS"] = "0"
-    ref = flash_attn_func(q, k, v, causal=causal)
-    os.environ["FLASHATTN_WS"] = "1"
-    for flag in ("0", "2", "4"):
-        os.environ["FLASHATTN_FWD_EXP_EMU"] = flag
-        out = flash_attn_func(q, k, v, causal=causal)
-        torch.cuda.synchronize()
-        rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        worst = max(worst, rel)
-        print(d, b, sq, sk, h, causal, "emulated 1 in", flag, "rel max diff vs Triton", f"{rel:.1e}")
-sys.exit(0 if worst < 2e-2 else 1)
-PY
-  timeout 200 python3 scripts/fwd64_sweep.py "$OUT/fwd64_sweep.json" 2>&1 | tee "$OUT/fwd64_sweep.log"
-  for flag in 4 0; do
-    FLASHATTN_FWD_EXP_EMU=$flag timeout 70 python3 -m flashattn bench --suite train --headdims 128 \
-      --seqlens 1024,2048,4096,16384 --modes fwd --quiet --no-plots --providers flashattn,sdpa-flash \
-      --out "$OUT/emu$flag" 2>&1 | tail -12
-  done
-  FLASHATTN_FWD_EXP_EMU=2 timeout 170 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" \
-    2>&1 | tee "$OUT/pytest_fwd_emu2.log" | tail -4
+if [ "$stage" = final ]; then
+  # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
+  # torch.compile (the core GPU tests' compile cases) and `flashattn check`'s decode and block-sparse cases
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k compile 2>&1 \
+    | tee "$OUT/pytest_compile.log" | tail -4
+  timeout 130 python3 -m flashattn check 2>&1 | tee "$OUT/check.log" | tail -8
 fi

@@ -26,15 +26,18 @@ SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True),
 VARIANTS = {  # name -> (environment, Gluon forced)
     "shipped": ({}, False),
     "triton": ({"FLASHATTN_WS": "0"}, False),
-    "gluon sfu": ({"FLASHATTN_FWD_EXP_EMU": "0"}, True),
-    "gluon 1/2 emulated": ({"FLASHATTN_FWD_EXP_EMU": "2"}, True),
-    "gluon 1/4 emulated": ({"FLASHATTN_FWD_EXP_EMU": "4"}, True),
+    "triton 128,64,4,3": ({"FLASHATTN_WS": "0", "FLASHATTN_CONFIG": "fwd=128,64,4,3"}, False),
+    "gluon st3": ({}, True),
+    "gluon st3 tile-end release": ({"FLASHATTN_FWD_DEFER_RELEASE": "0"}, True),
+    "gluon st2": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,2"}, True),
+    "gluon st4": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
+    "gluon 128,64 st5": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,5"}, True),
 }
 _takes = attention_ws.takes
 
 
 def _run_variant(env, forced, fn):
-    for name in ("FLASHATTN_WS", "FLASHATTN_CONFIG", "FLASHATTN_FWD_EXP_EMU"):
+    for name in ("FLASHATTN_WS", "FLASHATTN_CONFIG", "FLASHATTN_FWD_DEFER_RELEASE"):
         os.environ.pop(name, None)
     os.environ.update(env)
     attention_ws.takes = (lambda d, causal, longest: True) if forced else _takes

@@ -37,46 +37,6 @@ HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup: the wgmma M of o
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
 
 
-def _exp2_asm(pack: int) -> str:
-    """PTX for 2^x of `pack` elements (x <= 0, finite): the SFU's ex2 for all but the last, the last on the
-    FMA and integer pipes (FlashAttention-4's split of the exponentials, NOTES v30). 2^x = 2^j * 2^f with j
-    the integer nearest x (the 1.5 * 2^23 rounding trick, which also leaves j in the sum's low bits) and
-    f in [-0.5, 0.5]; 2^f by a cubic fitted for relative error (2.2e-4 at most, a tenth of a bfloat16
-    rounding of P); j enters as an add to the exponent field. x is clamped at -126, where 2^x is ~1e-38
-    instead of 0 (callers pass no -inf: rows with a visible key only)."""
-    ex2 = "".join(f"ex2.approx.ftz.f32 ${i}, ${pack + i};\n" for i in range(pack - 1))
-    last_out, last_in = f"${pack - 1}", f"${2 * pack - 1}"
-    return (
-        "{\n.reg .f32 f, t, j, p;\n.reg .b32 ti, pi;\n" + ex2
-        + f"max.ftz.f32 f, {last_in}, 0fC2FC0000;\n"  # -126.0
-        + "add.rn.ftz.f32 t, f, 0f4B400000;\n"  # + 1.5 * 2^23: rounds to an integer, j in the low bits
-        + "sub.rn.ftz.f32 j, t, 0f4B400000;\n"
-        + "sub.rn.ftz.f32 f, f, j;\n"
-        # 2^f ~ 0.99996275 + f (0.69358683 + f (0.24215215 + f 0.05286732))
-        + "fma.rn.ftz.f32 p, f, 0f3D588B66, 0f3E77F6BB;\n"
-        + "fma.rn.ftz.f32 p, p, f, 0f3F318EE8;\n"
-        + "fma.rn.ftz.f32 p, p, f, 0f3F7FFD8F;\n"
-        + "mov.b32 ti, t;\nshl.b32 ti, ti, 23;\nmov.b32 pi, p;\nadd.s32 pi, pi, ti;\n"
-        + f"mov.b32 {last_out}, pi;\n}}"
-    )
-
-
-_EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
-_EXP2_ASM_4 = gl.constexpr(_exp2_asm(4))
-
-
-@gluon.jit
-def _exp2(x, EXP_EMU: gl.constexpr):
-    """2^x elementwise; EXP_EMU = 2 or 4 computes one element in EXP_EMU off the SFU (_exp2_asm)."""
-    if EXP_EMU == 2:
-        y = gl.inline_asm_elementwise(_EXP2_ASM_2, "=f,=f,f,f", [x], gl.float32, True, 2)
-    elif EXP_EMU == 4:
-        y = gl.inline_asm_elementwise(_EXP2_ASM_4, "=f,=f,=f,=f,f,f,f,f", [x], gl.float32, True, 4)
-    else:
-        y = gl.exp2(x)
-    return y
-
-
 @gluon.jit
 def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -159,7 +119,7 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
-             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, EXP_EMU: gl.constexpr):
+             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """One tile of the online softmax (base 2): (p, m_new, l_new, alpha)."""
     if start_n + BLOCK_N > unmasked_to:
         offs_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -174,8 +134,7 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_sub = m_new
-        # every key visible: m is finite, so the arguments are finite and <= 0, as _exp2's split needs
-        p = _exp2(s * qk_scale - m_sub[:, None], EXP_EMU)
+        p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
@@ -202,7 +161,7 @@ def _next_tile(tile_smem, tile_ready, i):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              EXP_EMU: gl.constexpr, WG: gl.constexpr):
+              WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -247,7 +206,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
-                                          s_layout, BLOCK_N, CAUSAL, EXP_EMU)
+                                          s_layout, BLOCK_N, CAUSAL)
             for j in range(1, n_k):
                 cur = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
@@ -262,7 +221,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(cur), count=1)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
-                                              unmasked_to, s_layout, BLOCK_N, CAUSAL, EXP_EMU)
+                                              unmasked_to, s_layout, BLOCK_N, CAUSAL)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
@@ -303,16 +262,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, EXP_EMU: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, EXP_EMU, 0)
+               DEFER_RELEASE: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, EXP_EMU: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, EXP_EMU, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 1)
 
 
 @gluon.jit
@@ -321,7 +280,6 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    EXP_EMU: gl.constexpr = 0,
 ):
     # two consumer warpgroups of 64 rows. (Three, FA3's choice at d = 64, spill: ptxas holds each partition to
     # its setmaxnreg share, and 160 registers do not hold QK^T, P and O in flight at once.)
@@ -362,8 +320,7 @@ def attn_fwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, EXP_EMU)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                      EXP_EMU)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
         (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])
