@@ -56,7 +56,7 @@
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
 #   bash scripts/device_check.sh fwd_profile               ncu pipes/stalls of the Gluon forward, the boundary tests
-#   bash scripts/device_check.sh final                     the train table, the torch.compile GPU tests,
+#   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
@@ -613,7 +613,7 @@ if [ "$stage" = plan_checks ]; then
     | tee "$OUT/pytest_core_rest.log" | tail -6
 fi
 
-if [ "$stage" = final ]; then
+if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
   # torch.compile (the core GPU tests' compile cases) and `flashattn check`'s decode and block-sparse cases
   timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
