@@ -78,17 +78,14 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     assert ws_calls
 
 
-@pytest.mark.parametrize("one", ["1", "0"], ids=["one-kv-release", "k-and-v-releases"])
 @pytest.mark.parametrize("defer", ["1", "0"], ids=["deferred-release", "tile-end-release"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk, causal", [(2100, 2100, True), (1400, 3, True), (1400, 700, True),
                                             (17, 1023, False)])
-def test_tile_boundary_orders(ws_calls, monkeypatch, one, defer, d, sq, sk, causal):
+def test_tile_boundary_orders(ws_calls, monkeypatch, defer, d, sq, sk, causal):
     # each persistent program takes several tiles (some without keys): a Q buffer returned before its O
-    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27); so does a K/V
-    # stage returned once per step too early or never (NOTES v31)
+    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27)
     monkeypatch.setenv("FLASHATTN_FWD_DEFER_RELEASE", defer)
-    monkeypatch.setenv("FLASHATTN_FWD_ONE_RELEASE", one)
     # past N = 1K the shape rule sends causal d = 64 to the Triton forward: force this kernel
     monkeypatch.setattr(attention_ws, "takes", lambda d, causal, longest: True)
     check_against_oracle(*_qkv(3, sq, sk, 24, 8, d), causal=causal, grads=False)

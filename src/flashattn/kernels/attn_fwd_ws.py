@@ -4,8 +4,7 @@ Why a second forward body: Triton 3.6 gives no warp specialisation on sm_90 (its
 loop unchanged, NOTES v2/v14) and its pipeliner waits for every QK^T right after issuing it, so the tensor
 cores idle during the softmax. Here the roles are explicit:
   - a loader warp streams K and V tiles through a ring of shared-memory stages with TMA, one mbarrier pair
-    (ready: bytes landed; empty: both consumers done) per stage and operand (ONE_RELEASE: one empty
-    barrier per stage for K and V together, one arrive per step, NOTES v31);
+    (ready: bytes landed; empty: both consumers done) per stage and operand;
   - two consumer warpgroups each own 64 query rows of the 128-row tile. Inside one, the next tile's QK^T and
     the previous tile's PV are in flight while the softmax runs (wgmma is asynchronous; we wait explicitly),
     and the two warpgroups never synchronise with each other, so one's softmax overlaps the other's matmuls.
@@ -70,7 +69,7 @@ def _publish_tile(tile_smem, tile_ready, qb, t):
 
 @gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, ONE_RELEASE: gl.constexpr):
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
@@ -92,13 +91,11 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
         for j in range(n_k):
             s = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
-            # ONE_RELEASE: k_empty returns the stage's K and V together
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s),
                                             k_smem.index(s))
-            if not ONE_RELEASE:
-                mbarrier.wait(v_empty.index(s), phase)
+            mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s),
                                             v_smem.index(s))
@@ -153,16 +150,6 @@ def _release_q(q_empty, i):
 
 
 @gluon.jit
-def _release_kv(k_empty, v_empty, stage, ONE_RELEASE: gl.constexpr):
-    """Return a stage's V (its PV has retired) to the loader; ONE_RELEASE returns its K with it, held since
-    its QK^T retired, so each step arrives once (each arrive costs the warpgroup a bar.sync, NOTES v31)."""
-    if ONE_RELEASE:
-        mbarrier.arrive(k_empty.index(stage), count=1)
-    else:
-        mbarrier.arrive(v_empty.index(stage), count=1)
-
-
-@gluon.jit
 def _next_tile(tile_smem, tile_ready, i):
     """The consumers' i-th query tile, from the loader's slot (n_work: none left)."""
     qb = i % 2
@@ -174,7 +161,7 @@ def _next_tile(tile_smem, tile_ready, i):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              ONE_RELEASE: gl.constexpr, WG: gl.constexpr):
+              WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -217,8 +204,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 # while it runs: the previous tile's O store and the release of its buffer
                 _release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
-            if not ONE_RELEASE:
-                mbarrier.arrive(k_empty.index(s0), count=1)
+            mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
                                           s_layout, BLOCK_N, CAUSAL)
             for j in range(1, n_k):
@@ -233,12 +219,11 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
-                if not ONE_RELEASE:
-                    mbarrier.arrive(k_empty.index(cur), count=1)
+                mbarrier.arrive(k_empty.index(cur), count=1)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
                                               unmasked_to, s_layout, BLOCK_N, CAUSAL)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                _release_kv(k_empty, v_empty, prev, ONE_RELEASE)
+                mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             last = (c + n_k - 1) % STAGES
@@ -246,7 +231,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            _release_kv(k_empty, v_empty, last, ONE_RELEASE)
+            mbarrier.arrive(v_empty.index(last), count=1)
         elif DEFER_RELEASE:
             _release_q(q_empty, i)
         c += n_k
@@ -277,16 +262,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, ONE_RELEASE: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, ONE_RELEASE, 0)
+               DEFER_RELEASE: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, ONE_RELEASE: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, ONE_RELEASE, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, 1)
 
 
 @gluon.jit
@@ -295,7 +280,6 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    ONE_RELEASE: gl.constexpr = False,
 ):
     # two consumer warpgroups of 64 rows. (Three, FA3's choice at d = 64, spill: ptxas holds each partition to
     # its setmaxnreg share, and 160 registers do not hold QK^T, P and O in flight at once.)
@@ -336,8 +320,7 @@ def attn_fwd_ws_kernel(
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, ONE_RELEASE)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                      ONE_RELEASE)),
-        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, ONE_RELEASE)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])
