@@ -56,6 +56,7 @@
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
 #   bash scripts/device_check.sh fwd_profile               ncu pipes/stalls of the Gluon forward, the boundary tests
+#   bash scripts/device_check.sh bwd_parts                 v34: the backward's kernels' GPU times apart
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -613,6 +614,11 @@ if [ "$stage" = plan_checks ]; then
     | tee "$OUT/pytest_core_rest.log" | tail -6
 fi
 
+if [ "$stage" = bwd_parts ]; then
+  # NOTES v34: the backward's kernels apart (preprocess, Gluon kernel, the dQ conversion copy)
+  timeout 240 python3 scripts/bwd_kernel_times.py "$OUT/bwd_kernel_times.json" 1024 2048 16384 2>&1 \
+    | tee "$OUT/bwd_kernel_times.log"
+fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
   # torch.compile (the core GPU tests' compile cases) and `flashattn check`'s decode and block-sparse cases
