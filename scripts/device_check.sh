@@ -82,6 +82,10 @@ sparse_memcheck() {  # TIMEOUT DIR
     | tee "$2/memcheck_sparse.log"
 }
 
+ncu_bin() {  # Nsight Compute's CLI: on PATH, or where the CUDA toolkit and Nsight installs put it
+  command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1
+}
+
 ws_bwd_smoke() {  # LOG [HEAD_DIM]: the Gluon backward's gradients against the Triton backward's, odd shapes
   # (every shape at HEAD_DIM when given); exits 1 past a 2e-2 relative difference
   timeout 90 python3 - "${2:-}" <<'PY' 2>&1 | tee "$1"
@@ -431,7 +435,7 @@ if [ "$stage" = bwd64_cfg ]; then
 fi
 if [ "$stage" = bwd_profile ]; then
   # where the d=64 Gluon backward waits, beside d=128 (where it reaches the bar) and the Triton backward
-  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  NCU=$(ncu_bin)
   # BWD_PROFILE_CASES narrows the list (each case: d N [triton])
   IFS=';' read -ra cases <<< "${BWD_PROFILE_CASES:-64 16384;128 16384;64 16384 triton}"
   for case in "${cases[@]}"; do
@@ -452,7 +456,7 @@ fi
 if [ "$stage" = fwd_profile ]; then
   # where the Gluon forward's time goes (NOTES v29/v30): pipes (tensor, SFU = xu, fma, alu), issue slots and
   # stalls; d=64 at 16K and 1K causal, and d=128 at 16K
-  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  NCU=$(ncu_bin)
   # each case: d N FLASHATTN_WS (1: the Gluon forward) [causal]
   IFS=';' read -ra cases <<< "${FWD_PROFILE_CASES:-64 16384 1;64 1024 1 causal;128 16384 1}"
   for case in "${cases[@]}"; do

@@ -33,11 +33,12 @@ VARIANTS = {  # name -> (environment, Gluon forced)
     "gluon st4": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
     "gluon 128,64 st5": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,5"}, True),
 }
+_ENV_NAMES = {name for env, _ in VARIANTS.values() for name in env}  # cleared before each variant
 _takes = attention_ws.takes
 
 
 def _run_variant(env, forced, fn):
-    for name in ("FLASHATTN_WS", "FLASHATTN_CONFIG", "FLASHATTN_FWD_DEFER_RELEASE"):
+    for name in _ENV_NAMES:
         os.environ.pop(name, None)
     os.environ.update(env)
     attention_ws.takes = (lambda d, causal, longest: True) if forced else _takes
