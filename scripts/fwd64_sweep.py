@@ -26,12 +26,13 @@ SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True),
 VARIANTS = {  # name -> (environment, Gluon forced)
     "shipped": ({}, False),
     "triton": ({"FLASHATTN_WS": "0"}, False),
-    "triton 128,64,4,3": ({"FLASHATTN_WS": "0", "FLASHATTN_CONFIG": "fwd=128,64,4,3"}, False),
-    "gluon st3": ({}, True),
-    "gluon st3 tile-end release": ({"FLASHATTN_FWD_DEFER_RELEASE": "0"}, True),
-    "gluon st2": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,2"}, True),
-    "gluon st4": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
-    "gluon 128,64 st5": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,5"}, True),
+    "gluon v31+v32": ({}, True),
+    "gluon v31": ({"FLASHATTN_FWD_HALF_DIAG": "0"}, True),
+    "gluon v32": ({"FLASHATTN_FWD_ONE_RELEASE": "0"}, True),
+    "gluon neither": ({"FLASHATTN_FWD_ONE_RELEASE": "0", "FLASHATTN_FWD_HALF_DIAG": "0"}, True),
+    "gluon serial (v33)": ({"FLASHATTN_FWD_SERIAL": "1"}, True),
+    "gluon 3 consumers (v33)": ({"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"}, True),
+    "gluon 3 consumers st4": ({"FLASHATTN_CONFIG": "fwd_ws=192,128,4,4"}, True),
 }
 _ENV_NAMES = {name for env, _ in VARIANTS.values() for name in env}  # cleared before each variant
 _takes = attention_ws.takes

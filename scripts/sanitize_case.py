@@ -1,6 +1,8 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
-    python scripts/sanitize_case.py [dense] [decode] [sparse] [ws_fwd] [ws_bwd]    # default: the first three
+    python scripts/sanitize_case.py [dense] [decode] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
+
+(default: the first three).
 
 ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after a
 Triton forward) so that a hazard report names one of them.
@@ -77,14 +79,23 @@ def sparse():
         _grad_check(block_sparse_attn_func(q, k, v, mask), q, k, v)
 
 
-def ws_fwd():
+def ws_fwd(head_dims=(64, 128)):
     # 140 tiles of 256 rows x 70 heads: more than the 132 programs, so some take a second from the counter
     for causal, n, h, d in ((False, 200, 2, 128), (True, 1100, 2, 128), (True, 256, 70, 128),
-                            (False, 256, 70, 128), (False, 256, 70, 64), (True, 1000, 2, 64)):
+                            (False, 256, 70, 128), (False, 256, 70, 64), (True, 1000, 2, 64),
+                            (True, 700, 70, 64)):
+        if d not in head_dims:
+            continue
         q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
+
+
+def ws_fwd64():
+    # d = 64 alone: the three consumer warpgroups of 192-row tiles (FLASHATTN_CONFIG=fwd_ws=192,128,4,3) exist
+    # at d = 64 only (NOTES v33)
+    ws_fwd(head_dims=(64,))
 
 
 def ws_bwd():

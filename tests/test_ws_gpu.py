@@ -78,14 +78,30 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     assert ws_calls
 
 
-@pytest.mark.parametrize("defer", ["1", "0"], ids=["deferred-release", "tile-end-release"])
-@pytest.mark.parametrize("d", [64, 128])
+# the shipped order, and each of v27, v31, v32 turned off alone; v33's serial steps with two consumers, and
+# its three consumers of 192 rows (d = 64 only: at d = 128 they spill)
+ORDERS = {
+    "shipped": {},
+    "k-and-v-releases": {"FLASHATTN_FWD_ONE_RELEASE": "0"},
+    "full-diagonal": {"FLASHATTN_FWD_HALF_DIAG": "0"},
+    "tile-end-release": {"FLASHATTN_FWD_DEFER_RELEASE": "0"},
+    "serial": {"FLASHATTN_FWD_SERIAL": "1"},
+    "three-consumers": {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"},
+}
+
+
+@pytest.mark.parametrize("order, d", [(order, d) for order in ORDERS for d in (64, 128)
+                                      if not (order == "three-consumers" and d == 128)])
 @pytest.mark.parametrize("sq, sk, causal", [(2100, 2100, True), (1400, 3, True), (1400, 700, True),
-                                            (17, 1023, False)])
-def test_tile_boundary_orders(ws_calls, monkeypatch, defer, d, sq, sk, causal):
+                                            (700, 1400, True), (333, 333, True), (17, 1023, False)])
+def test_tile_boundary_orders(ws_calls, monkeypatch, order, d, sq, sk, causal):
     # each persistent program takes several tiles (some without keys): a Q buffer returned before its O
-    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27)
-    monkeypatch.setenv("FLASHATTN_FWD_DEFER_RELEASE", defer)
+    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27); so does a K/V
+    # stage returned once per step too early or never (v31), a half diagonal step (v32) that drops a
+    # visible key or releases a stage twice (sq != sk shifts the diagonal both ways; 333 ends mid-tile), or
+    # a third consumer's rows or barrier counts gone wrong (v33)
+    for name, value in ORDERS[order].items():
+        monkeypatch.setenv(name, value)
     # past N = 1K the shape rule sends causal d = 64 to the Triton forward: force this kernel
     monkeypatch.setattr(attention_ws, "takes", lambda d, causal, longest: True)
     check_against_oracle(*_qkv(3, sq, sk, 24, 8, d), causal=causal, grads=False)
