@@ -54,13 +54,11 @@
 #   bash scripts/device_check.sh host_table                v25: repeated calls against the Triton kernels, a
 #                                                          CUDA graph, the host profile, the train table
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
-#   bash scripts/device_check.sh fwd64_sweep               the d=64 forward's tiles beside FA2 (NOTES v26)
 #   bash scripts/device_check.sh fwd_profile               ncu pipes/stalls of the Gluon forward, the boundary tests
 #   bash scripts/device_check.sh bwd_parts                 v34: the backward's kernels' GPU times apart
-#   bash scripts/device_check.sh v31_v33                   v31 (one K/V release per step), v32 (the half
-#                                                          diagonal step), v33 (serial steps, 3 consumers at
-#                                                          d=64): smoke, memcheck, the d=64 sweep
-#   bash scripts/device_check.sh v31_v33_tests             v31-v33: the forward GPU tests, racecheck
+#   bash scripts/device_check.sh fwd_ship                  v31-v33 as shipped: the forward sweep at d=64 and
+#                                                          128 (scripts/fwd_sweep.py), the forward GPU tests,
+#                                                          racecheck, then the backward's kernels apart
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -611,9 +609,6 @@ if [ "$stage" = host_tests ]; then
     | tee "$OUT/memcheck_fwd.log"
 fi
 
-if [ "$stage" = fwd64_sweep ]; then
-  timeout 400 python3 scripts/fwd64_sweep.py "$OUT/fwd64_sweep.json" 2>&1 | tee "$OUT/fwd64_sweep.log"
-fi
 
 if [ "$stage" = plan_checks ]; then
   timeout 90 python3 scripts/gpu_features_check.py 2>&1 | tee "$OUT/features.log" | tail -4
@@ -627,55 +622,19 @@ if [ "$stage" = bwd_parts ]; then
   timeout 240 python3 scripts/bwd_kernel_times.py "$OUT/bwd_kernel_times.json" 1024 2048 16384 2>&1 \
     | tee "$OUT/bwd_kernel_times.log"
 fi
-if [ "$stage" = v31_v33 ]; then
-  # NOTES v31 (one K/V stage release per step), v32 (the half diagonal step, causal), v33 (serial steps;
-  # three consumer warpgroups of 192 rows at d=64): each against the Triton forward, then the d=64 sweep
-  # (d=128 shows in the table run after it); the files go back as one archive (the device returns at most 8)
-  mkdir -p "$OUT/res"
-  timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/res/smoke.log" || exit 1
-import os, sys, torch
-from flashattn import flash_attn_func
-from flashattn.ops import attention_ws
-attention_ws.takes = lambda d, causal, longest: True  # the Gluon forward at every shape
-VARIANTS = {"v31+v32": {}, "v32": {"FLASHATTN_FWD_ONE_RELEASE": "0"}, "v31": {"FLASHATTN_FWD_HALF_DIAG": "0"},
-            "serial": {"FLASHATTN_FWD_SERIAL": "1"}, "3 consumers": {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"}}
-worst = 0.0
-for d, b, sq, sk, h, causal in [(64, 16, 1024, 1024, 32, True), (128, 8, 2048, 2048, 16, True),
-                                (64, 3, 1400, 3, 24, True), (64, 2, 700, 1400, 8, True),
-                                (128, 2, 1000, 1300, 8, False), (64, 2, 2100, 2100, 8, True)]:
-    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, sk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    os.environ["FLASHATTN_WS"] = "0"
-    ref = flash_attn_func(q, k, v, causal=causal)
-    os.environ["FLASHATTN_WS"] = "1"
-    for name, env in VARIANTS.items():
-        if name == "3 consumers" and d != 64:
-            continue
-        os.environ.update(env)
-        for _ in range(3):
-            out = flash_attn_func(q, k, v, causal=causal)
-        torch.cuda.synchronize()
-        for key in env:
-            del os.environ[key]
-        rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        worst = max(worst, rel)
-        print(d, b, sq, sk, h, causal, name, "rel max diff vs Triton", f"{rel:.1e}", flush=True)
-sys.exit(0 if worst < 2e-2 else 1)
-PY
-  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -4 \
-    | tee "$OUT/res/memcheck.log"
-  FLASHATTN_CONFIG=fwd_ws=192,128,4,3 timeout 60 compute-sanitizer --tool memcheck python3 \
-    scripts/sanitize_case.py ws_fwd64 2>&1 | tail -4 | tee "$OUT/res/memcheck_three.log"
-  timeout 330 python3 scripts/fwd64_sweep.py "$OUT/res/fwd64_sweep.json" 2>&1 | tee "$OUT/res/fwd64_sweep.log"
-  tar -C "$OUT" -czf "$OUT/res.tgz" res
-fi
-if [ "$stage" = v31_v33_tests ]; then
-  timeout 400 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+if [ "$stage" = fwd_ship ]; then
+  # NOTES v31-v33 as shipped (three consumers at d = 64 past 1K, one K/V release per step off): the forward
+  # variants at d = 64 and 128, the forward GPU tests, racecheck with two and three consumers, then (in what is
+  # left of the call's 10 minutes) the backward's kernels apart (NOTES v34)
+  timeout 260 python3 scripts/fwd_sweep.py "$OUT/fwd_sweep.json" 2>&1 | tee "$OUT/fwd_sweep.log"
+  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
     | tee "$OUT/pytest_fwd.log" | tail -4
-  timeout 90 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -6 \
+  timeout 45 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd 2>&1 | tail -3 \
     | tee "$OUT/racecheck.log"
-  FLASHATTN_CONFIG=fwd_ws=192,128,4,3 timeout 90 compute-sanitizer --tool racecheck python3 \
-    scripts/sanitize_case.py ws_fwd64 2>&1 | tail -6 | tee "$OUT/racecheck_three.log"
+  FLASHATTN_CONFIG=fwd_ws=192,128,4,3 timeout 45 compute-sanitizer --tool racecheck python3 \
+    scripts/sanitize_case.py ws_fwd64 2>&1 | tail -3 | tee "$OUT/racecheck_three.log"
+  timeout $((585 - SECONDS)) python3 scripts/bwd_kernel_times.py "$OUT/bwd_kernel_times.json" 1024 2048 16384 \
+    2>&1 | tail -30
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:

@@ -84,10 +84,12 @@ def test_io_model_follows_the_gluon_forward(monkeypatch):
     assert kernel_tiles("fwd", 128, 1024, causal=False) == gluon  # its launcher takes N = 1K non-causal
     assert kernel_tiles("fwd", 128, 1024, causal=True) == gluon
     assert kernel_tiles("fwd", 128, 4096, causal=True) == gluon
-    gluon64 = (_H200[("fwd_ws", 64)].block_m, _H200[("fwd_ws", 64)].block_n)
-    assert kernel_tiles("fwd", 64, 1024, causal=False) == gluon64
-    assert kernel_tiles("fwd", 64, 1024, causal=True) == gluon64
-    assert kernel_tiles("fwd", 64, 2048, causal=True) == (128, 64)  # causal d = 64 from 2K: Triton's row
+    # d = 64: two consumers up to 1K (the short row), three past it (192-row tiles), causal or not
+    two = _H200_SHORT[("fwd_ws", 64)][1]
+    assert kernel_tiles("fwd", 64, 1024, causal=False) == (two.block_m, two.block_n) == (128, 128)
+    assert kernel_tiles("fwd", 64, 1024, causal=True) == (128, 128)
+    assert kernel_tiles("fwd", 64, 2048, causal=True) == (192, 128)
+    assert kernel_tiles("fwd", 64, 16384, causal=False) == (192, 128)
     assert forward_io(AttnShape(16, 16, 1024, 128)).detail["block_m"] == gluon[0]
     assert forward_io(AttnShape(16, 16, 1024, 128, window=(256, 0))).detail["block_m"] == 64
     monkeypatch.setenv("FLASHATTN_WS", "0")
@@ -238,12 +240,13 @@ def test_ws_switch_off(monkeypatch):
     assert not _ws_eligible(monkeypatch)
 
 
-def test_ws_takes_d64_without_a_mask_or_up_to_1k(monkeypatch):
+def test_ws_takes_d64_at_any_length(monkeypatch):
+    # causal past 1K too, since three consumer warpgroups (NOTES v33)
     assert _ws_eligible(monkeypatch, d=64)
     assert _ws_eligible(monkeypatch, d=64, sq=16384, sk=16384)
     assert _ws_eligible(monkeypatch, d=64, sq=1024, sk=1024, causal=True)
-    assert not _ws_eligible(monkeypatch, d=64, causal=True)  # 2K causal: the Triton forward
-    assert not _ws_eligible(monkeypatch, d=64, sq=1000, sk=1100, causal=True)  # the longer side decides
+    assert _ws_eligible(monkeypatch, d=64, causal=True)
+    assert not _ws_eligible(monkeypatch, d=96, causal=True)
 
 
 def test_ws_grid(monkeypatch):

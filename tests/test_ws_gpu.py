@@ -43,7 +43,7 @@ def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
     return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
 
 
-# the kernel takes d = 128, and d = 64 without a mask or causal up to 1K (ops/attention_ws.py)
+# the kernel takes d = 64 and 128 at any length (ops/attention_ws.py); d = 64 past 1K takes three consumers
 SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (113, 1023), (1023, 113), (1, 1023), (2049, 1537),
            (128, 128), (256, 320)]
 CAUSAL_SEQLENS = [(1, 1537), (17, 1100), (1100, 17), (1025, 1025), (2049, 1537), (1537, 2049), (113, 2000),
@@ -78,20 +78,21 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     assert ws_calls
 
 
-# the shipped order, and each of v27, v31, v32 turned off alone; v33's serial steps with two consumers, and
-# its three consumers of 192 rows (d = 64 only: at d = 128 they spill)
+# the shipped order (three consumers at d = 64 past N = 1K, NOTES v33), v27 and v32 turned off alone, v31
+# turned on; serial steps with two consumers, and each consumer count forced (d = 64 only: three spill at 128)
 ORDERS = {
     "shipped": {},
-    "k-and-v-releases": {"FLASHATTN_FWD_ONE_RELEASE": "0"},
+    "one-release": {"FLASHATTN_FWD_ONE_RELEASE": "1"},
     "full-diagonal": {"FLASHATTN_FWD_HALF_DIAG": "0"},
     "tile-end-release": {"FLASHATTN_FWD_DEFER_RELEASE": "0"},
     "serial": {"FLASHATTN_FWD_SERIAL": "1"},
     "three-consumers": {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"},
+    "two-consumers": {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"},
 }
 
 
 @pytest.mark.parametrize("order, d", [(order, d) for order in ORDERS for d in (64, 128)
-                                      if not (order == "three-consumers" and d == 128)])
+                                      if not (order in ("three-consumers", "two-consumers") and d == 128)])
 @pytest.mark.parametrize("sq, sk, causal", [(2100, 2100, True), (1400, 3, True), (1400, 700, True),
                                             (700, 1400, True), (333, 333, True), (17, 1023, False)])
 def test_tile_boundary_orders(ws_calls, monkeypatch, order, d, sq, sk, causal):
@@ -102,8 +103,6 @@ def test_tile_boundary_orders(ws_calls, monkeypatch, order, d, sq, sk, causal):
     # a third consumer's rows or barrier counts gone wrong (v33)
     for name, value in ORDERS[order].items():
         monkeypatch.setenv(name, value)
-    # past N = 1K the shape rule sends causal d = 64 to the Triton forward: force this kernel
-    monkeypatch.setattr(attention_ws, "takes", lambda d, causal, longest: True)
     check_against_oracle(*_qkv(3, sq, sk, 24, 8, d), causal=causal, grads=False)
     assert ws_calls
 

@@ -55,8 +55,8 @@ def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None, causal: b
         block_m, block_n = _FALLBACK_TILES[kernel]
         return block_m, block_n if headdim <= 128 or kernel != "fwd" else 64
     cuda = torch.device("cuda")
-    if kernel == "fwd" and causal is not None and attention_ws.takes(headdim, causal, seqlen or 1 << 30):
-        cfg = tile_config("fwd_ws", headdim, cuda)
+    if kernel == "fwd" and causal is not None and attention_ws.takes(headdim):
+        cfg = tile_config("fwd_ws", headdim, cuda, seqlen)
     else:
         cfg = tile_config(kernel, padded_headdim(headdim), cuda, seqlen)
     return cfg.block_m, cfg.block_n

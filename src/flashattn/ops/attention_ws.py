@@ -6,8 +6,8 @@ window other than causal, no softcap, ALiBi, dropout or sink; q, k, v and out mu
 (16-byte aligned base and strides). Everything else, and `FLASHATTN_WS=0` (A/B timing), keeps the Triton
 forward. Measured on the H200 beside the Triton forward in the same run (benchmarks/NOTES.md v17, v23):
 d = 128 +24-37% without a mask, causal +20-25% at 1K-2K (GPU time, CUDA graphs) and +20-32% from 4K; d = 64
-+1-14% without a mask and +3-4% causal at 1K (GPU time), but 1-5% behind it causal from 2K, which keeps the
-Triton forward.
++1-14% without a mask and +3-4% causal at 1K (GPU time); causal from 2K it was 1-5% behind until three
+consumer warpgroups of 64 rows (192-row tiles, d = 64 past 1K, NOTES v33) put it 3-5% ahead.
 
 Grid: persistent (one program per SM); after the first, each program takes its next query tile from a
 shared counter, so under a causal mask the programs' totals even out (a static walk with the grid's stride
@@ -42,13 +42,11 @@ _MAXNREG_THREE = 128  # 16 warps (three consumer warpgroups and the loader's) x 
 _DQ_BUFFER_CAP = 512 << 20
 
 
-def takes(d: int, causal: bool, longest: int) -> bool:
-    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 128; d = 64
-    without a causal mask, or with one up to N = 1K. Causal d = 64 from 2K measured 1-5% behind the Triton
-    forward in two runs (NOTES v23)."""
-    if os.environ.get("FLASHATTN_WS", "1") == "0":
-        return False
-    return d == 128 or (d == 64 and (not causal or longest <= 1024))
+def takes(d: int) -> bool:
+    """The shape side of the rule (features and layout aside; the IO model asks it too): d = 64 or 128, any
+    length, causal or not; FLASHATTN_WS=0 sends every call to the Triton forward. Causal d = 64 from 2K took
+    the Triton forward until three consumer warpgroups (NOTES v33) put this kernel 3-5% ahead of it."""
+    return d in (64, 128) and os.environ.get("FLASHATTN_WS", "1") != "0"
 
 
 def _plain(pb, learnable_sink) -> bool:
@@ -94,7 +92,7 @@ def _descriptor(t, rows: int, cols: int, dtype_name: str | None = None):
 
 
 def eligible(pb, q, k, v, learnable_sink) -> bool:
-    return (_plain(pb, learnable_sink) and takes(pb.d, pb.flags["WINDOW_RIGHT"], pb.longest)
+    return (_plain(pb, learnable_sink) and takes(pb.d)
             and tma.usable(q, k, v, varlen=False))
 
 
@@ -128,7 +126,7 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     group of the launch order, as the Triton forward's."""
     from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
-    cfg = tile_config("fwd_ws", pb.d, q.device)
+    cfg = tile_config("fwd_ws", pb.d, q.device, pb.longest)
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
@@ -137,8 +135,9 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     # a query tile's O store completes under the next tile's first QK^T (NOTES v27);
     # FLASHATTN_FWD_DEFER_RELEASE=0 waits for it at the tile's end (A/B)
     defer_release = os.environ.get("FLASHATTN_FWD_DEFER_RELEASE", "1") != "0"
-    # one K/V stage release per step instead of two (NOTES v31); FLASHATTN_FWD_ONE_RELEASE=0 for the A/B
-    one_release = os.environ.get("FLASHATTN_FWD_ONE_RELEASE", "1") != "0"
+    # one K/V stage release per step instead of two (NOTES v31): 1-5% slower at d = 64 with two consumers;
+    # FLASHATTN_FWD_ONE_RELEASE=1 for the A/B
+    one_release = os.environ.get("FLASHATTN_FWD_ONE_RELEASE", "0") == "1"
     # causal: a warpgroup whose rows see none of its last key tile's upper half skips it (NOTES v32);
     # FLASHATTN_FWD_HALF_DIAG=0 for the A/B
     half_diag = causal and os.environ.get("FLASHATTN_FWD_HALF_DIAG", "1") != "0"

@@ -1,0 +1,107 @@
+"""The Gluon forward's variants at d = 64 and 128, side by side with FlashAttention-2 (the M1 bar is 1.4x it),
+H200 only.
+
+The forward points of the train grid under the bar in the s11 table are d=64: causal 1K and 2K. This times, in
+one process, the shipped choice, the Triton forward, and the Gluon forward (forced past its shape rule) under
+its tile configs and switches (NOTES v31-v33), each checked against the shipped output first; do_bench
+medians as `flashattn bench`, and the GPU time from a CUDA graph.
+
+    python scripts/fwd_sweep.py OUT.json
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench, do_bench_cudagraph
+
+from flashattn import flash_attn_func
+from flashattn.ops import attention_ws
+
+# (batch, N, causal) at 16K tokens, hidden 2048: the four d=64 points under the bar in the s10 table, and the
+# long row (steady state)
+SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True), (1, 16384, False)]
+THREE, TWO = {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"}, {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"}
+VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
+    64: {
+        "shipped": ({}, False),
+        "triton": ({"FLASHATTN_WS": "0"}, False),
+        "gluon 2 consumers": (TWO, True),
+        "gluon 3 consumers": (THREE, True),
+        "gluon 3c one release": ({**THREE, "FLASHATTN_FWD_ONE_RELEASE": "1"}, True),
+        "gluon 3c full diag": ({**THREE, "FLASHATTN_FWD_HALF_DIAG": "0"}, True),
+        "gluon 3c st4": ({"FLASHATTN_CONFIG": "fwd_ws=192,128,4,4"}, True),
+    },
+    128: {
+        "shipped": ({}, False),
+        "triton": ({"FLASHATTN_WS": "0"}, False),
+        "gluon one release": ({"FLASHATTN_FWD_ONE_RELEASE": "1"}, True),
+        "gluon full diag": ({"FLASHATTN_FWD_HALF_DIAG": "0"}, True),
+    },
+}
+# cleared before each variant
+_ENV_NAMES = {name for table in VARIANTS.values() for env, _ in table.values() for name in env}
+_takes = attention_ws.takes
+
+
+def _run_variant(env, forced, fn):
+    for name in _ENV_NAMES:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    attention_ws.takes = (lambda d: True) if forced else _takes
+    try:
+        return fn()
+    finally:
+        attention_ws.takes = _takes
+
+
+def _shape(d, b, n, causal, rows, path):
+    q, k, v = (torch.randn(b, n, 2048 // d, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * b * 2048 * n * n / (2 if causal else 1)
+    ref = flash_attn_func(q, k, v, causal=causal)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def fa2():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def call():
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def bench():
+        return do_bench(call, warmup=25, rep=100, return_mode="median")
+
+    def graph():
+        return do_bench_cudagraph(call, rep=100, return_mode="median")
+    bar = 1.4 * flops / do_bench(fa2, warmup=25, rep=100, return_mode="median") * 1e-9
+    print(f"d={d} N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s", flush=True)
+    for name, (env, forced) in VARIANTS[d].items():
+        row = dict(d=d, n=n, causal=causal, variant=name, bar_tflops=bar)
+        try:
+            out = _run_variant(env, forced, call)
+            torch.cuda.synchronize()
+            row["rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            ms, graph_ms = _run_variant(env, forced, bench), _run_variant(env, forced, graph)
+            row.update(ms=ms, tflops=flops / ms * 1e-9, graph_tflops=flops / graph_ms * 1e-9)
+            print(f"  {name:20} {row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar), "
+                  f"graph {row['graph_tflops']:5.0f}, rel err {row['rel_err']:.1e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"  {name:20} {row['error']}", flush=True)
+        rows.append(row)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main(path):
+    rows = []
+    for d in VARIANTS:
+        for b, n, causal in SHAPES:
+            _shape(d, b, n, causal, rows, path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
