@@ -59,6 +59,8 @@
 #   bash scripts/device_check.sh fwd_ship                  v31-v33 as shipped: the forward sweep at d=64 and
 #                                                          128 (scripts/fwd_sweep.py), the forward GPU tests,
 #                                                          racecheck, then the backward's kernels apart
+#   bash scripts/device_check.sh fwd_checks                the forward GPU tests, racecheck reports in full, the
+#                                                          d=128 forward sweep
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -635,6 +637,19 @@ if [ "$stage" = fwd_ship ]; then
     scripts/sanitize_case.py ws_fwd64 2>&1 | tail -3 | tee "$OUT/racecheck_three.log"
   timeout $((585 - SECONDS)) python3 scripts/bwd_kernel_times.py "$OUT/bwd_kernel_times.json" 1024 2048 16384 \
     2>&1 | tail -30
+fi
+if [ "$stage" = fwd_checks ]; then
+  # fwd_ship's remainder: the forward GPU tests whole, racecheck's full reports (the s11 kernel, i.e. v32 off,
+  # beside v32 with two and with three consumers: are its reports the v20/v23 kind or new?), the d=128 sweep
+  for run in "s11 FLASHATTN_FWD_HALF_DIAG=0" "v32" "three FLASHATTN_CONFIG=fwd_ws=192,128,4,3"; do
+    set -- $run
+    env "${@:2}" timeout 50 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_fwd64 \
+      > "$OUT/racecheck_$1.log" 2>&1
+    echo "racecheck $1: $(grep -c 'Race reported' "$OUT/racecheck_$1.log") reports; $(tail -2 "$OUT/racecheck_$1.log")"
+  done
+  timeout 300 python3 -m pytest -m gpu -q -x -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+    | tee "$OUT/pytest_fwd.log" | tail -4
+  timeout $((585 - SECONDS)) python3 scripts/fwd_sweep.py "$OUT/fwd_sweep128.json" 128 2>&1 | tail -30
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
