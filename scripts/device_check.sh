@@ -61,6 +61,8 @@
 #                                                          racecheck, then the backward's kernels apart
 #   bash scripts/device_check.sh fwd_checks                the forward GPU tests, racecheck reports in full, the
 #                                                          d=128 forward sweep
+#   bash scripts/device_check.sh table_v33                 the train table on v32 + v33, the rest of the forward
+#                                                          GPU tests, torch.compile GPU tests, `flashattn check`
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -650,6 +652,22 @@ if [ "$stage" = fwd_checks ]; then
   timeout 300 python3 -m pytest -m gpu -q -x -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
     | tee "$OUT/pytest_fwd.log" | tail -4
   timeout $((585 - SECONDS)) python3 scripts/fwd_sweep.py "$OUT/fwd_sweep128.json" 128 2>&1 | tail -30
+fi
+if [ "$stage" = table_v33 ]; then
+  # the README's table on v32 + v33 as shipped, the forward GPU tests fwd_checks' limit cut off, the
+  # torch.compile GPU tests, then `flashattn check` in what is left; one archive back (the device returns 8 files)
+  mkdir -p "$OUT/res"
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/res/train" 2>&1 | tail -60
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward and (gqa or fp16 or without_keys \
+    or extreme or same_as or ineligible)" 2>&1 | tee "$OUT/res/pytest_fwd_rest.log" | tail -4
+  timeout 100 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k compile 2>&1 \
+    | tee "$OUT/res/pytest_compile.log" | tail -4
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
+  [ $((575 - SECONDS)) -gt 30 ] && timeout $((575 - SECONDS)) python3 -m flashattn check 2>&1 \
+    | tee "$OUT/res/check.log" | tail -8
+  tar -C "$OUT" -czf "$OUT/res.tgz" res
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
