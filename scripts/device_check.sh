@@ -56,7 +56,7 @@
 #   bash scripts/device_check.sh host_tests                v25: the Gluon kernels' GPU tests, memcheck
 #   bash scripts/device_check.sh fwd_profile               ncu pipes/stalls of the Gluon forward, the boundary tests
 #   bash scripts/device_check.sh bwd_parts                 v34: the backward's kernels' GPU times apart
-#   bash scripts/device_check.sh fwd_ship                  v31-v33 as shipped: the forward sweep at d=64 and
+#   bash scripts/device_check.sh fwd_ship                  v32-v33 as shipped: the forward sweep at d=64 and
 #                                                          128 (scripts/fwd_sweep.py), the forward GPU tests,
 #                                                          racecheck, then the backward's kernels apart
 #   bash scripts/device_check.sh fwd_checks                the forward GPU tests, racecheck reports in full, the
@@ -627,7 +627,7 @@ if [ "$stage" = bwd_parts ]; then
     | tee "$OUT/bwd_kernel_times.log"
 fi
 if [ "$stage" = fwd_ship ]; then
-  # NOTES v31-v33 as shipped (three consumers at d = 64 past 1K, one K/V release per step off): the forward
+  # NOTES v32-v33 as shipped (three consumers at d = 64 past 1K; v31 then still a switch, off): the forward
   # variants at d = 64 and 128, the forward GPU tests, racecheck with two and three consumers, then (in what is
   # left of the call's 10 minutes) the backward's kernels apart (NOTES v34)
   timeout 260 python3 scripts/fwd_sweep.py "$OUT/fwd_sweep.json" 2>&1 | tee "$OUT/fwd_sweep.log"

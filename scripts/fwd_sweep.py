@@ -3,7 +3,7 @@ H200 only.
 
 The forward points of the train grid under the bar in the s11 table are d=64: causal 1K and 2K. This times, in
 one process, the shipped choice, the Triton forward, and the Gluon forward (forced past its shape rule) under
-its tile configs and switches (NOTES v31-v33), each checked against the shipped output first; do_bench
+its tile configs and switches (NOTES v32, v33), each checked against the shipped output first; do_bench
 medians as `flashattn bench`, and the GPU time from a CUDA graph.
 
     python scripts/fwd_sweep.py OUT.json [HEAD_DIM ...]    # default: 64 128
@@ -31,7 +31,6 @@ VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
         "triton": ({"FLASHATTN_WS": "0"}, False),
         "gluon 2 consumers": (TWO, True),
         "gluon 3 consumers": (THREE, True),
-        "gluon 3c one release": ({**THREE, "FLASHATTN_FWD_ONE_RELEASE": "1"}, True),
         "gluon 3c full diag": ({**THREE, "FLASHATTN_FWD_HALF_DIAG": "0"}, True),
         "gluon 3c st4": ({"FLASHATTN_CONFIG": "fwd_ws=192,128,4,4"}, True),
     },

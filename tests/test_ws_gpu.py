@@ -80,14 +80,12 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     assert ws_calls
 
 
-# the shipped order (three consumers at d = 64 past N = 1K, NOTES v33), v27 and v32 turned off alone, v31
-# turned on; serial steps with two consumers, and each consumer count forced (d = 64 only: three spill at 128)
+# the shipped order (three consumers at d = 64 past N = 1K, NOTES v33), v27 and v32 turned off alone, and each
+# consumer count forced (d = 64 only: three spill at d = 128)
 ORDERS = {
     "shipped": {},
-    "one-release": {"FLASHATTN_FWD_ONE_RELEASE": "1"},
     "full-diagonal": {"FLASHATTN_FWD_HALF_DIAG": "0"},
     "tile-end-release": {"FLASHATTN_FWD_DEFER_RELEASE": "0"},
-    "serial": {"FLASHATTN_FWD_SERIAL": "1"},
     "three-consumers": {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"},
     "two-consumers": {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"},
 }
@@ -99,10 +97,9 @@ ORDERS = {
                                             (700, 1400, True), (333, 333, True), (17, 1023, False)])
 def test_tile_boundary_orders(ws_calls, monkeypatch, order, d, sq, sk, causal):
     # each persistent program takes several tiles (some without keys): a Q buffer returned before its O
-    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27); so does a K/V
-    # stage returned once per step too early or never (v31), a half diagonal step (v32) that drops a
-    # visible key or releases a stage twice (sq != sk shifts the diagonal both ways; 333 ends mid-tile), or
-    # a third consumer's rows or barrier counts gone wrong (v33)
+    # store has read it, or never returned, shows as a wrong or hanging result (NOTES v27); so does a half
+    # diagonal step (v32) that drops a visible key or releases a stage twice (sq != sk shifts the diagonal
+    # both ways; 333 ends mid-tile), or a third consumer's rows or barrier counts gone wrong (v33)
     for name, value in ORDERS[order].items():
         monkeypatch.setenv(name, value)
     check_against_oracle(*_qkv(3, sq, sk, 24, 8, d), causal=causal, grads=False)

@@ -4,10 +4,9 @@ Why a second forward body: Triton 3.6 gives no warp specialisation on sm_90 (its
 loop unchanged, NOTES v2/v14) and its pipeliner waits for every QK^T right after issuing it, so the tensor
 cores idle during the softmax. Here the roles are explicit:
   - a loader warp streams K and V tiles through a ring of shared-memory stages with TMA, one mbarrier pair
-    (ready: bytes landed; empty: both consumers done) per stage and operand (ONE_RELEASE: one empty
-    barrier per stage for K and V together, one arrive per step, NOTES v31);
+    (ready: bytes landed; empty: every consumer done) per stage and operand;
   - two consumer warpgroups each own 64 query rows of the 128-row tile (or three of a 192-row tile, whose
-    steps run SERIAL for lack of registers, NOTES v33). Inside one, the next tile's QK^T and
+    steps run serially for lack of registers, NOTES v33). Inside one, the next tile's QK^T and
     the previous tile's PV are in flight while the softmax runs (wgmma is asynchronous; we wait explicitly),
     and the two warpgroups never synchronise with each other, so one's softmax overlaps the other's matmuls.
 The grid is persistent (one program per SM): after its first tile, the loader takes the program's next
@@ -71,7 +70,7 @@ def _publish_tile(tile_smem, tile_ready, qb, t):
 
 @gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, ONE_RELEASE: gl.constexpr):
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
@@ -93,13 +92,11 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
         for j in range(n_k):
             s = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
-            # ONE_RELEASE: k_empty returns the stage's K and V together
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s),
                                             k_smem.index(s))
-            if not ONE_RELEASE:
-                mbarrier.wait(v_empty.index(s), phase)
+            mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s),
                                             v_smem.index(s))
@@ -154,16 +151,6 @@ def _release_q(q_empty, i):
 
 
 @gluon.jit
-def _release_kv(k_empty, v_empty, stage, ONE_RELEASE: gl.constexpr):
-    """Return a stage's V (its PV has retired) to the loader; ONE_RELEASE returns its K with it, held since
-    its QK^T retired, so each step arrives once (each arrive costs the warpgroup a bar.sync, NOTES v31)."""
-    if ONE_RELEASE:
-        mbarrier.arrive(k_empty.index(stage), count=1)
-    else:
-        mbarrier.arrive(v_empty.index(stage), count=1)
-
-
-@gluon.jit
 def _halves(n_k, row0, diag, BLOCK_N: gl.constexpr):
     """Whether this warpgroup's last key tile (of n_k > 1) has its upper half masked for all its rows: its
     last row, row0 + HALF_M - 1, sees keys up to row0 + HALF_M - 1 + diag (HALF_DIAG, NOTES v32)."""
@@ -171,15 +158,15 @@ def _halves(n_k, row0, diag, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _last_pv(p, acc, k_empty, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STAGES: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, ONE_RELEASE: gl.constexpr):
+def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STAGES: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """A query tile's last PV (key step `step` of the K/V ring), alone: nothing is left to overlap it."""
     last = step % STAGES
     mbarrier.wait(v_ready.index(last), (step // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release_kv(k_empty, v_empty, last, ONE_RELEASE)
+    mbarrier.arrive(v_empty.index(last), count=1)
     return acc
 
 
@@ -187,7 +174,7 @@ def _last_pv(p, acc, k_empty, v_smem, v_ready, v_empty, step, p_layout: gl.const
 def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step, start_n,
                     qk_scale, offs_q, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
                     p_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, ONE_RELEASE: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     """The last key step of a query tile whose last key tile (ring step `step`) has its upper half masked
     for every row of this warpgroup (HALF_DIAG, NOTES v32): QK^T, the softmax and PV over the tile's first
     BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
@@ -207,33 +194,31 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
-    if not ONE_RELEASE:
-        mbarrier.arrive(k_empty.index(cur), count=1)
+    mbarrier.arrive(k_empty.index(cur), count=1)
     # the row statistics change layout with S's width only in type: the rows sit in the same registers
     p_h, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows_h), gl.convert_layout(l_i, rows_h),
                                     qk_scale, gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, diag,
                                     unmasked_to, h_layout, HALF_N, CAUSAL)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release_kv(k_empty, v_empty, prev, ONE_RELEASE)
+    mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(cur), (step // STAGES) & 1)
     ph_op = gl.convert_layout(p_h.to(v_smem.dtype), p_layout)
     acc = warpgroup_mma(ph_op, v_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N), acc,
                         is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release_kv(k_empty, v_empty, cur, ONE_RELEASE)
+    mbarrier.arrive(v_empty.index(cur), count=1)
     return acc, gl.convert_layout(m_h, rows), gl.convert_layout(l_h, rows)
 
 
 @gluon.jit
 def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
                  qk_scale, offs_q, seqlen_k, diag, unmasked_to, p_layout: gl.constexpr, N: gl.constexpr,
-                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                 ONE_RELEASE: gl.constexpr):
+                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     """One key step (ring step `step`, keys start_n..start_n + N) with nothing else of this warpgroup in
-    flight (SERIAL, NOTES v33): QK^T, the softmax, PV. Holds S or P, never both, beside O, so three
-    consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this one's
-    softmax. N < BLOCK_N takes the K and V tiles' first N keys (v32's half diagonal step)."""
+    flight (three consumer warpgroups, NOTES v33): QK^T, the softmax, PV. Holds S or P, never both, beside
+    O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
+    one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (v32's half diagonal step)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, N, 16])
     rows: gl.constexpr = m_i.type.layout
@@ -249,8 +234,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     s = warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([HALF_M, N], gl.float32, st_layout), use_acc=False,
                       is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    if not ONE_RELEASE:
-        mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_n, l_n, alpha = _softmax(s, gl.convert_layout(m_i, rows_n), gl.convert_layout(l_i, rows_n), qk_scale,
                                   gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, diag, unmasked_to,
                                   st_layout, N, CAUSAL)
@@ -258,7 +242,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     mbarrier.wait(v_ready.index(stage), phase)
     acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_tile, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release_kv(k_empty, v_empty, stage, ONE_RELEASE)
+    mbarrier.arrive(v_empty.index(stage), count=1)
     return acc, gl.convert_layout(m_n, rows), gl.convert_layout(l_n, rows)
 
 
@@ -274,7 +258,7 @@ def _next_tile(tile_smem, tile_ready, i):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              ONE_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, SERIAL: gl.constexpr, WG: gl.constexpr):
+              HALF_DIAG: gl.constexpr, WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -307,7 +291,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
         mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
 
-        if SERIAL:
+        if BLOCK_M // HALF_M == 3:
+            # three consumers: serial steps (_serial_step)
             if DEFER_RELEASE:
                 _release_q(q_empty, i)
             n_loop = n_k
@@ -318,13 +303,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                              v_empty, c + j, j * BLOCK_N, qk_scale, offs_q, seqlen_k, diag,
                                              unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
-                                             CAUSAL, ONE_RELEASE)
+                                             CAUSAL)
             if HALF_DIAG:
                 if _halves(n_k, row0, diag, BLOCK_N):
                     acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                  v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N, qk_scale, offs_q,
                                                  seqlen_k, diag, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
-                                                 BLOCK_N, HEAD_DIM, CAUSAL, ONE_RELEASE)
+                                                 BLOCK_N, HEAD_DIM, CAUSAL)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
@@ -335,8 +320,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 # while it runs: the previous tile's O store and the release of its buffer
                 _release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
-            if not ONE_RELEASE:
-                mbarrier.arrive(k_empty.index(s0), count=1)
+            mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
                                           s_layout, BLOCK_N, CAUSAL)
             n_loop = n_k
@@ -356,12 +340,11 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
-                if not ONE_RELEASE:
-                    mbarrier.arrive(k_empty.index(cur), count=1)
+                mbarrier.arrive(k_empty.index(cur), count=1)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
                                               unmasked_to, s_layout, BLOCK_N, CAUSAL)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                _release_kv(k_empty, v_empty, prev, ONE_RELEASE)
+                mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             if HALF_DIAG:
@@ -370,13 +353,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                     v_ready, v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N,
                                                     qk_scale, offs_q, seqlen_k, diag, unmasked_to,
                                                     s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM,
-                                                    CAUSAL, ONE_RELEASE)
+                                                    CAUSAL)
                 else:
-                    acc = _last_pv(p, acc, k_empty, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES,
-                                   BLOCK_N, HEAD_DIM, ONE_RELEASE)
+                    acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
+                                   HEAD_DIM)
             else:
-                acc = _last_pv(p, acc, k_empty, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES,
-                               BLOCK_N, HEAD_DIM, ONE_RELEASE)
+                acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
+                               HEAD_DIM)
         elif DEFER_RELEASE:
             _release_q(q_empty, i)
         c += n_k
@@ -407,30 +390,24 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, ONE_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr,
-               SERIAL: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, ONE_RELEASE, HALF_DIAG,
-              SERIAL, 0)
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, ONE_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr,
-               SERIAL: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, ONE_RELEASE, HALF_DIAG,
-              SERIAL, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 1)
 
 
 @gluon.jit
 def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, ONE_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr,
-               SERIAL: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
     # the third consumer warpgroup of 192-row tiles (NOTES v33)
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, ONE_RELEASE, HALF_DIAG,
-              SERIAL, 2)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 2)
 
 
 @gluon.jit
@@ -439,15 +416,13 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    ONE_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False,
-    SERIAL: gl.constexpr = False,
 ):
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64; NOTES v33). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
-    # O in flight at once, so they run SERIAL steps
+    # O in flight at once, so they run serial steps
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
-    gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & SERIAL))
+    gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3))
     n_work = gl.cdiv(seqlen_q, BLOCK_M) * n_bh
 
     dtype: gl.constexpr = q_desc.dtype
@@ -480,14 +455,14 @@ def attn_fwd_ws_kernel(
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale,
             problem)
     loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
-    flags = (DEFER_RELEASE, ONE_RELEASE, HALF_DIAG, SERIAL)
+    flags = (DEFER_RELEASE, HALF_DIAG)
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240
         # per consumer thread and 24 for the loader's
         gl.warp_specialize([
             (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
-            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, ONE_RELEASE)),
+            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
         ], [4, 1], [240, 24])
     else:
         # 128 x 16 warps fills the register file: 160 for the two worker consumers, 24 for the loader, and
@@ -496,5 +471,5 @@ def attn_fwd_ws_kernel(
             (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
             (_consumer2, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
-            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, ONE_RELEASE)),
+            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
         ], [4, 4, 1], [160, 160, 24])

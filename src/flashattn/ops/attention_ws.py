@@ -135,16 +135,11 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     # a query tile's O store completes under the next tile's first QK^T (NOTES v27);
     # FLASHATTN_FWD_DEFER_RELEASE=0 waits for it at the tile's end (A/B)
     defer_release = os.environ.get("FLASHATTN_FWD_DEFER_RELEASE", "1") != "0"
-    # one K/V stage release per step instead of two (NOTES v31): 1-5% slower at d = 64 with two consumers;
-    # FLASHATTN_FWD_ONE_RELEASE=1 for the A/B
-    one_release = os.environ.get("FLASHATTN_FWD_ONE_RELEASE", "0") == "1"
     # causal: a warpgroup whose rows see none of its last key tile's upper half skips it (NOTES v32);
     # FLASHATTN_FWD_HALF_DIAG=0 for the A/B
     half_diag = causal and os.environ.get("FLASHATTN_FWD_HALF_DIAG", "1") != "0"
-    # 192-row tiles: three consumer warpgroups of 160 registers, which run their steps serially (NOTES v33);
-    # FLASHATTN_FWD_SERIAL=1 runs two consumers that way too (A/B)
+    # 192-row tiles: three consumer warpgroups of 160 registers, which run their steps serially (NOTES v33)
     three = cfg.block_m == 3 * _HALF_M
-    serial = three or os.environ.get("FLASHATTN_FWD_SERIAL", "0") == "1"
     launch(
         attn_fwd_ws_kernel, (programs(n_work, q.device),),
         _descriptor(q, _HALF_M, pb.d), _descriptor(k, cfg.block_n, pb.d), _descriptor(v, cfg.block_n, pb.d),
@@ -152,9 +147,7 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
         lse, lse.stride(0), lse.stride(1),
         pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group, tile_counter,
         GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=causal, DEFER_RELEASE=defer_release, ONE_RELEASE=one_release,
-        HALF_DIAG=half_diag, SERIAL=serial,
-        num_warps=4,
+        STAGES=cfg.num_stages, CAUSAL=causal, DEFER_RELEASE=defer_release, HALF_DIAG=half_diag, num_warps=4,
         maxnreg=cfg.maxnreg or (_MAXNREG_THREE if three else _MAXNREG),
     )
 
