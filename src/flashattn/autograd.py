@@ -124,15 +124,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _grads(ctx, dout, bwd):
-    # like flash_attn, the LSE output is not differentiated
+    """(dq, dk, dv, dsink); like flash_attn, the LSE output is not differentiated."""
     q, k, v, out, lse, rng_state, sink = ctx.saved_tensors
     dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, rng_state, *ctx.args, sink, ctx.deterministic)
-    dsink = dsink.to(sink.dtype) if sink is not None else None
-    return (dq, dk, dv) + (None,) * len(_ARGS) + (dsink, None)
+    return dq, dk, dv, dsink.to(sink.dtype) if sink is not None else None
 
 
 def _backward(ctx, dout, dlse, drng):
-    return _grads(ctx, dout, attn_bwd)
+    dq, dk, dv, dsink = _grads(ctx, dout, attn_bwd)
+    return (dq, dk, dv) + (None,) * len(_ARGS) + (dsink, None)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -145,10 +145,13 @@ def _through_custom_op() -> bool:
 
 class _EagerAttention(torch.autograd.Function):
     """The same forward and backward outside torch.compile, without the custom-op dispatch: its per-call host
-    cost (~0.3 ms with autograd) exceeds the whole kernel time of small problems."""
+    cost (~0.3 ms with autograd) exceeds the whole kernel time of small problems. Takes the differentiable
+    tensors apart and every other input in one tuple (`rest`: _ARGS, then deterministic): apply's host time
+    grows with its argument count (~0.5 us each)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, learnable_sink, rest):
+        inputs = (q, k, v, *rest[:-1], learnable_sink, rest[-1])
         output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[1], output[2])
@@ -156,14 +159,25 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, drng):
-        return _grads(ctx, dout, _bwd_impl)
+        dq, dk, dv, dsink = _grads(ctx, dout, _bwd_impl)
+        return dq, dk, dv, dsink, None
+
+
+def _needs_grad(q, k, v, learnable_sink) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        learnable_sink is not None and learnable_sink.requires_grad))
 
 
 def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
               alibi_slopes=None, dropout_p: float = 0.0, learnable_sink=None, deterministic: bool = False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """(out, lse, rng_state) with autograd: through the registered op under torch.compile, else directly."""
-    op = attn_fwd if _through_custom_op() else _EagerAttention.apply
-    return op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                    float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-                    float(softcap), alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))
+    """(out, lse, rng_state) with autograd: through the registered op under torch.compile, else directly
+    (and without an autograd node when nothing needs a gradient: inference)."""
+    rest = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+            bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
+            float(dropout_p), bool(deterministic))
+    if _through_custom_op():
+        return attn_fwd(q, k, v, *rest[:-1], learnable_sink, rest[-1])
+    if _needs_grad(q, k, v, learnable_sink):
+        return _EagerAttention.apply(q, k, v, learnable_sink, rest)
+    return _fwd_impl(q, k, v, *rest[:-1], learnable_sink, rest[-1])

@@ -5,25 +5,25 @@ kernels); `torch` serves every other CPU tensor. FLASHATTN_BACKEND=triton|torch 
 time.
 """
 
-import os
-
 import torch
+
+from flashattn import _env
 
 BACKENDS = ("triton", "torch")
 
 
 def backend_name(t: torch.Tensor) -> str:
-    forced = os.environ.get("FLASHATTN_BACKEND", "").strip().lower()
+    forced = _env.get("FLASHATTN_BACKEND", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"FLASHATTN_BACKEND is {forced!r}; expected one of {', '.join(BACKENDS)}")
-        if forced == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if forced == "triton" and not t.is_cuda and _env.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"FLASHATTN_BACKEND=triton but the tensors are on {t.device}: the Triton kernels need a CUDA "
                 f"device, or TRITON_INTERPRET=1 set before the process starts to interpret them on the CPU"
             )
         return forced
-    if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if t.is_cuda or _env.get("TRITON_INTERPRET") == "1":
         return "triton"
     return "torch"
 

@@ -5,12 +5,11 @@ flash_attn_with_kvcache` replaces `from flash_attn import flash_attn_with_kvcach
 """
 
 import numbers
-import os
 
 import torch
 from torch import Tensor
 
-from flashattn import _validate
+from flashattn import _env, _validate
 from flashattn.backend import backend_name
 from flashattn.ops.attention import default_scale
 
@@ -298,7 +297,7 @@ def _check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_
 
 
 def _checks_enabled(t: Tensor) -> bool:
-    if os.environ.get("FLASHATTN_CHECK_INDICES", "1").strip() == "0":
+    if _env.get("FLASHATTN_CHECK_INDICES", "1").strip() == "0":
         return False
     # a device-to-host copy is illegal while a CUDA graph is being captured
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -11,11 +11,11 @@ plain head-by-head order (A/B timing).
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from flashattn import _env
 from flashattn.kernels.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
 from flashattn.ops import attention_ws, host, tma
@@ -63,7 +63,7 @@ class _Problem:
         """Heads per group of grouped_program's order, each streaming stream_bytes: 1 (head-major) when
         every tile of a head does the same work (no window), else as many as fit the L2 budget."""
         uneven = self.flags["WINDOW_LEFT"] or self.flags["WINDOW_RIGHT"]
-        if not uneven or os.environ.get("FLASHATTN_SCHEDULE") == "head-major":
+        if not uneven or _env.get("FLASHATTN_SCHEDULE") == "head-major":
             return 1
         return max(1, min(n_bh, _L2_BUDGET // max(stream_bytes, 1)))
 

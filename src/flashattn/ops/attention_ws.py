@@ -24,10 +24,10 @@ would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
 
 import functools
-import os
 
 import torch
 
+from flashattn import _env
 from flashattn.ops import host, merge, tma
 from flashattn.ops.configs import tile_config
 from flashattn.ops.launch import launch
@@ -46,7 +46,7 @@ def takes(d: int) -> bool:
     """The shape side of the rule (features and layout aside; the IO model asks it too): d = 64 or 128, any
     length, causal or not; FLASHATTN_WS=0 sends every call to the Triton forward. Causal d = 64 from 2K took
     the Triton forward until three consumer warpgroups (NOTES v33) put this kernel 3-5% ahead of it."""
-    return d in (64, 128) and os.environ.get("FLASHATTN_WS", "1") != "0"
+    return d in (64, 128) and _env.get("FLASHATTN_WS", "1") != "0"
 
 
 def _plain(pb, learnable_sink) -> bool:
@@ -99,7 +99,7 @@ def eligible(pb, q, k, v, learnable_sink) -> bool:
 def programs(n_work: int, device: torch.device) -> int:
     """Grid size for n_work query tiles: persistent (one program per SM, as one fills an SM's registers; each
     takes its next tile from a shared counter), or one program per tile with FLASHATTN_WS_GRID=tiles."""
-    persistent = os.environ.get("FLASHATTN_WS_GRID", "persistent") != "tiles"
+    persistent = _env.get("FLASHATTN_WS_GRID", "persistent") != "tiles"
     return min(n_work, merge.sm_count(device)) if persistent else n_work
 
 
@@ -134,10 +134,10 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     tile_counter = _tile_counter(q.device)
     # a query tile's O store completes under the next tile's first QK^T (NOTES v27);
     # FLASHATTN_FWD_DEFER_RELEASE=0 waits for it at the tile's end (A/B)
-    defer_release = os.environ.get("FLASHATTN_FWD_DEFER_RELEASE", "1") != "0"
+    defer_release = _env.get("FLASHATTN_FWD_DEFER_RELEASE", "1") != "0"
     # causal: a warpgroup whose rows see none of its last key tile's upper half skips it (NOTES v32);
     # FLASHATTN_FWD_HALF_DIAG=0 for the A/B
-    half_diag = causal and os.environ.get("FLASHATTN_FWD_HALF_DIAG", "1") != "0"
+    half_diag = causal and _env.get("FLASHATTN_FWD_HALF_DIAG", "1") != "0"
     # 192-row tiles: three consumer warpgroups of 160 registers, which run their steps serially (NOTES v33)
     three = cfg.block_m == 3 * _HALF_M
     launch(
@@ -156,7 +156,7 @@ def takes_backward(d: int, dq_buffer_bytes: int) -> bool:
     """Whether a plain call at head dim `d` (= dv) takes the Gluon backward, by shape and switches (shared
     with the IO model, flashattn.iomodel): d = 64 or 128, a float32 dQ buffer within _DQ_BUFFER_CAP, and
     neither FLASHATTN_WS_BWD nor FLASHATTN_WS set to 0."""
-    switched_on = all(os.environ.get(name, "1") != "0" for name in ("FLASHATTN_WS_BWD", "FLASHATTN_WS"))
+    switched_on = all(_env.get(name, "1") != "0" for name in ("FLASHATTN_WS_BWD", "FLASHATTN_WS"))
     return switched_on and d in (64, 128) and dq_buffer_bytes <= _DQ_BUFFER_CAP
 
 
@@ -175,7 +175,7 @@ def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: f
     n_bhk = pb.batch * pb.nheads_k
     half_n = cfg.block_n // 2
     # d = 64: each step computes the previous step's dQ (NOTES v24); FLASHATTN_BWD_DEFER_DQ=0 for the A/B
-    defer_dq = pb.d == 64 and os.environ.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
+    defer_dq = pb.d == 64 and _env.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
     launch(
         attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,),
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),

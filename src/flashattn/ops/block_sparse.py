@@ -4,10 +4,9 @@ Same signatures as flashattn.block_sparse._torch (flashattn.block_sparse._ops pi
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
 """
 
-import os
-
 import torch
 
+from flashattn import _env
 from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
 from flashattn.ops import host
@@ -38,7 +37,7 @@ def _rule(kt) -> tuple[tuple[int, int, int, int], dict]:
     mask's MaskRule when it has one (FLASHATTN_SPARSE_RULE=0 forces the bitmasks, for A/B timing), else
     bits."""
     r = kt.rule
-    if r is None or os.environ.get("FLASHATTN_SPARSE_RULE", "1") == "0":
+    if r is None or _env.get("FLASHATTN_SPARSE_RULE", "1") == "0":
         return (0, 0, 0, 0), dict(PART_BY=1, RULE_LEFT=False, RULE_RIGHT=False, RULE_GLOBAL=False,
                                   RULE_GLOBAL_CAUSAL=False)
     return (r.diag, r.left, r.right, r.global_tokens), dict(

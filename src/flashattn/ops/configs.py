@@ -8,10 +8,11 @@ a fifth number caps the registers per thread (maxnreg), e.g. `dkdv=32,128,8,3,12
 """
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from flashattn import _env
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ _INTERPRETER = {
 
 
 def _overrides() -> dict[str, TileConfig]:
-    return _parse_overrides(os.environ.get("FLASHATTN_CONFIG", ""))
+    return _parse_overrides(_env.get("FLASHATTN_CONFIG", ""))
 
 
 @functools.lru_cache(maxsize=16)

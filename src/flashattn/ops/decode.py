@@ -12,11 +12,10 @@ is the same computation in plain torch (gather, append, rotate, then the chunked
 
 import functools
 import math
-import os
 
 import torch
 
-from flashattn import torch_backend
+from flashattn import _env, torch_backend
 from flashattn.kernels.decode import decode_split_kernel
 from flashattn.kernels.rotary import rotary_append_kernel
 from flashattn.ops import host
@@ -36,7 +35,7 @@ def decode_config(block_d: int, elem_size: int, paged: bool, device: torch.devic
     """Tiles of the split kernel for `rows` packed query rows (GQA group x seqlen_q) in each of `kv_programs`
     (batch, kv head) pairs, on a GPU of `sms` multiprocessors: a paged cache read by more programs (before
     splitting) than one_wave allows takes narrower key tiles."""
-    env = os.environ.get("FLASHATTN_CONFIG", "")
+    env = _env.get("FLASHATTN_CONFIG", "")
     cfg = _decode_config(block_d, elem_size, paged, device.type, env)
     # the block_m cap does not depend on the program count: it sets the query blocks that are counted
     programs = kv_programs * host.cdiv(rows, query_block(rows, cfg.block_m))

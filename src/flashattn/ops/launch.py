@@ -16,9 +16,9 @@ the JIT (compiling if needed) and returns the compiled kernel, which the plan ke
 without CUDA, or with a launch hook installed (profilers), every call takes the JIT path.
 """
 
-import os
-
 import torch
+
+from flashattn import _env
 
 _I32 = (-(2**31), 2**31)
 _I64_END = 2**63  # past it, an unsigned 64-bit parameter (a dropout seed can be)
@@ -50,7 +50,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) for a kernel whose runtime arguments are all positional and whose
     constexprs and options are all keywords, through a cached plan after the first call of its signature."""
     # no CUDA: the interpreter, or scripts/sm90_compile_check.py's compile-only driver on a CPU machine
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() or _hooked():
+    if _env.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() or _hooked():
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()

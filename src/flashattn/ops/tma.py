@@ -14,9 +14,10 @@ compiler crash, kernels/attn_bwd.py).
 """
 
 import functools
-import os
 
 import torch
+
+from flashattn import _env
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -41,7 +42,7 @@ def usable(*tensors: torch.Tensor, varlen: bool) -> bool:
     """Whether the kernels may take their streamed tiles through descriptors for these tensors (the caller
     decides for which head dims and tiles)."""
     t0 = tensors[0]
-    if varlen or t0.dtype not in _DTYPES or os.environ.get("FLASHATTN_TMA", "1") == "0":
+    if varlen or t0.dtype not in _DTYPES or _env.get("FLASHATTN_TMA", "1") == "0":
         return False
     return device_ok(t0) and all(_aligned(t) for t in tensors)
 

@@ -1,0 +1,58 @@
+"""The host-side shortcuts of a call (NOTES v35): the environment reader, and inference without an autograd
+node. Each must give what the plain path gives."""
+
+import os
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from flashattn import _env, autograd, flash_attn_func
+
+
+def test_env_get_follows_every_write(monkeypatch):
+    name = "FLASHATTN_TEST_ENV_READER"
+    monkeypatch.delenv(name, raising=False)
+    assert _env.get(name) is None and _env.get(name, "1") == "1"
+    monkeypatch.setenv(name, "0")
+    assert _env.get(name, "1") == "0"
+    os.environ[name] = "héllo"  # non-ASCII round-trips as os.environ's own decoding does
+    assert _env.get(name) == os.environ[name] == "héllo"
+    monkeypatch.delenv(name)
+    assert _env.get(name, "x") == "x"
+
+
+def _qkv(requires_grad):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 37, 4, 32, generator=g).to(DEVICE).requires_grad_(requires_grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad", "inference_mode"])
+def test_inference_takes_no_autograd_node(backend, monkeypatch, mode):
+    q, k, v = _qkv(requires_grad=mode != "inputs_without_grad")
+    ref = flash_attn_func(*_qkv(requires_grad=True), causal=True).detach()
+
+    def no_node(*args):
+        raise AssertionError("an autograd node was built for a call that needs no gradient")
+    monkeypatch.setattr(autograd._EagerAttention, "apply", no_node)
+    if mode == "no_grad":
+        with torch.no_grad():
+            out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    elif mode == "inference_mode":
+        with torch.inference_mode():
+            out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    else:
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.grad_fn is None and not out.requires_grad and not lse.requires_grad
+    assert torch.equal(out, ref)
+
+
+def test_one_input_with_grad_gets_its_gradient(backend):
+    q, k, v = _qkv(requires_grad=False)
+    k.requires_grad_(True)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.grad_fn is not None
+    (dk,) = torch.autograd.grad(out.sum(), k)
+    q2, k2, v2 = _qkv(requires_grad=True)
+    _, dk_all, _ = torch.autograd.grad(flash_attn_func(q2, k2, v2, causal=True).sum(), (q2, k2, v2))
+    torch.testing.assert_close(dk, dk_all, rtol=0, atol=0)
