@@ -145,6 +145,10 @@ def test_env_switch_and_alignment(fake_sm90, monkeypatch):
     flat = torch.randn(k.numel() + 1, dtype=torch.bfloat16)
     k_off = flat[1:].view(k.shape)
     assert _descriptors(q, k_off, v, cfg)[0] is False
+    # aligned base, but a row stride of 129 elements (258 bytes): not a multiple of 16 bytes
+    k_wide = torch.randn(*k.shape[:-1], k.shape[-1] + 1, dtype=torch.bfloat16)[..., :k.shape[-1]]
+    assert _descriptors(q, k_wide, v, cfg)[0] is False
+    assert _descriptors(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, cfg)[0] is True  # heads-major
     assert _descriptors(q, k, v, cfg)[0] is True
 
 

@@ -33,18 +33,29 @@ def _sm90(index: int) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    # plain loops: the generator expressions this replaced cost ~1.5 us of host time per tensor (NOTES v35)
+    if t.data_ptr() % 16:
+        return False
     size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
+    strides = t.stride()
+    if strides[-1] != 1:
+        return False
+    for s in strides[:-1]:
+        if s * size % 16:
+            return False
+    return True
 
 
 def usable(*tensors: torch.Tensor, varlen: bool) -> bool:
     """Whether the kernels may take their streamed tiles through descriptors for these tensors (the caller
     decides for which head dims and tiles)."""
     t0 = tensors[0]
-    if varlen or t0.dtype not in _DTYPES or _env.get("FLASHATTN_TMA", "1") == "0":
+    if varlen or t0.dtype not in _DTYPES or _env.get("FLASHATTN_TMA", "1") == "0" or not device_ok(t0):
         return False
-    return device_ok(t0) and all(_aligned(t) for t in tensors)
+    for t in tensors:
+        if not _aligned(t):
+            return False
+    return True
 
 
 def descriptor(t: torch.Tensor, block_rows: int):
