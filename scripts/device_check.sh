@@ -21,6 +21,8 @@
 #                                                          d=128 forward sweep
 #   bash scripts/device_check.sh host_v35                  v35's host time (host_profile.py beside cuDNN), the
 #                                                          host-path tests, torch.compile GPU tests, train table
+#   bash scripts/device_check.sh fwd_bn64                  v36: 64-key tiles for the d=64 forward, swept; the
+#                                                          tile-boundary tests
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -216,6 +218,13 @@ if [ "$stage" = host_v35 ]; then
   timeout $((580 - SECONDS)) python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$res/train" 2>&1 | tail -60
   tar -C /tmp -czf "$OUT/host_v35.tgz" host_v35
+fi
+if [ "$stage" = fwd_bn64 ]; then
+  # NOTES v36: 64-key tiles for the d=64 forward (two and three consumers) in the sweep beside the shipped
+  # ones, then the tile-boundary tests of every order (the 64-key configs included)
+  timeout 300 python3 scripts/fwd_sweep.py "$OUT/fwd_sweep64.json" 64 2>&1 | tee "$OUT/fwd_sweep64.log"
+  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -x -rs tests/test_ws_gpu.py -k tile_boundary 2>&1 \
+    | tee "$OUT/pytest_boundary.log" | tail -4
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:

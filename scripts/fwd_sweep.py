@@ -32,7 +32,9 @@ VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
         "gluon 2 consumers": (TWO, True),
         "gluon 3 consumers": (THREE, True),
         "gluon 3c full diag": ({**THREE, "FLASHATTN_FWD_HALF_DIAG": "0"}, True),
-        "gluon 3c st4": ({"FLASHATTN_CONFIG": "fwd_ws=192,128,4,4"}, True),
+        # 64-key tiles (NOTES v36): a causal tile's last step masks less, each step is half as long
+        "gluon 2c bn64": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,4"}, True),
+        "gluon 3c bn64": ({"FLASHATTN_CONFIG": "fwd_ws=192,64,4,4"}, True),
     },
     128: {
         "shipped": ({}, False),

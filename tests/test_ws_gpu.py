@@ -88,11 +88,14 @@ ORDERS = {
     "tile-end-release": {"FLASHATTN_FWD_DEFER_RELEASE": "0"},
     "three-consumers": {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"},
     "two-consumers": {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"},
+    "two-consumers-64-keys": {"FLASHATTN_CONFIG": "fwd_ws=128,64,4,4"},  # NOTES v36's candidates
+    "three-consumers-64-keys": {"FLASHATTN_CONFIG": "fwd_ws=192,64,4,4"},
 }
+_D64_ONLY = ("three-consumers", "two-consumers", "two-consumers-64-keys", "three-consumers-64-keys")
 
 
 @pytest.mark.parametrize("order, d", [(order, d) for order in ORDERS for d in (64, 128)
-                                      if not (order in ("three-consumers", "two-consumers") and d == 128)])
+                                      if not (order in _D64_ONLY and d == 128)])
 @pytest.mark.parametrize("sq, sk, causal", [(2100, 2100, True), (1400, 3, True), (1400, 700, True),
                                             (700, 1400, True), (333, 333, True), (17, 1023, False)])
 def test_tile_boundary_orders(ws_calls, monkeypatch, order, d, sq, sk, causal):
