@@ -8,7 +8,9 @@ call of back-to-back calls without a sync, the median of 7 repetitions of 200 ca
   jit      the kernel's launch through the JIT (kernel[grid](...)) with every argument built beforehand
   compiled the compiled kernel's run() with the same arguments (the JIT's binding and cache lookup excluded:
            what ops/launch.py's plans do)
-and sdpa-cudnn's public call beside them. Then a cProfile of forward + backward through the public API.
+and sdpa-cudnn's public call beside them; then the public calls again at the train grid's d=128 N=1K causal
+size (b=16, h=16; 20 calls a repetition, which the GPU queue absorbs): host time that grows with the problem
+(through allocations, say) shows there. Then a cProfile of forward + backward through the public API.
 
     python scripts/host_profile.py OUT.json
 """
@@ -128,18 +130,41 @@ def _layers(d, causal):
     return {name: fn for name, fn in layers.items() if fn is not None}
 
 
+def _train_size_layers():
+    """The public calls, ours and cuDNN's, at the train grid's d=128 N=1K causal shape."""
+    q, k, v = (torch.randn(16, 1024, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=True)
+    qt, kt, vt, dot = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v, do))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    cudnn_out = cudnn()
+    return {
+        "fwd public": lambda: flash_attn_func(q, k, v, causal=True),
+        "fwd cudnn": cudnn,
+        "bwd public": lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+        "bwd cudnn": lambda: torch.autograd.grad(cudnn_out, (qt, kt, vt), dot, retain_graph=True),
+    }
+
+
 def main(path):
     torch.manual_seed(0)
     results = {}
-    for d, causal in ((128, True), (64, False)):
-        for name, fn in _layers(d, causal).items():
+    cases = [(f"d={d:3} causal={causal!s:5}", lambda d=d, causal=causal: _layers(d, causal))
+             for d, causal in ((128, True), (64, False))]
+    cases.append(("b=16 N=1K d=128 causal", _train_size_layers))
+    for label, layers in cases:
+        for name, fn in layers().items():
             try:
-                us = _per_call_us(fn)
+                us = _per_call_us(fn, calls=20 if label.startswith("b=16") else 200)
             except Exception as exc:  # noqa: BLE001 - one broken layer must not lose the others
-                print(f"d={d} causal={causal} {name}: {type(exc).__name__}: {exc}", flush=True)
+                print(f"{label} {name}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            results[f"d={d} causal={causal} {name}"] = us
-            print(f"d={d:3} causal={causal!s:5} {name:13} {us:7.1f} us/call", flush=True)
+            results[f"{label} {name}"] = us
+            print(f"{label} {name:13} {us:7.1f} us/call", flush=True)
 
     q, k, v = (torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
