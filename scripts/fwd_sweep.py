@@ -21,8 +21,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 from flashattn import flash_attn_func
 from flashattn.ops import attention_ws
 
-# (batch, N, causal) at 16K tokens, hidden 2048: the four d=64 points under the bar in the s10 table, and the
-# long row (steady state)
+# (batch, N, causal) at 16K tokens, hidden 2048: the short d=64 points that were under the bar in the s10-s12
+# tables, and the long row (steady state)
 SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True), (1, 16384, False)]
 THREE, TWO = {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"}, {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"}
 VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
@@ -35,6 +35,8 @@ VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
         # 64-key tiles (NOTES v36): a causal tile's last step masks less, each step is half as long
         "gluon 2c bn64": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,4"}, True),
         "gluon 3c bn64": ({"FLASHATTN_CONFIG": "fwd_ws=192,64,4,4"}, True),
+        "gluon 2c st4": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
+        "gluon 2c tile grid": ({**TWO, "FLASHATTN_WS_GRID": "tiles"}, True),  # one program per tile
     },
     128: {
         "shipped": ({}, False),
