@@ -155,6 +155,9 @@ class _EagerAttention(torch.autograd.Function):
         output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(output[1], output[2])
+        # the backward never reads the LSE's gradient: without this the engine fills a zero tensor of the
+        # LSE's shape for it on every backward (an allocation and a fill kernel)
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
