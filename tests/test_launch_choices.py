@@ -167,7 +167,8 @@ def test_pointer_provider_turns_descriptors_off():
 
 
 @pytest.mark.parametrize("name, var, value", [("flashattn-triton", "FLASHATTN_WS", "0"),
-                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles")])
+                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles"),
+                                              ("flashattn-fused-dq", "FLASHATTN_BWD_FUSE_DQ", "1")])
 def test_gluon_ab_providers(name, var, value, monkeypatch):
     import os
 
