@@ -7,7 +7,7 @@ window other than causal, no softcap, ALiBi, dropout or sink; q, k, v and out mu
 forward. Measured on the H200 beside the Triton forward in the same run (benchmarks/NOTES.md v17, v23):
 d = 128 +24-37% without a mask, causal +20-25% at 1K-2K (GPU time, CUDA graphs) and +20-32% from 4K; d = 64
 +1-14% without a mask and +3-4% causal at 1K (GPU time); causal from 2K it was 1-5% behind until three
-consumer warpgroups of 64 rows (192-row tiles, d = 64 past 1K, NOTES v33) put it 3-5% ahead.
+consumer warpgroups of 64 rows (192-row tiles, d = 64 past 1K, NOTES v33): -1% to +3.5% at 2K, +4-5% at 4K.
 
 Grid: persistent (one program per SM); after the first, each program takes its next query tile from a
 shared counter, so under a causal mask the programs' totals even out (a static walk with the grid's stride
@@ -45,7 +45,8 @@ _DQ_BUFFER_CAP = 512 << 20
 def takes(d: int) -> bool:
     """The shape side of the rule (features and layout aside; the IO model asks it too): d = 64 or 128, any
     length, causal or not; FLASHATTN_WS=0 sends every call to the Triton forward. Causal d = 64 from 2K took
-    the Triton forward until three consumer warpgroups (NOTES v33) put this kernel 3-5% ahead of it."""
+    the Triton forward until three consumer warpgroups (NOTES v33): -1% to +3.5% against it at 2K, +4-5% at
+    4K."""
     return d in (64, 128) and _env.get("FLASHATTN_WS", "1") != "0"
 
 
