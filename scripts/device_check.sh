@@ -45,6 +45,8 @@ sparse16k() {  # TIMEOUT DIR MODES PROVIDERS [bench options]: the 16K sparse sui
 ncu_bin() {  # Nsight Compute's CLI: on PATH, or where the CUDA toolkit and Nsight installs put it
   command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1
 }
+# the sections both profile stages read: time, pipes, warp stalls, issue slots
+NCU_STALLS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
 
 if [ "$stage" = tune ]; then
   python3 -c "import sys; from flashattn.demo import check; sys.exit(check())" 2>&1 | tee "$OUT/check.log"
@@ -129,9 +131,8 @@ if [ "$stage" = bwd_profile ]; then
     # the third backward's launches: one Gluon kernel per backward, or the Triton dK/dV and dQ programs
     if [ "${3:-}" = triton ]; then ws=0 kernel=regex:attn_bwd_kernel skip=4 count=2
     else ws=1 kernel=regex:attn_bwd_ws skip=2 count=1; fi
-    FLASHATTN_WS_BWD=$ws timeout ${BWD_PROFILE_S:-150} "$NCU" --kernel-name "$kernel" --launch-skip $skip --launch-count $count \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-      --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis \
+    FLASHATTN_WS_BWD=$ws timeout ${BWD_PROFILE_S:-150} "$NCU" --kernel-name "$kernel" --launch-skip $skip \
+      --launch-count $count $NCU_STALLS --section Occupancy --section MemoryWorkloadAnalysis \
       python3 scripts/profile_case.py "$1" "$2" > "$OUT/ncu_$name.txt" 2>&1
     grep -E -i "Duration|Throughput|Stall|Issued|Eligible|Active Warps|Registers|Pipe" "$OUT/ncu_$name.txt" \
       | head -40
@@ -148,9 +149,8 @@ if [ "$stage" = fwd_profile ]; then
     set -- $case
     name="d$1_n$2_ws$3${4:+_$4}"
     kernel=$([ "$3" = 0 ] && echo regex:attn_fwd_kernel || echo regex:attn_fwd_ws)
-    FLASHATTN_WS=$3 timeout 100 "$NCU" --kernel-name "$kernel" --launch-skip 2 \
-      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-      --section SchedulerStats --section InstructionStats \
+    FLASHATTN_WS=$3 timeout 100 "$NCU" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 $NCU_STALLS \
+      --section InstructionStats \
       --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*.avg.pct_of_peak_sustained_active" \
       python3 scripts/profile_case.py "$1" "$2" ${4:-} fwd > "$OUT/ncu_fwd_$name.txt" 2>&1
     echo "== $name"

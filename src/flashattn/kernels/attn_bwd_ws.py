@@ -124,9 +124,20 @@ def _convert_dq(DQacc, DQ, off_b, m0, off_h, nheads, seqlen_q, HEAD_DIM: gl.cons
 
 
 @gluon.jit
-def _settle_dq(old, Count, idx, DQacc, DQ, off_b, m0, off_h, nheads, seqlen_q, seqlen_k, diag, lane,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _count_pending(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M: gl.constexpr):
+    """Wait for the pending reduce-add (tile pend_m0 of head pend_h) in full and count it: (its counter's old
+    value, to read later, and the counter's index)."""
+    Count, DQacc, DQ, nheads, n_m_total, seqlen_q, seqlen_k, diag = fuse
+    _bulk_complete(lane)
+    idx = (off_b * nheads + pend_h) * n_m_total + pend_m0 // BLOCK_M
+    return _count_dq(Count, idx, lane), idx
+
+
+@gluon.jit
+def _settle_dq(old, idx, off_b, m0, off_h, fuse, lane, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """The warpgroup whose count completed a tile converts it and zeroes its counter for the next launch."""
+    Count, DQacc, DQ, nheads, n_m_total, seqlen_q, seqlen_k, diag = fuse
     if gl.max(old, 0) == _dq_contributors(m0, seqlen_k, diag, BLOCK_M, BLOCK_N, CAUSAL) - 1:
         _convert_dq(DQacc, DQ, off_b, m0, off_h, nheads, seqlen_q, HEAD_DIM, BLOCK_M)
         gl.store(Count + idx + lane * 0, lane * 0, mask=lane == 0)
@@ -139,21 +150,13 @@ def _store_dq_counted(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, pend_m0, 
     """_store_dq under FUSE_DQ: the previous reduce-add (pend_m0 >= 0: its tile) is waited for in full and
     counted first; its count's result is read after this one is issued, which hides the atomic's round
     trip. Returns this tile as the new pending one."""
-    Count, DQacc, DQ, nheads, n_m_total, seqlen_q, seqlen_k, diag = fuse
     old = lane * 0 - 1
     idx = pend_m0 * 0
     if pend_m0 >= 0:
-        _bulk_complete(lane)
-        idx = (off_b * nheads + pend_h) * n_m_total + pend_m0 // BLOCK_M
-        old = _count_dq(Count, idx, lane)
-    else:
-        tma.store_wait(0)  # the previous reduce-add has read the staging tile
-    dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
-    fence_async_shared()
-    _reduce_add(dq_desc, [off_b, m0, off_h, WG * HALF_D], dq_buf)
+        old, idx = _count_pending(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M)
+    _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
     if pend_m0 >= 0:
-        _settle_dq(old, Count, idx, DQacc, DQ, off_b, pend_m0, pend_h, nheads, seqlen_q, seqlen_k, diag, lane,
-                   HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+        _settle_dq(old, idx, off_b, pend_m0, pend_h, fuse, lane, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
     return m0, off_h
 
 
@@ -161,13 +164,9 @@ def _store_dq_counted(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, pend_m0, 
 def _flush_dq(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     """FUSE_DQ, after the last step: count the last reduce-add and convert its tile if it completed it."""
-    Count, DQacc, DQ, nheads, n_m_total, seqlen_q, seqlen_k, diag = fuse
     if pend_m0 >= 0:
-        _bulk_complete(lane)
-        idx = (off_b * nheads + pend_h) * n_m_total + pend_m0 // BLOCK_M
-        old = _count_dq(Count, idx, lane)
-        _settle_dq(old, Count, idx, DQacc, DQ, off_b, pend_m0, pend_h, nheads, seqlen_q, seqlen_k, diag, lane,
-                   HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
+        old, idx = _count_pending(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M)
+        _settle_dq(old, idx, off_b, pend_m0, pend_h, fuse, lane, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
 
 
 @gluon.jit

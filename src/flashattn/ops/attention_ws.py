@@ -185,8 +185,9 @@ def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: f
     # an experiment (NOTES v37), off unless FLASHATTN_BWD_FUSE_DQ=1: the kernel converts each query tile's dQ
     # once its last reduce-add is counted, instead of the copy below
     fuse_dq = defer_dq and _env.get("FLASHATTN_BWD_FUSE_DQ", "0") == "1"
-    n_m = host.cdiv(pb.seqlen_q, cfg.block_m)
-    counts = _zeroed(q.device, "dq tiles", pb.batch * pb.nheads * n_m) if fuse_dq else dq_acc
+    # a counter per (batch, head, query tile); unfused, the kernel gets dq_acc in its place and never reads it
+    counts = (_zeroed(q.device, "dq tiles", pb.batch * pb.nheads * host.cdiv(pb.seqlen_q, cfg.block_m))
+              if fuse_dq else dq_acc)
     launch(
         attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,),
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),

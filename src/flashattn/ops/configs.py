@@ -40,8 +40,8 @@ _H200 = {
     ("dq", 64): TileConfig(128, 64, 8, 3),
     ("dq", 128): TileConfig(128, 64, 8, 3),
     ("dq", 256): TileConfig(128, 32, 8, 2),
-    # the warp-specialised forward (ops/attention_ws.py, d = 64 and 128): block_m is two consumer warpgroups
-    # of 64 rows, the stages are K/V ring slots (num_warps: the kernel fixes its own partitions)
+    # the warp-specialised forward (ops/attention_ws.py, d = 64 and 128): block_m is two or three consumer
+    # warpgroups of 64 rows, the stages are K/V ring slots (num_warps: the kernel fixes its own partitions)
     ("fwd_ws", 128): TileConfig(128, 128, 4, 2),
     # d = 64: three consumer warpgroups of 64 rows (NOTES v33); 3 K/V stages (96 KiB) beside two Q tiles (48)
     ("fwd_ws", 64): TileConfig(192, 128, 4, 3),
