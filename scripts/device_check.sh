@@ -21,10 +21,6 @@
 #                                                          d=128 forward sweep
 #   bash scripts/device_check.sh host_v35                  v35's host time (host_profile.py beside cuDNN), the
 #                                                          host-path tests, torch.compile GPU tests, train table
-#   bash scripts/device_check.sh fwd_bn64                  v36: 64-key tiles for the d=64 forward, swept; the
-#                                                          tile-boundary tests
-#   bash scripts/device_check.sh bwd_fuse                  v37: the d=64 backward converting dQ itself: memcheck,
-#                                                          GPU tests, kernel times, the d=64 backward A/B
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -220,26 +216,6 @@ if [ "$stage" = host_v35 ]; then
   timeout $((580 - SECONDS)) python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$res/train" 2>&1 | tail -60
   tar -C /tmp -czf "$OUT/host_v35.tgz" host_v35
-fi
-if [ "$stage" = fwd_bn64 ]; then
-  # NOTES v36: 64-key tiles for the d=64 forward (two and three consumers) in the sweep beside the shipped
-  # ones, then the tile-boundary tests of the 64-key configs
-  timeout 360 python3 scripts/fwd_sweep.py "$OUT/fwd_sweep64.json" 64 2>&1 | tee "$OUT/fwd_sweep64.log"
-  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -x -rs tests/test_ws_gpu.py \
-    -k "tile_boundary and 64-keys" 2>&1 | tee "$OUT/pytest_boundary.log" | tail -4
-fi
-if [ "$stage" = bwd_fuse ]; then
-  # NOTES v37: the d=64 Gluon backward converting dQ itself (FLASHATTN_BWD_FUSE_DQ=1): memcheck, its GPU tests
-  # (odd shapes, GQA, query tiles without keys, three calls in a row), GPU time per kernel, then the d=64
-  # backward rows beside the copy pass and cuDNN in one process
-  FLASHATTN_BWD_FUSE_DQ=1 timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_bwd \
-    2>&1 | tail -3 | tee "$OUT/memcheck_fused.log"
-  timeout 200 python3 -m pytest -m gpu -q -x -rs tests/test_ws_gpu.py -k "fused_dq or dq_orders" 2>&1 \
-    | tee "$OUT/pytest_fused.log" | tail -4
-  FLASHATTN_BWD_FUSE_DQ=1 timeout 100 python3 scripts/bwd_kernel_times.py "$OUT/bwd_kernel_times_fused.json" 1024 \
-    16384 2>&1 | grep "d=64" | tail -4
-  timeout $((585 - SECONDS)) python3 -m flashattn bench --suite train --headdims 64 --modes bwd --quiet \
-    --providers flashattn,flashattn-fused-dq,sdpa-cudnn --out "$OUT/train_bwd64" 2>&1 | tail -20
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:

@@ -32,11 +32,6 @@ VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
         "gluon 2 consumers": (TWO, True),
         "gluon 3 consumers": (THREE, True),
         "gluon 3c full diag": ({**THREE, "FLASHATTN_FWD_HALF_DIAG": "0"}, True),
-        # 64-key tiles (NOTES v36): a causal tile's last step masks less, each step is half as long
-        "gluon 2c bn64": ({"FLASHATTN_CONFIG": "fwd_ws=128,64,4,4"}, True),
-        "gluon 3c bn64": ({"FLASHATTN_CONFIG": "fwd_ws=192,64,4,4"}, True),
-        "gluon 2c st4": ({"FLASHATTN_CONFIG": "fwd_ws=128,128,4,4"}, True),
-        "gluon 2c tile grid": ({**TWO, "FLASHATTN_WS_GRID": "tiles"}, True),  # one program per tile
     },
     128: {
         "shipped": ({}, False),

@@ -167,8 +167,7 @@ def test_pointer_provider_turns_descriptors_off():
 
 
 @pytest.mark.parametrize("name, var, value", [("flashattn-triton", "FLASHATTN_WS", "0"),
-                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles"),
-                                              ("flashattn-fused-dq", "FLASHATTN_BWD_FUSE_DQ", "1")])
+                                              ("flashattn-ws-tiles", "FLASHATTN_WS_GRID", "tiles")])
 def test_gluon_ab_providers(name, var, value, monkeypatch):
     import os
 
@@ -286,3 +285,20 @@ def test_ws_backward_choice(monkeypatch):
     monkeypatch.setattr(attention_ws, "_DQ_BUFFER_CAP", 2048 * 4 * 128 * 4)
     assert _ws_bwd_eligible(monkeypatch)
     assert not _ws_bwd_eligible(monkeypatch, sq=2049)
+
+
+@pytest.mark.parametrize("spec", ["128,64,4,4", "192,64,4,3", "64,128,4,3", "256,128,4,3", "128,128,4,1"])
+def test_gluon_forward_refuses_configs_it_cannot_run(monkeypatch, spec):
+    # 64-key tiles gave wrong causal rows (NOTES v36): an override the kernel cannot run must fail loudly
+    monkeypatch.setenv("FLASHATTN_CONFIG", f"fwd_ws={spec}")
+    with pytest.raises(ValueError, match=f"fwd_ws={spec} is not a config of the Gluon forward"):
+        attention_ws.forward_config(64, CUDA, 4096)
+
+
+@pytest.mark.parametrize("spec", ["128,128,4,3", "192,128,4,3", "128,128,4,2"])
+def test_gluon_forward_takes_its_configs(monkeypatch, spec):
+    monkeypatch.setenv("FLASHATTN_CONFIG", f"fwd_ws={spec}")
+    assert attention_ws.forward_config(128, CUDA, 1024) == TileConfig.parse(spec)
+    monkeypatch.delenv("FLASHATTN_CONFIG")
+    assert attention_ws.forward_config(64, CUDA, 1024) == _H200_SHORT[("fwd_ws", 64)][1]
+    assert attention_ws.forward_config(64, CUDA, 4096) == _H200[("fwd_ws", 64)]

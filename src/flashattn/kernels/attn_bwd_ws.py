@@ -14,11 +14,8 @@ pair, attn_bwd.py).
     leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here (NOTES v19).
     DEFER_DQ (d = 64): each step computes the previous step's dQ, so the dSᵀ hand-off no longer holds the two
     warpgroups in step (NOTES v24).
-FUSE_DQ (d = 64, an experiment: NOTES v37): each warpgroup counts its completed reduce-adds per query tile
-and head; the one that completes a tile's count converts it to dq's dtype, so no copy pass runs after the
-kernel. The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True`
-keeps the Triton backward (as flash_attn's flag does). Only the plain case comes here (ops/attention_ws.py
-decides).
+The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
+Triton backward (as flash_attn's flag does). Only the plain case comes here (ops/attention_ws.py decides).
 """
 
 from triton._C.libtriton import ir
@@ -80,96 +77,6 @@ def _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG: gl.constexpr,
 
 
 @gluon.jit
-def _bulk_complete(lane):
-    """Wait until this thread's bulk copies (the dQ reduce-adds) have completed, not just read their source,
-    and order their global writes (async proxy) before this thread's later generic accesses. A barrier of
-    the warpgroup follows, so the lane that counts comes after the lane that issued them."""
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
-                              "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _dq_contributors(m0, seqlen_k, diag, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Reduce-adds a query tile's dQ receives: two warpgroups x the key tiles whose programs visit it
-    (_key_tile's m_first <= m0 under causal masking)."""
-    n_kv = gl.cdiv(seqlen_k, BLOCK_N)
-    if CAUSAL:
-        n_kv = gl.minimum(gl.cdiv(gl.maximum(m0 + BLOCK_M + diag, 0), BLOCK_N), n_kv)
-    return 2 * n_kv
-
-
-@gluon.jit
-def _count_dq(Count, idx, lane):
-    """Add this warpgroup's completed reduce-add to counter idx (one lane; release orders the writes before
-    it, acquire the others' before a conversion). The old value, -1 on the other lanes: read it later."""
-    old = gl.atomic_add(Count + idx + lane * 0, lane * 0 + 1, mask=lane == 0, sem="acq_rel", scope="gpu")
-    return gl.where(lane == 0, old, -1)
-
-
-@gluon.jit
-def _convert_dq(DQacc, DQ, off_b, m0, off_h, nheads, seqlen_q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """dq[tile] = dq_acc[tile] in dq's dtype, 16 rows at a time (both are contiguous (b, sq, h, d))."""
-    ROWS: gl.constexpr = 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    base = (off_b.to(gl.int64) * seqlen_q * nheads + off_h) * HEAD_DIM
-    for r in gl.static_range(0, BLOCK_M, ROWS):
-        rows = m0 + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        offs = base + rows[:, None].to(gl.int64) * (nheads * HEAD_DIM) + cols[None, :]
-        keep = rows[:, None] < seqlen_q
-        # .cg: from L2, where the reduce-adds landed
-        x = gl.load(DQacc + offs, mask=keep, other=0.0, cache_modifier=".cg")
-        gl.store(DQ + offs, x.to(DQ.dtype.element_ty), mask=keep)
-
-
-@gluon.jit
-def _count_pending(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M: gl.constexpr):
-    """Wait for the pending reduce-add (tile pend_m0 of head pend_h) in full and count it: (its counter's old
-    value, to read later, and the counter's index)."""
-    Count, DQacc, DQ, nheads, n_m_total, seqlen_q, seqlen_k, diag = fuse
-    _bulk_complete(lane)
-    idx = (off_b * nheads + pend_h) * n_m_total + pend_m0 // BLOCK_M
-    return _count_dq(Count, idx, lane), idx
-
-
-@gluon.jit
-def _settle_dq(old, idx, off_b, m0, off_h, fuse, lane, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """The warpgroup whose count completed a tile converts it and zeroes its counter for the next launch."""
-    Count, DQacc, DQ, nheads, n_m_total, seqlen_q, seqlen_k, diag = fuse
-    if gl.max(old, 0) == _dq_contributors(m0, seqlen_k, diag, BLOCK_M, BLOCK_N, CAUSAL) - 1:
-        _convert_dq(DQacc, DQ, off_b, m0, off_h, nheads, seqlen_q, HEAD_DIM, BLOCK_M)
-        gl.store(Count + idx + lane * 0, lane * 0, mask=lane == 0)
-
-
-@gluon.jit
-def _store_dq_counted(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, pend_m0, pend_h, fuse, lane,
-                      WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF_D: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
-    """_store_dq under FUSE_DQ: the previous reduce-add (pend_m0 >= 0: its tile) is waited for in full and
-    counted first; its count's result is read after this one is issued, which hides the atomic's round
-    trip. Returns this tile as the new pending one."""
-    old = lane * 0 - 1
-    idx = pend_m0 * 0
-    if pend_m0 >= 0:
-        old, idx = _count_pending(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M)
-    _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
-    if pend_m0 >= 0:
-        _settle_dq(old, idx, off_b, pend_m0, pend_h, fuse, lane, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
-    return m0, off_h
-
-
-@gluon.jit
-def _flush_dq(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
-    """FUSE_DQ, after the last step: count the last reduce-add and convert its tile if it completed it."""
-    if pend_m0 >= 0:
-        old, idx = _count_pending(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M)
-        _settle_dq(old, idx, off_b, pend_m0, pend_h, fuse, lane, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)
-
-
-@gluon.jit
 def _row_stats(LSE, Delta, off_b, off_hk, m_first, c, n_steps, steps_per_head, seqlen_q, strides,
                GROUP: gl.constexpr, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     """LSE (in base 2) and D of step c's query rows, as (BLOCK_M,) vectors along Sᵀ's columns. Rows past
@@ -223,9 +130,9 @@ def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-              FUSE_DQ: gl.constexpr, WG: gl.constexpr):
+              WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, bars, LSE, Delta, strides,
-     scales, problem, fused_out) = args
+     scales, problem) = args
     kv_bar, ready, empty, ds_ready, done = bars
     qk_scale, sm_scale = scales
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
@@ -258,12 +165,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     mbarrier.wait(kv_bar, 0)
 
     dq = warpgroup_mma_init(q_zero)
-    # FUSE_DQ: the tile of the last reduce-add not yet counted (-1: none), and what counting needs
-    pend_m0 = m_first * 0 - 1
-    pend_h = off_hk * 0
-    lane = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    Count, DQacc, DQ = fused_out
-    fuse = (Count, DQacc, DQ, nheads_k * GROUP, gl.cdiv(seqlen_q, BLOCK_M), seqlen_q, seqlen_k, diag)
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
     m0_prev = m_first
     off_h_prev = off_hk * GROUP
@@ -320,12 +221,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.arrive(empty.index(s), count=1)
         if DEFER_DQ:
             if c > 0:
-                if FUSE_DQ:
-                    pend_m0, pend_h = _store_dq_counted(dq, dq_buf, dq_desc, off_b, m0_prev, off_h_prev,
-                                                        sm_scale, pend_m0, pend_h, fuse, lane, WG, BLOCK_M,
-                                                        BLOCK_N, HALF_D, HEAD_DIM, CAUSAL)
-                else:
-                    _store_dq(dq, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+                _store_dq(dq, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
         else:
             _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
         m0_prev = m0
@@ -340,13 +236,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             last = n_steps - 1
             dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
             dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
-            if FUSE_DQ:
-                pend_m0, pend_h = _store_dq_counted(dq_last, dq_buf, dq_desc, off_b, m0_prev, off_h_prev,
-                                                    sm_scale, pend_m0, pend_h, fuse, lane, WG, BLOCK_M,
-                                                    BLOCK_N, HALF_D, HEAD_DIM, CAUSAL)
-                _flush_dq(off_b, pend_m0, pend_h, fuse, lane, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
-            else:
-                _store_dq(dq_last, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+            _store_dq(dq_last, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
 
     # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
     # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
@@ -362,30 +252,25 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-               FUSE_DQ: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, FUSE_DQ, 0)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-               FUSE_DQ: gl.constexpr):
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
     # a worker partition: the loader's signature
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, FUSE_DQ, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 1)
 
 
 @gluon.jit
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE, Delta, stride_lse_b, stride_lse_h,
-    nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale, n_bhk, lpt_group, Count, DQacc, DQ,
+    nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale, n_bhk, lpt_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, FUSE_DQ: gl.constexpr = False,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_N == 2 * HALF_N)
-    # FUSE_DQ (Count: a zeroed int32 counter per (batch, head, query tile); DQacc, DQ: the float32 buffer and
-    # dq, both contiguous) rides on the deferred dQ's step order
-    gl.static_assert(DEFER_DQ or not FUSE_DQ)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
     dtype: gl.constexpr = q_desc.dtype
@@ -412,13 +297,12 @@ def attn_bwd_ws_kernel(
     bars = (kv_bar, ready, empty, ds_ready, done)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, bars, LSE, Delta,
-            (stride_lse_b, stride_lse_h), (qk_scale, sm_scale), problem, (Count, DQacc, DQ))
+            (stride_lse_b, stride_lse_h), (qk_scale, sm_scale), problem)
     loader_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, FUSE_DQ)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
-                      FUSE_DQ)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
         (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
     ], [4, 1], [240, 24])

@@ -107,24 +107,33 @@ def programs(n_work: int, device: torch.device) -> int:
 _counters: dict = {}
 
 
-def _zeroed(device: torch.device, kind: str, n: int) -> torch.Tensor:
-    """At least n int32 counters that are zero between launches: the kernel that uses them sets each back to
-    zero once done with it, so each stream keeps one buffer per kind (launches on a stream run one after
-    another) and a call launches no zeroing kernel. Under CUDA graph capture every call gets fresh zeroed
-    counters of its own (the zeroing is captured): graphs may replay on several streams at once."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # CPU: the sm90 compile check
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kind, index, torch._C._cuda_getCurrentRawStream(index))
-    counters = _counters.get(key)
-    if counters is None or counters.numel() < n:
-        counters = _counters[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return counters
-
-
 def _tile_counter(device: torch.device) -> torch.Tensor:
-    """The forward's tile counter and arrival count (int32 x 2); the kernel's last program resets them."""
-    return _zeroed(device, "fwd tiles", 2)
+    """The forward's tile counter and arrival count (int32 x 2), zero between launches: the kernel's last
+    program resets them, so each stream keeps one (launches on a stream run one after another) and a call
+    launches no zeroing kernel. Under CUDA graph capture every call gets a fresh zeroed pair of its own (the
+    zeroing is captured): graphs may replay on several streams at once."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # CPU: the sm90 compile check
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
+def forward_config(d: int, device: torch.device, longest: int):
+    """The forward's tiles (ops/configs.py; FLASHATTN_CONFIG's fwd_ws= included), held to what the kernel
+    does: steps of 128 keys (v32's half diagonal step assumes them: 64-key tiles gave wrong causal rows, and
+    were 8-16% slower anyway, NOTES v36), two or three consumer warpgroups of 64 rows, a K/V ring of 2+."""
+    cfg = tile_config("fwd_ws", d, device, longest)
+    if cfg.block_n != 128 or cfg.block_m not in (2 * _HALF_M, 3 * _HALF_M) or cfg.num_stages < 2:
+        raise ValueError(
+            f"FLASHATTN_CONFIG: fwd_ws={cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages} is not a "
+            f"config of the Gluon forward, which takes block_m 128 or 192 (two or three consumer warpgroups "
+            f"of 64 rows), block_n 128 and 2 or more stages"
+        )
+    return cfg
 
 
 def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
@@ -132,7 +141,7 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     group of the launch order, as the Triton forward's."""
     from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
-    cfg = tile_config("fwd_ws", pb.d, q.device, pb.longest)
+    cfg = forward_config(pb.d, q.device, pb.longest)
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
@@ -182,25 +191,15 @@ def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: f
     half_n = cfg.block_n // 2
     # d = 64: each step computes the previous step's dQ (NOTES v24); FLASHATTN_BWD_DEFER_DQ=0 for the A/B
     defer_dq = pb.d == 64 and _env.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
-    # an experiment (NOTES v37), off unless FLASHATTN_BWD_FUSE_DQ=1: the kernel converts each query tile's dQ
-    # once its last reduce-add is counted, instead of the copy below
-    fuse_dq = defer_dq and _env.get("FLASHATTN_BWD_FUSE_DQ", "0") == "1"
-    # a counter per (batch, head, query tile); unfused, the kernel gets dq_acc in its place and never reads it
-    counts = (_zeroed(q.device, "dq tiles", pb.batch * pb.nheads * host.cdiv(pb.seqlen_q, cfg.block_m))
-              if fuse_dq else dq_acc)
     launch(
         attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,),
         *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
         *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
         _descriptor(dq_acc, cfg.block_m, pb.d // 2, "float32"),
         lse, delta, lse.stride(0), lse.stride(1),
-        pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group, counts, dq_acc,
-        dq, GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], DEFER_DQ=defer_dq, FUSE_DQ=fuse_dq,
-        num_warps=4, maxnreg=cfg.maxnreg or _MAXNREG,
+        pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
+        GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], DEFER_DQ=defer_dq, num_warps=4,
+        maxnreg=cfg.maxnreg or _MAXNREG,
     )
-    if not fuse_dq:
-        dq.copy_(dq_acc)
-    elif pb.flags["WINDOW_RIGHT"] and pb.seqlen_q > pb.seqlen_k:
-        # causal with sq > sk: query tiles whose rows all see no key get no reduce-add, so none converts them
-        dq[:, :(pb.seqlen_q - pb.seqlen_k) // cfg.block_m * cfg.block_m].zero_()
+    dq.copy_(dq_acc)

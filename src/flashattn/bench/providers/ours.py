@@ -1,9 +1,8 @@
 """`flashattn` (this project, through its public API); for A/B timing the same with one switch set:
 `flashattn-ptr` (TMA descriptors off: the pointer-load path), `flashattn-headmajor` (the former launch order),
 `flashattn-triton` (the warp-specialised Gluon forward off), `flashattn-triton-bwd` (the Gluon backward off),
-`flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of its persistent grid),
-`flashattn-fused-dq` (the d=64 Gluon backward converting dQ itself, an experiment); and `torch-backend` (its
-pure-PyTorch backend)."""
+`flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of its persistent grid);
+and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
 
@@ -46,9 +45,6 @@ PROVIDERS = [
     Provider("flashattn-ws-tiles", env_variant(_setup_public, "FLASHATTN_WS_GRID", "tiles"),
              "this project with FLASHATTN_WS_GRID=tiles: the Gluon forward on one program per query tile "
              "instead of its persistent grid (A/B timing)"),
-    Provider("flashattn-fused-dq", env_variant(_setup_public, "FLASHATTN_BWD_FUSE_DQ", "1"),
-             "this project with FLASHATTN_BWD_FUSE_DQ=1: the d=64 Gluon backward converts each query tile's "
-             "dQ once its last reduce-add lands, instead of a copy pass after it (NOTES v37; A/B timing)"),
     Provider(
         "torch-backend",
         _setup_torch_backend,
