@@ -19,8 +19,8 @@
 #                                                          racecheck, then the backward's kernels apart
 #   bash scripts/device_check.sh fwd_checks                the forward GPU tests, racecheck reports in full, the
 #                                                          d=128 forward sweep
-#   bash scripts/device_check.sh host_v35                  v35's host time (host_profile.py beside cuDNN), the
-#                                                          host-path tests, torch.compile GPU tests, train table
+#   bash scripts/device_check.sh host_s13                  v35 + v38's host time (host_profile.py beside cuDNN),
+#                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -203,19 +203,18 @@ if [ "$stage" = fwd_checks ]; then
     | tee "$OUT/pytest_fwd.log" | tail -4
   timeout $((585 - SECONDS)) python3 scripts/fwd_sweep.py "$OUT/fwd_sweep128.json" 128 2>&1 | tail -30
 fi
-if [ "$stage" = host_v35 ]; then
-  # NOTES v35: host time per call after the environment reader, the 5-argument autograd Function and the
-  # inference shortcut (host_profile.py, cuDNN's public call beside ours: hosts differ between sessions), the
-  # host-path tests on the GPU, the torch.compile GPU tests, then the train table; one archive back
-  res=/tmp/host_v35; mkdir -p "$res"
-  timeout 150 python3 scripts/host_profile.py "$res/host_profile.json" 2>&1 | tee "$res/host_profile.log" | head -24
-  timeout 60 python3 -m pytest -q -rs tests/test_host_paths.py 2>&1 | tee "$res/pytest_host_paths.log" | tail -2
-  timeout 80 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k compile 2>&1 \
-    | tee "$res/pytest_compile.log" | tail -2
-  tar -C /tmp -czf "$OUT/host_v35.tgz" host_v35
-  timeout $((580 - SECONDS)) python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
-    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$res/train" 2>&1 | tail -60
-  tar -C /tmp -czf "$OUT/host_v35.tgz" host_v35
+if [ "$stage" = host_s13 ]; then
+  # NOTES v35 + v38: host time per call (host_profile.py, cuDNN's public call beside ours: hosts differ between
+  # sessions), the host-path tests on the GPU, then the GPU tests that repeat calls across shapes, dtypes and
+  # features through the launchers' caches (the core tests, torch.compile's among them); one archive back
+  res=/tmp/host_s13; mkdir -p "$res"
+  timeout 150 python3 scripts/host_profile.py "$res/host_profile.json" 2>&1 | tee "$res/host_profile.log" | head -32
+  timeout 60 python3 -m pytest -q -rs tests/test_host_paths.py tests/test_launch.py 2>&1 \
+    | tee "$res/pytest_host_paths.log" | tail -2
+  tar -C /tmp -czf "$OUT/host_s13.tgz" host_s13
+  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
+    | tee "$res/pytest_core.log" | tail -4
+  tar -C /tmp -czf "$OUT/host_s13.tgz" host_s13
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
