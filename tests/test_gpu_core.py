@@ -162,3 +162,18 @@ def test_torch_compile_fullgraph_no_graph_breaks(dtype):
     check_against_oracle(q, k, v, causal=True, softmax_scale=scale, attn=compiled)  # forward + backward
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+
+
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False), (96, True)], ids=["gluon-d64", "gluon-d128",
+                                                                                     "triton-d96"])
+def test_no_host_sync_in_forward_backward(d, causal):
+    # a hidden device sync (.item(), .tolist() of a CUDA tensor, a blocking copy) would stall every training
+    # step's host behind the GPU; the second call runs with torch's sync checker raising on any sync
+    q, k, v = _qkv(2, 300, 300, 4, 2, d, torch.bfloat16)
+    dout = torch.randn_like(q)
+    for checked in (False, True):
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
