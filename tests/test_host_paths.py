@@ -71,3 +71,18 @@ def test_backward_gets_no_materialised_lse_gradient(backend, monkeypatch):
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     out.sum().backward()
     assert seen == [(None, None)] and q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_env_snapshot_covers_every_name_read(monkeypatch):
+    name = "FLASHATTN_TEST_ENV_SNAPSHOT"
+    monkeypatch.setenv(name, "a")
+    before = _env.snapshot()
+    _env.get(name)  # a name read for the first time lengthens every later snapshot
+    first = _env.snapshot()
+    assert len(first) == len(before) + 1 and first[:len(before)] == before
+    assert first == _env.snapshot()
+    monkeypatch.setenv(name, "b")
+    assert _env.snapshot() != first
+    monkeypatch.delenv(name)
+    assert _env.snapshot() != first
+
