@@ -107,3 +107,15 @@ def test_repeated_signatures_skip_the_checks_but_bad_input_still_raises(monkeypa
     with pytest.raises(ValueError, match="q must have 3"):  # varlen: another layout, another signature
         _validate.check_qkv(q, k, v, varlen=True)
 
+
+def test_apply_under_functorch_transforms_is_function_apply():
+    # _EagerAttention.apply's own path is only for calls outside functorch transforms; under one it is
+    # Function.apply's, which needs a setup_context this Function does not have
+    q, k, v = _qkv(requires_grad=False)
+    rest = (None, None, 37, 37, 0.1, True, -1, -1, 0.0, None, 0.0, False)
+
+    def call(q):
+        return autograd._EagerAttention.apply(q, k, v, None, rest)[0]
+
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(call)(q.unsqueeze(0))

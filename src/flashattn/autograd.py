@@ -12,6 +12,7 @@ repeatable, and torch.utils.checkpoint's RNG-state replay reproduces the mask.
 
 import torch
 from torch import Tensor
+from torch._C._functorch import unwrap_if_dead
 
 from flashattn.backend import backend_module
 
@@ -164,6 +165,20 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse, drng):
         dq, dk, dv, dsink = _grads(ctx, dout, _bwd_impl)
         return dq, dk, dv, dsink, None
+
+    @classmethod
+    def apply(cls, q, k, v, learnable_sink, rest):
+        """Function.apply without its generic steps: it checks for a setup_context (this Function has none)
+        and unwraps dead functorch wrappers through a generator over the arguments; the same unwrapping of
+        the four tensor arguments here, ~1-2 us less host time."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(q, k, v, learnable_sink, rest)
+        sink = learnable_sink if learnable_sink is None else unwrap_if_dead(learnable_sink)
+        return _eager_apply(unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(v), sink, rest)
+
+
+# the C++ apply that Function.apply ends in (its `super().apply`), bound to _EagerAttention
+_eager_apply = super(torch.autograd.Function, _EagerAttention).apply
 
 
 def _needs_grad(q, k, v, learnable_sink) -> bool:
