@@ -284,3 +284,13 @@ def test_the_caches_stay_bounded_and_hold_no_tensor(h200, monkeypatch):
         assert not isinstance(obj, torch.Tensor), "a cache holds a tensor"
         stack.extend(gc.get_referents(obj))
     assert len(seen) > 50  # it did walk the entries
+
+
+def test_descriptors_have_the_constructors_fields():
+    # PrecheckedDescriptor.of sets the fields itself: a field a later Triton adds must show here
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    q = _qkv()[0]
+    spec = attention_ws._descriptor_spec(q, 64, 128)
+    made = attention_ws._descriptor_type().of(q, *spec)
+    assert isinstance(made, TensorDescriptor) and vars(made) == vars(TensorDescriptor(q, *spec))
