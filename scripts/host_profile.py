@@ -66,7 +66,11 @@ class _Capture:
 
 def _launches(jit_fn, call):
     """(jit launch, compiled launch) closures replaying the last launch of jit_fn made by call()."""
-    launch._plans.clear()  # a launch plan would bypass the JIT's run(), which the capture hooks
+    # a launch plan would bypass the JIT's run(), which the capture hooks; so would the plans the Gluon
+    # launchers keep per call signature
+    launch._plans.clear()
+    attention._forward_cache.clear()
+    attention._backward_cache.clear()
     with _Capture(jit_fn) as cap:
         call()
     args, kwargs, grid, kernel = cap.calls[-1]

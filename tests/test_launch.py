@@ -97,6 +97,38 @@ def test_plan_misses_where_the_specialisation_changes(fake_cuda):
     assert all(not c.runs for c in kernel.compiled.values())
 
 
+def test_bound_launches_through_the_plan_launch_returned(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    kernel, x = _FakeKernel(), torch.empty(8)
+    bound = launch_mod.Bound(kernel, (3,), dict(BLOCK=64, FLAG=True))
+    bound((x, 32, 0.5))
+    assert len(kernel.jit_calls) == 1 and kernel.jit_calls[0][0] == (3,)  # the grid as given
+    plan = launch_mod.launch(kernel, (3,), x, 48, 0.25, BLOCK=64, FLAG=True)
+    assert bound.plan is plan and plan.tail == (64, True) and plan.pointers == ((0, True),)
+    bound((x, 48, 0.25))
+    (compiled,) = kernel.compiled.values()
+    assert len(kernel.jit_calls) == 1
+    assert compiled.runs[-1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, x, 48, 0.25, 64, True)
+    # a tensor whose alignment is not the plan's: through launch, as the JIT would specialise it anew
+    bound((x[1:], 48, 0.25))
+    assert len(kernel.jit_calls) == 2 and bound.plan is not plan
+    # another current device: through launch, whose plans are per device
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    runs = len(compiled.runs)
+    bound((x, 48, 0.25))
+    assert len(kernel.jit_calls) == 3 and len(compiled.runs) == runs
+
+
+def test_direct_follows_launch_rule(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not launch_mod.direct(torch.empty(4))  # a CPU tensor: no launch plans
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert launch_mod.direct(torch.empty(4))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not launch_mod.direct(torch.empty(4))
+
+
 def test_no_plan_without_every_constexpr_named(fake_cuda):
     kernel, x = _FakeKernel(), torch.empty(4)
     for _ in range(2):

@@ -8,6 +8,12 @@ Any strides with a contiguous last dim.
 Launch order: grids are 1D, and under a window (causal included), where tiles differ in work, heads run in
 groups heaviest tile first (kernels/common.py, grouped_program); `FLASHATTN_SCHEDULE=head-major` restores
 plain head-by-head order (A/B timing).
+
+Host time: at short lengths a call's Python outlasts its kernels. Calls that take the Gluon kernels keep
+what they derive (the problem, the route, tiles, the launch's arguments but its tensors, the plans) per
+signature: shapes, strides, dtypes, device, the options and every switch read so far (_env.snapshot), with
+16-byte aligned tensors. A repeated signature only allocates its outputs, builds its descriptors and
+launches (the forward's launcher: 49 -> 16 us of host time, NOTES v38); other calls take the full path.
 """
 
 import math
@@ -19,14 +25,21 @@ from flashattn import _env
 from flashattn.kernels.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.attn_fwd import attn_fwd_kernel
 from flashattn.ops import attention_ws, host, tma
+from flashattn.ops import launch as launch_mod
 from flashattn.ops.configs import TileConfig, tile_config
-from flashattn.ops.launch import launch
+from flashattn.ops.launch import Bound, launch
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
 _INT32_MAX = 2**31 - 1
 # bytes of streamed tiles (K/V, or Q/dO in the dK/dV role) that one group of heads may keep live in L2
 # (50 MiB on the H200): interleaving every head lost 4-9% to L2 misses in the block-sparse kernels (NOTES v10)
 _L2_BUDGET = 16 << 20
+# call signatures whose derivations the Gluon launchers keep (ops/attention_ws.py, _Prepared; 5-8 KB each with
+# its key): a model has a few per layer shape, and a cache past this many is emptied rather than grown
+# (lengths that vary from batch to batch would otherwise add an entry each)
+_CACHED_SIGNATURES = 256
+_forward_cache: dict = {}
+_backward_cache: dict = {}
 
 
 def default_scale(head_dim: int) -> float:
@@ -127,19 +140,57 @@ def _alibi_args(alibi_slopes, dummy):
     return alibi_slopes, (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
 
 
+def _cacheable(q, streamed: tuple, alibi_slopes, learnable_sink, cu_seqlens_q, softmax_scale,
+               window_size) -> bool:
+    """Whether a call's derivations are cached: it may take a Gluon kernel (no tensor option, a head dim it
+    takes, 16-byte aligned streamed tensors), it launches through plans, and its options key a dict (a
+    float scale: an int one would specialise otherwise; a tuple window)."""
+    if not (launch_mod.direct(q) and alibi_slopes is None and learnable_sink is None and cu_seqlens_q is None
+            and type(softmax_scale) is float and type(window_size) is tuple
+            and attention_ws.takes(q.shape[-1])):
+        return False
+    pointers = 0
+    for t in streamed:
+        pointers |= t.data_ptr()
+    return pointers % 16 == 0
+
+
+def _remember(cache: dict, key: tuple, entry: tuple) -> None:
+    if len(cache) >= _CACHED_SIGNATURES:
+        cache.clear()
+    cache[key] = entry
+
+
 def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key)."""
+    key = None
+    if _cacheable(q, (q, k, v), alibi_slopes, learnable_sink, cu_seqlens_q, softmax_scale, window_size):
+        # everything down to the launch's arguments but the tensors depends on these
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
+               _env.snapshot())
+        hit = _forward_cache.get(key)
+        if hit is not None:
+            pb, group, out_shape, lse_shape, prepared = hit
+            # sizes unpacked: torch.empty parses separate ints faster than a tuple (~0.6 us), or a Size (~1.3)
+            out = torch.empty(*out_shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(*lse_shape, dtype=torch.float32, device=q.device)
+            attention_ws.forward(pb, q, k, v, out, lse, group, prepared)
+            return out, lse
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
+    out_shape = (*q.shape[:-1], pb.dv)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     n_bh = pb.batch * pb.nheads
     group = pb.lpt_group(n_bh, pb.seqlen_k * (pb.d + pb.dv) * k.element_size() // pb.flags["GROUP"])
     if attention_ws.eligible(pb, q, k, v, learnable_sink):
-        attention_ws.forward(pb, q, k, v, out, lse, group)
+        prepared = attention_ws.forward(pb, q, k, v, out, lse, group)
+        if key is not None:
+            _remember(_forward_cache, key, (pb, group, out_shape, lse_shape, prepared))
         return out, lse
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     cfg = tile_config("fwd", max(pb.flags["BLOCK_D"], pb.flags["BLOCK_DV"]), q.device, pb.longest)
@@ -167,10 +218,29 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     with `deterministic` (or any feature) the Triton programs run: no atomics, every gradient element written
     by one program.
     """
-    pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
-                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    key = None
+    if not deterministic and _cacheable(q, (q, k, v, dout), alibi_slopes, learnable_sink, cu_seqlens_q,
+                                        softmax_scale, window_size):
+        key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
+               k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
+               out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
+               rng_seed, rng_offset, deterministic, _env.snapshot())
+        hit = _backward_cache.get(key)
+        if hit is not None:
+            pb, kv_group, preprocess, pre_args, prepared = hit
+            dq = torch.empty(*q.shape, dtype=q.dtype, device=q.device)  # unpacked: as attention_forward's
+            dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
+            delta = torch.empty_like(lse)
+            dq_acc = torch.empty(*q.shape, dtype=torch.float32, device=q.device)
+            preprocess((out, dout, delta, q, dq_acc, *pre_args))
+            attention_ws.backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale, kv_group,
+                                  prepared)
+            return dq, dk, dv, None
+    pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -186,18 +256,22 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     gluon = attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic)
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if gluon else delta
     pre_m = 64 if q.device.type == "cuda" else 32
-    launch(
+    preprocess = Bound(
         attn_bwd_preprocess_kernel, (host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads),
-        out, dout, delta, cu_q, dq_acc, *pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q,
-        HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen, ZERO_DQ=gluon,
+        dict(HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen, ZERO_DQ=gluon),
     )
+    pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q)
+    preprocess((out, dout, delta, cu_q, dq_acc, *pre_args))
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     row_bytes = (pb.d + pb.dv) * q.element_size()
     kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
     if gluon:
-        attention_ws.backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale, kv_group)
+        prepared = attention_ws.backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale,
+                                         kv_group)
+        if key is not None:
+            _remember(_backward_cache, key, (pb, kv_group, preprocess, pre_args, prepared))
         return dq, dk, dv, None
     kv_cfg = tile_config("dkdv", block_d, q.device, pb.longest)
     q_cfg = tile_config("dq", block_d, q.device, pb.longest)

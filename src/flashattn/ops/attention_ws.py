@@ -24,13 +24,14 @@ would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from flashattn import _env
 from flashattn.ops import host, merge, tma
 from flashattn.ops.configs import tile_config
-from flashattn.ops.launch import launch
+from flashattn.ops.launch import Bound
 
 _HALF_M = 64  # query rows per consumer warpgroup (the kernel's HALF_M)
 # registers per thread for the kernel's 12 warps (two consumer warpgroups, the loader's): 168 x 384 fills the
@@ -77,19 +78,39 @@ def _descriptor_type():
         """Gluon's host descriptor without its constructor's checks (3 of the ~5 us each costs, 4-7 per
         launch): the launchers hand it tensors that tma.usable passed or that they allocated contiguous."""
 
-        def __post_init__(self):
-            pass
+        @classmethod
+        def of(cls, base, shape, strides, block_shape, layout):
+            # the fields set directly: the dataclass __init__ and its __post_init__ cost ~0.3 us more
+            # (tests/test_launch_cache.py checks the fields against the constructor's)
+            d = object.__new__(cls)
+            d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
+                base, shape, strides, block_shape, layout, "zero")
+            return d
 
     return PrecheckedDescriptor
 
 
-def _descriptor(t, rows: int, cols: int, dtype_name: str | None = None):
-    """A TMA descriptor over a (batch, seqlen, heads, d) tensor with (1, rows, 1, cols) blocks in the
-    wgmma-ready shared layout; dtype_name: the Gluon element type (default: t's 16-bit type)."""
+def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> tuple:
+    """What a TMA descriptor over a (batch, seqlen, heads, d) tensor like t with (1, rows, 1, cols) blocks in
+    the wgmma-ready shared layout takes besides t; dtype_name: the Gluon element type (default: t's 16-bit
+    type). The same for every tensor of t's shape, strides and dtype: a prepared launch keeps it."""
     if dtype_name is None:
         dtype_name = "float16" if t.dtype == torch.float16 else "bfloat16"
-    layout = _shared_layout(rows, cols, dtype_name)
-    return _descriptor_type()(t, list(t.shape), list(t.stride()), [1, rows, 1, cols], layout)
+    return list(t.shape), list(t.stride()), [1, rows, 1, cols], _shared_layout(rows, cols, dtype_name)
+
+
+class _Prepared(NamedTuple):
+    """A launch of a Gluon kernel with all but its per-call tensors derived: what `forward` and `backward`
+    return, and take back (ops/attention.py keeps it per call signature) to skip the derivations for
+    tensors of the same shapes, strides, dtypes and alignment under the same switches."""
+
+    launch: Bound
+    specs: tuple  # _descriptor_spec of each descriptor argument, in order
+    args: tuple  # the arguments between the per-call tensors that follow the descriptors
+
+    def descriptors(self, *tensors) -> list:
+        make = _descriptor_type().of
+        return [make(t, *spec) for t, spec in zip(tensors, self.specs, strict=True)]
 
 
 def eligible(pb, q, k, v, learnable_sink) -> bool:
@@ -136,17 +157,25 @@ def forward_config(d: int, device: torch.device, longest: int):
     return cfg
 
 
-def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
+def forward(pb, q, k, v, out, lse, lpt_group: int, prepared: _Prepared | None = None) -> _Prepared:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel; lpt_group: heads per
-    group of the launch order, as the Triton forward's."""
+    group of the launch order, as the Triton forward's. prepared: what this returned for an earlier call of
+    the same signature (_Prepared), skipping the derivations; returns the launch prepared."""
+    if prepared is None:
+        prepared = _prepare_forward(pb, q, k, v, out, lse, lpt_group)
+    # the tiles past the first of each program go to whichever program asks first: a zeroed counter
+    tile_counter = _tile_counter(q.device)
+    prepared.launch((*prepared.descriptors(q, k, v, out), lse, *prepared.args, tile_counter))
+    return prepared
+
+
+def _prepare_forward(pb, q, k, v, out, lse, lpt_group: int) -> _Prepared:
     from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
     cfg = forward_config(pb.d, q.device, pb.longest)
     n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
-    # the tiles past the first of each program go to whichever program asks first: a zeroed counter
-    tile_counter = _tile_counter(q.device)
     # a query tile's O store completes under the next tile's first QK^T (NOTES v27);
     # FLASHATTN_FWD_DEFER_RELEASE=0 waits for it at the tile's end (A/B)
     defer_release = _env.get("FLASHATTN_FWD_DEFER_RELEASE", "1") != "0"
@@ -155,15 +184,14 @@ def forward(pb, q, k, v, out, lse, lpt_group: int) -> None:
     half_diag = causal and _env.get("FLASHATTN_FWD_HALF_DIAG", "1") != "0"
     # 192-row tiles: three consumer warpgroups of 160 registers, which run their steps serially (NOTES v33)
     three = cfg.block_m == 3 * _HALF_M
-    launch(
-        attn_fwd_ws_kernel, (programs(n_work, q.device),),
-        _descriptor(q, _HALF_M, pb.d), _descriptor(k, cfg.block_n, pb.d), _descriptor(v, cfg.block_n, pb.d),
-        _descriptor(out, _HALF_M, pb.d),
-        lse, lse.stride(0), lse.stride(1),
-        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group, tile_counter,
-        GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=causal, DEFER_RELEASE=defer_release, HALF_DIAG=half_diag, num_warps=4,
-        maxnreg=cfg.maxnreg or (_MAXNREG_THREE if three else _MAXNREG),
+    specs = (_descriptor_spec(q, _HALF_M, pb.d), _descriptor_spec(k, cfg.block_n, pb.d),
+             _descriptor_spec(v, cfg.block_n, pb.d), _descriptor_spec(out, _HALF_M, pb.d))
+    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  STAGES=cfg.num_stages, CAUSAL=causal, DEFER_RELEASE=defer_release, HALF_DIAG=half_diag,
+                  num_warps=4, maxnreg=cfg.maxnreg or (_MAXNREG_THREE if three else _MAXNREG))
+    return _Prepared(
+        Bound(attn_fwd_ws_kernel, (programs(n_work, q.device),), kwargs), specs,
+        (lse.stride(0), lse.stride(1), pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group),
     )
 
 
@@ -181,9 +209,19 @@ def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool
             and tma.usable(q, k, v, dout, varlen=False))
 
 
-def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: float, kv_group: int) -> None:
+def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: float, kv_group: int,
+             prepared: _Prepared | None = None) -> _Prepared:
     """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward; dq_acc: a zeroed
-    float32 buffer shaped like q (contiguous), into which the kernel adds dQ."""
+    float32 buffer shaped like q (contiguous), into which the kernel adds dQ. prepared: as `forward`'s."""
+    if prepared is None:
+        prepared = _prepare_backward(pb, q, k, v, dout, lse, dq_acc, dk, dv, softmax_scale, kv_group)
+    prepared.launch((*prepared.descriptors(q, dout, k, v, dk, dv, dq_acc), lse, delta, *prepared.args))
+    dq.copy_(dq_acc)
+    return prepared
+
+
+def _prepare_backward(pb, q, k, v, dout, lse, dq_acc, dk, dv, softmax_scale: float,
+                      kv_group: int) -> _Prepared:
     from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
 
     cfg = tile_config("bwd_ws", pb.d, q.device)
@@ -191,15 +229,15 @@ def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: f
     half_n = cfg.block_n // 2
     # d = 64: each step computes the previous step's dQ (NOTES v24); FLASHATTN_BWD_DEFER_DQ=0 for the A/B
     defer_dq = pb.d == 64 and _env.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
-    launch(
-        attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,),
-        *(_descriptor(t, cfg.block_m, pb.d) for t in (q, dout)),
-        *(_descriptor(t, half_n, pb.d) for t in (k, v, dk, dv)),
-        _descriptor(dq_acc, cfg.block_m, pb.d // 2, "float32"),
-        lse, delta, lse.stride(0), lse.stride(1),
-        pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group,
-        GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STAGES=cfg.num_stages, CAUSAL=pb.flags["WINDOW_RIGHT"], DEFER_DQ=defer_dq, num_warps=4,
-        maxnreg=cfg.maxnreg or _MAXNREG,
+    causal = pb.flags["WINDOW_RIGHT"]
+    specs = (*(_descriptor_spec(t, cfg.block_m, pb.d) for t in (q, dout)),
+             *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
+             _descriptor_spec(dq_acc, cfg.block_m, pb.d // 2, "float32"))
+    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  STAGES=cfg.num_stages, CAUSAL=causal, DEFER_DQ=defer_dq, num_warps=4,
+                  maxnreg=cfg.maxnreg or _MAXNREG)
+    return _Prepared(
+        Bound(attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,), kwargs), specs,
+        (lse.stride(0), lse.stride(1), pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale,
+         n_bhk, kv_group),
     )
-    dq.copy_(dq_acc)

@@ -14,7 +14,13 @@ kernel:
 and on every keyword (constexprs and options such as num_warps). The first call of a signature goes through
 the JIT (compiling if needed) and returns the compiled kernel, which the plan keeps. Under TRITON_INTERPRET=1,
 without CUDA, or with a launch hook installed (profilers), every call takes the JIT path.
+
+`launch` returns its plan. A launcher that caches its own derivations per call signature (ops/attention.py)
+keeps a `Bound` launch, which after its first call goes through that plan without computing its key: the
+launcher's key must fix every argument's specialisation but the tensors' alignment, which is checked.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +29,13 @@ from flashattn import _env
 _I32 = (-(2**31), 2**31)
 _I64_END = 2**63  # past it, an unsigned 64-bit parameter (a dropout seed can be)
 _plans: dict = {}
+
+
+class Plan(NamedTuple):
+    compiled: object  # triton's CompiledKernel
+    tail: tuple  # the values of the parameters past the positional ones (the constexprs), in order
+    device: int  # the CUDA device it was loaded on
+    pointers: tuple  # (index, 16-byte aligned) of each tensor argument: what its specialisation saw
 
 
 def _spec(x):
@@ -37,22 +50,38 @@ def _spec(x):
     return None if base is None else base.dtype
 
 
+_knobs = None
+
+
 def _hooked() -> bool:
     """Whether a launch hook is installed: Triton 3.6 keeps them in chains that are empty by default (the
     JIT still calls the empty chains, and builds their metadata, on every launch)."""
-    from triton import knobs
+    global _knobs
+    if _knobs is None:  # imported once: an import statement costs host time on every call
+        from triton import knobs
 
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+        _knobs = knobs
+    runtime = _knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):  # a loop: a generator costs ~0.5 us
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def direct(t: torch.Tensor) -> bool:
+    """Whether launches over CUDA tensors like t take plans (as `launch` would): the launchers' caches ask it
+    first. A CUDA tensor implies CUDA (torch.cuda.is_available reads the environment on every call)."""
+    return t.is_cuda and _env.get("TRITON_INTERPRET") != "1" and not _hooked()
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> Plan | None:
     """kernel[grid](*args, **kwargs) for a kernel whose runtime arguments are all positional and whose
-    constexprs and options are all keywords, through a cached plan after the first call of its signature."""
+    constexprs and options are all keywords, through a cached plan after the first call of its signature.
+    Returns the plan, if the call has one."""
     # no CUDA: the interpreter, or scripts/sm90_compile_check.py's compile-only driver on a CPU machine
     if _env.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() or _hooked():
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = torch.cuda.current_device()
     key = (id(kernel), device, tuple(kwargs.items()), tuple(map(_spec, args)))
     plan = _plans.get(key)
@@ -62,9 +91,43 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         # every parameter, as the JIT hands them on; a plan only when the call names each of them
         tail = kernel.arg_names[len(args):]
         if compiled is not None and all(name in kwargs for name in tail):
-            _plans[key] = (compiled.result() if hasattr(compiled, "result") else compiled, tail)
-        return
-    compiled, tail = plan
-    g = (*grid, 1, 1)
-    compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *[kwargs[name] for name in tail])
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            pointers = tuple((i, a.data_ptr() % 16 == 0) for i, a in enumerate(args)
+                             if isinstance(a, torch.Tensor))
+            plan = _plans[key] = Plan(compiled, tuple(kwargs[name] for name in tail), device, pointers)
+        return plan
+    _run(plan, (*grid, 1, 1), args)
+    return plan
+
+
+def _run(plan: Plan, grid: tuple, args) -> None:
+    compiled = plan.compiled
+    stream = torch._C._cuda_getCurrentRawStream(plan.device)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                 None, *args, *plan.tail)
+
+
+class Bound:
+    """A kernel with its grid and keywords fixed, called with positional arguments that specialise alike on
+    every call but for the tensors' alignment: through `launch` the first time, then straight through the
+    plan it returned while the tensors' alignment and the current device are the plan's. A caller that
+    keeps one must key it on everything else the arguments' specialisation depends on, and call it again
+    only where `direct` holds (a plan never calls the launch hooks)."""
+
+    __slots__ = ("kernel", "grid", "kwargs", "plan", "_grid3")
+
+    def __init__(self, kernel, grid: tuple, kwargs: dict):
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+        self._grid3 = (*grid, 1, 1)
+        self.plan = None
+
+    def __call__(self, args: tuple) -> None:
+        plan = self.plan
+        if plan is not None and torch._C._cuda_getDevice() == plan.device:
+            for i, aligned in plan.pointers:
+                if (args[i].data_ptr() % 16 == 0) is not aligned:
+                    break
+            else:
+                _run(plan, self._grid3, args)
+                return
+        self.plan = launch(self.kernel, self.grid, *args, **self.kwargs)

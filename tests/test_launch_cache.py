@@ -1,0 +1,295 @@
+"""The Gluon launchers' per-signature cache (ops/attention.py, ops/attention_ws.py) and check_qkv's: a call
+that hits gives the launch the uncached path gives, anything the derivations read makes a miss, bad input
+still raises, and the caches stay bounded and hold no tensor.
+
+On the CPU, with an H200 faked as scripts/sm90_compile_check.py does (tile table, TMA, SM count) and every
+kernel replaced by a recorder whose compiled kernel's launcher records instead of launching: the whole
+path down to `compiled.run` runs, the cached and the uncached one.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+
+import flashattn.kernels.attn_bwd_ws as bwd_ws_kernels
+import flashattn.kernels.attn_fwd_ws as fwd_ws_kernels
+from flashattn import _env, _validate, backend, flash_attn_func
+from flashattn.ops import attention, attention_ws, configs, merge, tma
+from flashattn.ops import launch as launch_mod
+
+
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def run(self, *args):
+        self.log.append(("run", self.name, args))
+
+
+class _Kernel:
+    """Stands for a JITFunction: kernel[grid](...) is recorded and returns a compiled kernel (one per call,
+    so that a launch through a plan shows which JIT call made it)."""
+
+    def __init__(self, real, log):
+        self.arg_names, self.name, self.log = real.arg_names, real.__name__, log
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.log.append(("jit", self.name, (grid, args, kwargs)))
+            return _Compiled(self.log, self.name)
+
+        return call
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """The launch log: ("jit", kernel, (grid, args, kwargs)) or ("run", kernel, compiled.run's args)."""
+    log = []
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in ("FLASHATTN_WS", "FLASHATTN_WS_BWD", "FLASHATTN_TMA", "FLASHATTN_CONFIG",
+                 "FLASHATTN_SCHEDULE", "FLASHATTN_BWD_DEFER_DQ",
+                 "FLASHATTN_FWD_HALF_DIAG", "FLASHATTN_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(backend, "backend_name", lambda t: "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    # CPU tensors stand for CUDA ones: the gate as launch.direct, less its is_cuda
+    monkeypatch.setattr(launch_mod, "direct",
+                        lambda t: _env.get("TRITON_INTERPRET") != "1" and not launch_mod._hooked())
+    monkeypatch.setattr(tma, "device_ok", lambda t: True)
+    monkeypatch.setattr(merge, "sm_count", lambda device: 132)
+    entry = configs._table_entry
+    monkeypatch.setattr(configs, "_table_entry", lambda kernel, block_d, cuda, seqlen=None:
+                        entry(kernel, block_d, True, seqlen))
+    for module, name in ((fwd_ws_kernels, "attn_fwd_ws_kernel"), (bwd_ws_kernels, "attn_bwd_ws_kernel"),
+                         (attention, "attn_bwd_preprocess_kernel"), (attention, "attn_fwd_kernel"),
+                         (attention, "attn_bwd_kernel")):
+        monkeypatch.setattr(module, name, _Kernel(getattr(module, name), log))
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    monkeypatch.setattr(launch_mod, "_plans", {})
+    monkeypatch.setattr(_validate, "_passed", set())
+    return log
+
+
+def _launches(log, names) -> list:
+    """The log's launches as (kernel, grid, every parameter's value in order): a JIT call and a launch through
+    a plan compare equal when they hand the kernel the same things. A tensor shows as the input it is (by
+    address) or "new", with its dtype, shape and strides; a descriptor as its fields."""
+    kernels = {"attn_fwd_ws_kernel": fwd_ws_kernels, "attn_bwd_ws_kernel": bwd_ws_kernels}
+
+    def show(a):
+        if isinstance(a, torch.Tensor):
+            return names.get(a.data_ptr(), "new"), a.dtype, tuple(a.shape), a.stride()
+        if hasattr(a, "block_shape"):
+            layout = getattr(a, "layout", None)  # Triton's own descriptors (the Triton kernels') have none
+            return ("desc", show(a.base), a.shape, a.strides, a.block_shape, layout, a.padding)
+        return a
+
+    out = []
+    for kind, name, call in log:
+        if kind == "jit":
+            grid, args, kwargs = call
+            arg_names = getattr(kernels.get(name, attention), name).arg_names
+            params = (*args, *(kwargs[n] for n in arg_names[len(args):]))
+            out.append((name, (*grid, 1, 1)[:3], tuple(map(show, params))))
+        else:
+            assert call[3:9] == (1234, "function", "metadata", None, None, None)
+            out.append((name, call[:3], tuple(map(show, call[9:]))))
+    return out
+
+
+def _qkv(d=128, dtype=torch.bfloat16, s=256, h=2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, s, h, d, generator=g).to(dtype) for _ in range(3)]
+
+
+def _fwd(q, k, v, **kw):
+    return attention.attention_forward(q, k, v, softmax_scale=kw.pop("softmax_scale", 0.125),
+                                       causal=kw.pop("causal", True), **kw)
+
+
+def _bwd(q, k, v, out, lse, dout, **kw):
+    return attention.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.125,
+                                        causal=kw.pop("causal", True), **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_hit_launches_as_the_uncached_path(h200, monkeypatch, d, causal):
+    q, k, v = _qkv(d)
+    dout = torch.randn_like(q)
+    names = {t.data_ptr(): n for n, t in dict(q=q, k=k, v=v, dout=dout).items()}
+    runs = []
+    for cached in (True, True, False):  # a miss, a hit, then the uncached path through launch's plans
+        monkeypatch.setattr(attention, "_cacheable", attention._cacheable if cached else lambda *a: False)
+        h200.clear()
+        out, lse = _fwd(q, k, v, causal=causal)
+        names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
+        _bwd(q, k, v, out, lse, dout, causal=causal)
+        runs.append(_launches(h200, names))
+        del names[out.data_ptr()], names[lse.data_ptr()]
+    miss, hit, uncached = runs
+    assert [name for name, *_ in hit] == ["attn_fwd_ws_kernel", "attn_bwd_preprocess_kernel",
+                                          "attn_bwd_ws_kernel"]
+    assert hit == miss == uncached
+    assert [kind for kind, *_ in h200] == ["run"] * 3  # the plans that the miss's JIT calls returned
+
+
+def test_the_public_call_hits_forward_and_backward(h200):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    for _ in range(3):
+        h200.clear()
+        out = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [kind for kind, *_ in h200] == ["run"] * 3
+    assert len(attention._forward_cache) == len(attention._backward_cache) == 1
+
+
+def _hits(call) -> bool:
+    """Whether call() took the cache: a Gluon launcher ran without preparing its launch."""
+    ran, prepared = [], []
+
+    def spy(log, real):
+        def wrapper(*args):
+            log.append(real)
+            return real(*args)
+
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("forward", "backward"):
+            mp.setattr(attention_ws, name, spy(ran, getattr(attention_ws, name)))
+            prepare = f"_prepare_{name}"
+            mp.setattr(attention_ws, prepare, spy(prepared, getattr(attention_ws, prepare)))
+        call()
+    return bool(ran) and not prepared
+
+
+def _variants():
+    """(name, a change of one thing the derivations read) as (environment, qkv, call options)."""
+    def strided(d=128):  # another head count's tensors, a head sliced out: other strides
+        return [t[:, :, :2] for t in _qkv(d, h=3)]
+
+    def misaligned():  # 8 bytes past an aligned address (the pointer path's Triton forward takes it)
+        return [torch.cat([t.flatten()[:4], t.flatten()])[4:].view(t.shape) for t in _qkv()]
+
+    return [
+        ("strides", {}, strided, {}),
+        ("alignment", {}, misaligned, {}),
+        ("dtype", {}, lambda: _qkv(dtype=torch.float16), {}),
+        ("length", {}, lambda: _qkv(s=320), {}),
+        ("causal", {}, _qkv, dict(causal=False)),
+        ("scale", {}, _qkv, dict(softmax_scale=0.25)),
+        ("FLASHATTN_WS=0", {"FLASHATTN_WS": "0"}, _qkv, {}),
+        ("FLASHATTN_FWD_HALF_DIAG=0", {"FLASHATTN_FWD_HALF_DIAG": "0"}, _qkv, {}),
+        ("FLASHATTN_CONFIG", {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"}, _qkv, {}),
+    ]
+
+
+@pytest.mark.parametrize("name, env, qkv, options", _variants(), ids=[v[0] for v in _variants()])
+def test_any_change_the_forward_reads_misses(h200, monkeypatch, name, env, qkv, options):
+    q, k, v = _qkv()
+    _fwd(q, k, v)
+    assert _hits(lambda: _fwd(q, k, v))
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    tensors = qkv()
+    assert not _hits(lambda: _fwd(*tensors, **options))
+    # and the next call of the new signature, a hit where it takes the Gluon forward, launches as uncached
+    h200.clear()
+    _fwd(*tensors, **options)
+    cached = _launches(h200, {})
+    with monkeypatch.context() as mp:
+        mp.setattr(attention, "_cacheable", lambda *a: False)
+        h200.clear()
+        _fwd(*tensors, **options)
+        uncached = _launches(h200, {})
+    assert cached == uncached
+
+
+@pytest.mark.parametrize("env, d, deterministic", [
+    ({"FLASHATTN_BWD_DEFER_DQ": "0"}, 64, False),
+    ({"FLASHATTN_WS_BWD": "0"}, 128, False),
+    ({}, 128, True),
+])
+def test_any_change_the_backward_reads_misses(h200, monkeypatch, env, d, deterministic):
+    q, k, v = _qkv(d)
+    dout = torch.randn_like(q)
+    out, lse = _fwd(q, k, v)
+    _bwd(q, k, v, out, lse, dout)
+    assert _hits(lambda: _bwd(q, k, v, out, lse, dout))
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert not _hits(lambda: _bwd(q, k, v, out, lse, dout, deterministic=deterministic))
+    h200.clear()
+    _bwd(q, k, v, out, lse, dout, deterministic=deterministic)
+    cached = _launches(h200, {})
+    monkeypatch.setattr(attention, "_cacheable", lambda *a: False)
+    h200.clear()
+    _bwd(q, k, v, out, lse, dout, deterministic=deterministic)
+    assert cached == _launches(h200, {})
+    if "FLASHATTN_BWD_DEFER_DQ" in env:
+        ((_, _, params),) = [c for c in cached if c[0] == "attn_bwd_ws_kernel"]
+        assert params[bwd_ws_kernels.attn_bwd_ws_kernel.arg_names.index("DEFER_DQ")] is False
+
+
+def test_an_installed_hook_bypasses_the_cache(h200):
+    from triton import knobs
+
+    q, k, v = _qkv()
+    _fwd(q, k, v)
+
+    def hook(metadata):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not _hits(lambda: _fwd(q, k, v))
+        h200.clear()
+        _fwd(q, k, v)
+        assert [kind for kind, *_ in h200] == ["jit"]  # launch's JIT path, which calls the hooks
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert _hits(lambda: _fwd(q, k, v))
+
+
+def test_the_caches_stay_bounded_and_hold_no_tensor(h200, monkeypatch):
+    monkeypatch.setattr(attention, "_CACHED_SIGNATURES", 3)
+    monkeypatch.setattr(_validate, "_PASSED_SIGNATURES", 3)
+    for s in range(200, 208):
+        q, k, v = (t.requires_grad_() for t in _qkv(s=s))
+        out = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert len(attention._forward_cache) <= 3 and len(attention._backward_cache) <= 3
+        assert len(_validate._passed) <= 3
+    # everything the caches reach, short of code (kernels, classes, modules, functions) and this file's
+    # fakes, whose log keeps the launched tensors
+    skip = (_Kernel, _Compiled, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+    seen, stack = set(), [attention._forward_cache, attention._backward_cache, _validate._passed]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        assert not isinstance(obj, torch.Tensor), "a cache holds a tensor"
+        stack.extend(gc.get_referents(obj))
+    assert len(seen) > 50  # it did walk the entries
+
+
+def test_descriptors_have_the_constructors_fields():
+    # PrecheckedDescriptor.of sets the fields itself: a field a later Triton adds must show here
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    q = _qkv()[0]
+    spec = attention_ws._descriptor_spec(q, 64, 128)
+    made = attention_ws._descriptor_type().of(q, *spec)
+    assert isinstance(made, TensorDescriptor) and vars(made) == vars(TensorDescriptor(q, *spec))
