@@ -21,6 +21,7 @@
 #                                                          d=128 forward sweep
 #   bash scripts/device_check.sh host_s13                  v35 + v38's host time (host_profile.py beside cuDNN),
 #                                                          the host-path tests, the core GPU tests
+#   bash scripts/device_check.sh table_s13                 the train table, the Gluon kernels' GPU tests
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -215,6 +216,13 @@ if [ "$stage" = host_s13 ]; then
   timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
     | tee "$res/pytest_core.log" | tail -4
   tar -C /tmp -czf "$OUT/host_s13.tgz" host_s13
+fi
+if [ "$stage" = table_s13 ]; then
+  # the README's table on v38's caches, then the Gluon kernels' GPU tests (their spies see every route)
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not tile_boundary" 2>&1 \
+    | tee "$OUT/pytest_ws.log" | tail -4
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
