@@ -7,6 +7,9 @@ its tile configs and switches (NOTES v32, v33), each checked against the shipped
 medians as `flashattn bench`, and the GPU time from a CUDA graph.
 
     python scripts/fwd_sweep.py OUT.json [HEAD_DIM ...]    # default: 64 128
+
+FWD_SWEEP_SHAPES="16,1024,1;8,2048,1" narrows the shapes (batch, N, causal); FWD_SWEEP_EXTRA='{"name": {"VAR":
+"value"}}' adds variants of the Gluon forward (forced) at every head dim, e.g. other FLASHATTN_CONFIG rows.
 """
 
 import json
@@ -39,6 +42,12 @@ VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
         "gluon full diag": ({"FLASHATTN_FWD_HALF_DIAG": "0"}, True),
     },
 }
+if os.environ.get("FWD_SWEEP_SHAPES"):
+    SHAPES = [(int(b), int(n), c == "1") for b, n, c in
+              (part.split(",") for part in os.environ["FWD_SWEEP_SHAPES"].split(";"))]
+_EXTRA = json.loads(os.environ.get("FWD_SWEEP_EXTRA", "{}"))
+for _table in VARIANTS.values():
+    _table.update({name: (env, True) for name, env in _EXTRA.items()})
 # cleared before each variant
 _ENV_NAMES = {name for table in VARIANTS.values() for env, _ in table.values() for name in env}
 _takes = attention_ws.takes
