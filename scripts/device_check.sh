@@ -22,6 +22,7 @@
 #   bash scripts/device_check.sh host_s13                  v35 + v38's host time (host_profile.py beside cuDNN),
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh table_s13                 the train table, the Gluon kernels' GPU tests
+#   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -223,6 +224,21 @@ if [ "$stage" = table_s13 ]; then
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
   timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not tile_boundary" 2>&1 \
     | tee "$OUT/pytest_ws.log" | tail -4
+fi
+if [ "$stage" = fwd_vs_cudnn ]; then
+  # ours and cuDNN's forward at d=64 1K causal (the M1 miss) side by side: pipes, issue slots, stalls, occupancy
+  NCU=$(ncu_bin)
+  for who in ours cudnn; do
+    kernel=$([ "$who" = cudnn ] && echo regex:sdpa || echo regex:attn_fwd_ws)
+    timeout 140 "$NCU" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 $NCU_STALLS \
+      --section Occupancy --section LaunchStats --section InstructionStats \
+      --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active" \
+      python3 scripts/profile_case.py 64 1024 causal fwd $([ "$who" = cudnn ] && echo cudnn) \
+      > "$OUT/ncu_fwd_$who.txt" 2>&1
+    echo "== $who"
+    grep -E -i "Kernel Name|  [a-z_]*sdpa|attn_fwd_ws|Duration|Issue Slots|Issued Ipc|Stall|Eligible|Registers|Block Size|Grid Size|Achieved Occ|Shared Memory Config|pipe_(tensor|xu|fma|alu).*(pct|%)" \
+      "$OUT/ncu_fwd_$who.txt" | grep -v -E " 0(\.0+)?$" | head -40
+  done
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:

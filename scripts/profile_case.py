@@ -1,16 +1,19 @@
 """One forward or backward call of the plain training shape, for Nsight Compute's stall and pipe sections.
 
     ncu --kernel-name regex:attn_bwd_ws --launch-skip 2 --launch-count 1 --section WarpStateStats ... \
-        python scripts/profile_case.py D N [causal] [fwd]
+        python scripts/profile_case.py D N [causal] [fwd] [cudnn]
 
 b x N = 16K tokens, h = 2048 / d, bf16 (the train suite's grid). Warm-up calls come first, so the launch that
 is profiled is compiled and cached (skip 2 launches of the kernel); FLASHATTN_WS_BWD=0 profiles the Triton
-backward instead, FLASHATTN_WS=0 the Triton forward.
+backward instead, FLASHATTN_WS=0 the Triton forward; `cudnn` profiles SDPA's cuDNN backend on the same
+tensors instead (its kernels' names contain "sdpa").
 """
 
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
 
@@ -20,6 +23,11 @@ forward_only = "fwd" in sys.argv[3:]
 shape = (16384 // n, n, 2048 // d, d)
 q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=not forward_only)
            for _ in range(3))
+if "cudnn" in sys.argv[3:]:
+    def flash_attn_func(q, k, v, causal):  # noqa: F811 - the same call through cuDNN, (b, h, n, d) views
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+        return out.transpose(1, 2)
 if forward_only:
     for _ in range(3):
         out = flash_attn_func(q, k, v, causal=causal)
