@@ -226,13 +226,14 @@ if [ "$stage" = table_s13 ]; then
     | tee "$OUT/pytest_ws.log" | tail -4
 fi
 if [ "$stage" = fwd_vs_cudnn ]; then
-  # ours and cuDNN's forward at d=64 1K causal (the M1 miss) side by side: pipes, issue slots, stalls, occupancy
+  # ours and cuDNN's forward at d=64 1K causal (the M1 miss) side by side: pipes, issue slots, stalls, occupancy;
+  # NCU_EXTRA_METRICS=",regex:..." adds metrics (e.g. the stall reasons per issued instruction)
   NCU=$(ncu_bin)
   for who in ours cudnn; do
     kernel=$([ "$who" = cudnn ] && echo regex:sdpa || echo regex:attn_fwd_ws)
     timeout 140 "$NCU" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 $NCU_STALLS \
       --section Occupancy --section LaunchStats --section InstructionStats \
-      --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active" \
+      --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active${NCU_EXTRA_METRICS:-}" \
       python3 scripts/profile_case.py 64 1024 causal fwd $([ "$who" = cudnn ] && echo cudnn) \
       > "$OUT/ncu_fwd_$who.txt" 2>&1
     echo "== $who"
