@@ -139,7 +139,7 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr = False):
     """One tile of the online softmax (base 2): (p, m_new, l_new, alpha). MASKED: the tile is known to need
     the mask (v32's half step: its keys reach past the diagonal of every row but the last), so the
-    unmasked body is not compiled for this call site (a smaller kernel for the instruction cache)."""
+    unmasked body, dead there, is not compiled (224 SASS instructions fewer at d=64 causal, NOTES v39)."""
     if MASKED:
         p, m_new, m_sub = _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout, BLOCK_N,
                                       CAUSAL)
@@ -188,7 +188,7 @@ def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STA
 def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step, start_n,
                     qk_scale, offs_q, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
                     p_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HALF_MASKED: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     """The last key step of a query tile whose last key tile (ring step `step`) has its upper half masked
     for every row of this warpgroup (HALF_DIAG, NOTES v32): QK^T, the softmax and PV over the tile's first
     BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
@@ -212,7 +212,7 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     # the row statistics change layout with S's width only in type: the rows sit in the same registers
     p_h, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows_h), gl.convert_layout(l_i, rows_h),
                                     qk_scale, gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, diag,
-                                    unmasked_to, h_layout, HALF_N, CAUSAL, HALF_MASKED)
+                                    unmasked_to, h_layout, HALF_N, CAUSAL, True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -273,7 +273,7 @@ def _next_tile(tile_smem, tile_ready, i):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              HALF_DIAG: gl.constexpr, HALF_MASKED: gl.constexpr, WG: gl.constexpr):
+              HALF_DIAG: gl.constexpr, WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -324,7 +324,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                     acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                  v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N, qk_scale, offs_q,
                                                  seqlen_k, diag, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
-                                                 BLOCK_N, HEAD_DIM, CAUSAL, HALF_MASKED)
+                                                 BLOCK_N, HEAD_DIM, CAUSAL, True)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
@@ -368,7 +368,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                     v_ready, v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N,
                                                     qk_scale, offs_q, seqlen_k, diag, unmasked_to,
                                                     s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM,
-                                                    CAUSAL, HALF_MASKED)
+                                                    CAUSAL)
                 else:
                     acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
                                    HEAD_DIM)
@@ -405,27 +405,24 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, HALF_MASKED: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, HALF_MASKED,
-              0)
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, HALF_MASKED: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, HALF_MASKED,
-              1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 1)
 
 
 @gluon.jit
 def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, HALF_MASKED: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
     # the third consumer warpgroup of 192-row tiles (NOTES v33)
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, HALF_MASKED,
-              2)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 2)
 
 
 @gluon.jit
@@ -434,7 +431,7 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    HALF_DIAG: gl.constexpr = False, HALF_MASKED: gl.constexpr = False,
+    HALF_DIAG: gl.constexpr = False,
 ):
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64; NOTES v33). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
@@ -473,7 +470,7 @@ def attn_fwd_ws_kernel(
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale,
             problem)
     loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
-    flags = (DEFER_RELEASE, HALF_DIAG, HALF_MASKED)
+    flags = (DEFER_RELEASE, HALF_DIAG)
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240
         # per consumer thread and 24 for the loader's
