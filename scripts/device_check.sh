@@ -23,6 +23,8 @@
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh table_s13                 the train table, the Gluon kernels' GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
+#   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
+#                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
@@ -239,6 +241,21 @@ if [ "$stage" = fwd_vs_cudnn ]; then
     echo "== $who"
     grep -E -i "Kernel Name|  [a-z_]*sdpa|attn_fwd_ws|Duration|Issue Slots|Issued Ipc|Stall|Eligible|Registers|Block Size|Grid Size|Achieved Occ|Shared Memory Config|pipe_(tensor|xu|fma|alu).*(pct|%)" \
       "$OUT/ncu_fwd_$who.txt" | grep -v -E " 0(\.0+)?$" | head -40
+  done
+fi
+if [ "$stage" = fwd_source ]; then
+  # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction
+  # (barrier, wait, no instruction), beside cuDNN's; the raw report (open with ncu-ui) comes back too
+  NCU=$(ncu_bin)
+  for who in ours cudnn; do
+    kernel=$([ "$who" = cudnn ] && echo regex:sdpa || echo regex:attn_fwd_ws)
+    timeout 200 "$NCU" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 --section SourceCounters \
+      --section WarpStateStats --import-source yes -o "$OUT/src_$who" \
+      python3 scripts/profile_case.py 64 1024 causal fwd $([ "$who" = cudnn ] && echo cudnn) > /dev/null 2>&1
+    "$NCU" -i "$OUT/src_$who.ncu-rep" --page details --print-details all > "$OUT/src_$who.txt" 2>&1
+    "$NCU" -i "$OUT/src_$who.ncu-rep" --page source --csv --print-source sass > "$OUT/src_${who}_sass.csv" 2>&1
+    echo "== $who: $(wc -l < "$OUT/src_${who}_sass.csv") SASS lines"; grep -i -A12 "Warp Stall Sampling" \
+      "$OUT/src_$who.txt" | head -30
   done
 fi
 if [ "$stage" = table_checks ]; then
