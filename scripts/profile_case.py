@@ -23,16 +23,21 @@ forward_only = "fwd" in sys.argv[3:]
 shape = (16384 // n, n, 2048 // d, d)
 q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=not forward_only)
            for _ in range(3))
-if "cudnn" in sys.argv[3:]:
-    def flash_attn_func(q, k, v, causal):  # noqa: F811 - the same call through cuDNN, (b, h, n, d) views
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
-        return out.transpose(1, 2)
+
+
+def cudnn(q, k, v, causal):
+    """The same call through SDPA's cuDNN backend, on (b, h, n, d) views."""
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+attend = cudnn if "cudnn" in sys.argv[3:] else flash_attn_func
 if forward_only:
     for _ in range(3):
-        out = flash_attn_func(q, k, v, causal=causal)
+        out = attend(q, k, v, causal=causal)
 else:
-    out = flash_attn_func(q, k, v, causal=causal)
+    out = attend(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     for _ in range(3):
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

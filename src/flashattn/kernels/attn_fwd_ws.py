@@ -228,12 +228,12 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
 @gluon.jit
 def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
                  qk_scale, offs_q, seqlen_k, diag, unmasked_to, p_layout: gl.constexpr, N: gl.constexpr,
-                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                 MASKED: gl.constexpr):
+                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     """One key step (ring step `step`, keys start_n..start_n + N) with nothing else of this warpgroup in
     flight (three consumer warpgroups, NOTES v33): QK^T, the softmax, PV. Holds S or P, never both, beside
     O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
-    one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (v32's half diagonal step)."""
+    one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (v32's half diagonal step, always
+    masked)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, N, 16])
     rows: gl.constexpr = m_i.type.layout
@@ -252,7 +252,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_n, l_n, alpha = _softmax(s, gl.convert_layout(m_i, rows_n), gl.convert_layout(l_i, rows_n), qk_scale,
                                   gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, diag, unmasked_to,
-                                  st_layout, N, CAUSAL, MASKED)
+                                  st_layout, N, CAUSAL, N < BLOCK_N)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(stage), phase)
     acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_tile, acc, is_async=True)
@@ -318,13 +318,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                              v_empty, c + j, j * BLOCK_N, qk_scale, offs_q, seqlen_k, diag,
                                              unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
-                                             CAUSAL, False)
+                                             CAUSAL)
             if HALF_DIAG:
                 if _halves(n_k, row0, diag, BLOCK_N):
                     acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                  v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N, qk_scale, offs_q,
                                                  seqlen_k, diag, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
-                                                 BLOCK_N, HEAD_DIM, CAUSAL, True)
+                                                 BLOCK_N, HEAD_DIM, CAUSAL)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES

@@ -226,7 +226,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
                k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
                out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
-               rng_seed, rng_offset, deterministic, _env.snapshot())
+               rng_seed, rng_offset, _env.snapshot())
         hit = _backward_cache.get(key)
         if hit is not None:
             pb, kv_group, preprocess, pre_args, prepared = hit
