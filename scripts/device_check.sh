@@ -23,6 +23,8 @@
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh table_s13                 the train table, the Gluon kernels' GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
+#   bash scripts/device_check.sh v40                       v40's forward GPU tests, its A/B against v39's kernel,
+#                                                          ncu stall reasons of it at d=64 1K causal
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
@@ -242,6 +244,21 @@ if [ "$stage" = fwd_vs_cudnn ]; then
     grep -E -i "Kernel Name|  [a-z_]*sdpa|attn_fwd_ws|Duration|Issue Slots|Issued Ipc|Stall|Eligible|Registers|Block Size|Grid Size|Achieved Occ|Shared Memory Config|pipe_(tensor|xu|fma|alu).*(pct|%)" \
       "$OUT/ncu_fwd_$who.txt" | grep -v -E " 0(\.0+)?$" | head -40
   done
+fi
+if [ "$stage" = v40 ]; then
+  # NOTES v40: the forward's row reductions as trees, the row sums per lane: the forward's GPU tests, the A/B
+  # against v39's kernel (scripts/ab) in one process, then ncu's stall reasons of the new kernel at d=64 1K causal
+  timeout 220 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+    | tee "$OUT/pytest_ws_fwd.log" | tail -4
+  FWD_SWEEP_KERNEL=scripts/ab/attn_fwd_ws_v39.py FWD_SWEEP_REPEAT=2 FWD_SWEEP_ONLY="shipped,gluon (FWD_SWEEP_KERNEL)" \
+    FWD_SWEEP_SHAPES="16,1024,1;8,2048,1;1,16384,0" timeout 240 python3 scripts/fwd_sweep.py "$OUT/ab.json" 64 128 \
+    2>&1 | tee "$OUT/ab.log"
+  NCU=$(ncu_bin)
+  timeout $((580 - SECONDS)) "$NCU" --kernel-name regex:attn_fwd_ws --launch-skip 2 --launch-count 1 $NCU_STALLS \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active" \
+    python3 scripts/profile_case.py 64 1024 causal fwd > "$OUT/ncu_fwd_v40.txt" 2>&1
+  grep -E -i "Duration|Issued Ipc|stalled_(barrier|wait|long_scoreboard|no_instruction|short|math|mio)[a-z_]*_per_issue_active" \
+    "$OUT/ncu_fwd_v40.txt" | head -20
 fi
 if [ "$stage" = fwd_source ]; then
   # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction

@@ -9,9 +9,14 @@ medians as `flashattn bench`, and the GPU time from a CUDA graph.
     python scripts/fwd_sweep.py OUT.json [HEAD_DIM ...]    # default: 64 128
 
 FWD_SWEEP_SHAPES="16,1024,1;8,2048,1" narrows the shapes (batch, N, causal); FWD_SWEEP_EXTRA='{"name": {"VAR":
-"value"}}' adds variants of the Gluon forward (forced) at every head dim, e.g. other FLASHATTN_CONFIG rows.
+"value"}}' adds variants of the Gluon forward (forced) at every head dim, e.g. other FLASHATTN_CONFIG rows;
+FWD_SWEEP_KERNEL=FILE adds the Gluon forward with FILE's attn_fwd_ws_kernel in place of the package's (an
+earlier version of the kernel, for an A/B in one process); FWD_SWEEP_REPEAT=R times every variant R times,
+interleaved (drift shows as the spread between rounds); FWD_SWEEP_ONLY="shipped,..." keeps the variants named.
+cuDNN's time is printed beside the bar.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -22,7 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 from flashattn import flash_attn_func
-from flashattn.ops import attention_ws
+from flashattn.kernels import attn_fwd_ws
+from flashattn.ops import attention, attention_ws
 
 # (batch, N, causal) at 16K tokens, hidden 2048: the short d=64 points that were under the bar in the s10-s12
 # tables, and the long row (steady state)
@@ -48,6 +54,21 @@ if os.environ.get("FWD_SWEEP_SHAPES"):
 _EXTRA = json.loads(os.environ.get("FWD_SWEEP_EXTRA", "{}"))
 for _table in VARIANTS.values():
     _table.update({name: (env, True) for name, env in _EXTRA.items()})
+_SHIPPED_KERNEL = attn_fwd_ws.attn_fwd_ws_kernel
+_OTHER_KERNEL = None
+if os.environ.get("FWD_SWEEP_KERNEL"):
+    _spec = importlib.util.spec_from_file_location("fwd_sweep_other_kernel", os.environ["FWD_SWEEP_KERNEL"])
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+    _OTHER_KERNEL = _module.attn_fwd_ws_kernel
+    for _table in VARIANTS.values():
+        # the package's kernel, forced, beside the other file's under the same switches
+        _table.update({"gluon (package)": ({}, True),
+                       "gluon (FWD_SWEEP_KERNEL)": ({"FWD_SWEEP_OTHER": "1"}, True)})
+_REPEAT = int(os.environ.get("FWD_SWEEP_REPEAT", "1"))
+if os.environ.get("FWD_SWEEP_ONLY"):
+    _keep = os.environ["FWD_SWEEP_ONLY"].split(",")
+    VARIANTS = {d: {name: v for name, v in table.items() if name in _keep} for d, table in VARIANTS.items()}
 # cleared before each variant
 _ENV_NAMES = {name for table in VARIANTS.values() for env, _ in table.values() for name in env}
 _takes = attention_ws.takes
@@ -58,10 +79,16 @@ def _run_variant(env, forced, fn):
         os.environ.pop(name, None)
     os.environ.update(env)
     attention_ws.takes = (lambda d: True) if forced else _takes
+    other = env.get("FWD_SWEEP_OTHER") == "1"
+    attn_fwd_ws.attn_fwd_ws_kernel = _OTHER_KERNEL if other else _SHIPPED_KERNEL
+    # the launchers' per-signature caches hold the kernel of the call that filled them
+    attention._forward_cache.clear()
     try:
         return fn()
     finally:
         attention_ws.takes = _takes
+        attn_fwd_ws.attn_fwd_ws_kernel = _SHIPPED_KERNEL
+        attention._forward_cache.clear()
 
 
 def _shape(d, b, n, causal, rows, path):
@@ -82,10 +109,16 @@ def _shape(d, b, n, causal, rows, path):
 
     def graph():
         return do_bench_cudagraph(call, rep=100, return_mode="median")
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
     bar = 1.4 * flops / do_bench(fa2, warmup=25, rep=100, return_mode="median") * 1e-9
-    print(f"d={d} N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s", flush=True)
-    for name, (env, forced) in VARIANTS[d].items():
-        row = dict(d=d, n=n, causal=causal, variant=name, bar_tflops=bar)
+    cudnn_tflops = flops / do_bench(cudnn, warmup=25, rep=100, return_mode="median") * 1e-9
+    print(f"d={d} N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s, cuDNN {cudnn_tflops:.0f}", flush=True)
+    for rnd, (name, (env, forced)) in ((r, v) for r in range(_REPEAT) for v in VARIANTS[d].items()):
+        row = dict(d=d, n=n, causal=causal, variant=name, round=rnd, bar_tflops=bar,
+                   cudnn_tflops=cudnn_tflops)
         try:
             out = _run_variant(env, forced, call)
             torch.cuda.synchronize()

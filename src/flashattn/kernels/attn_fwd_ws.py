@@ -36,6 +36,13 @@ from flashattn.kernels.common import grouped_program  # scalar arithmetic: Gluon
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup: the wgmma M of one warpgroup
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
+# A row's columns in a wgmma accumulator: column 8 j + 2 q + e sits in register (j, e) of lane q of the row's
+# quad (4 lanes). ROW_PARTS lays out [HALF_M, 4] per-lane partials of the rows of one warpgroup: row bit 3 in
+# a register, the quad's lanes along axis 1, the other row bits in lanes 2-4 and the warps, as the
+# accumulator has them (so converting between the two is free)
+ROW_PARTS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+    block_bases=[], shape=[64, 4]))
 
 
 @gluon.jit
@@ -53,6 +60,38 @@ def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, B
         n_end = seqlen_k
     off_h = off_bh % nheads
     return off_bh // nheads, off_h, off_h // GROUP, start_m, gl.cdiv(n_end, BLOCK_N)
+
+
+@gluon.jit
+def _combine(x, axis: gl.constexpr, MAX: gl.constexpr):
+    if MAX:
+        y = gl.max(x, axis)
+    else:
+        y = gl.sum(x, axis)
+    return y
+
+
+@gluon.jit
+def _lane_parts(x, MAX: gl.constexpr):
+    """[M, N] in a wgmma accumulator layout -> [M, 4] in ROW_PARTS: the max (MAX) or the sum of each row's
+    columns held by each lane of its quad, as a tree of log2(N / 4) levels. gl.max / gl.sum over a thread's
+    registers chain each instruction on the last (at N = 128, 32 dependent FMNMX or FADD per row, each
+    waiting out the previous one's latency, NOTES v40); halving the columns level by level keeps each
+    level's instructions independent."""
+    M: gl.constexpr = x.shape[0]
+    J: gl.constexpr = x.shape[1] // 8
+    y = _combine(x.reshape([M, J, 4, 2]), 3, MAX)  # e
+    for _ in gl.static_range(4):  # j: columns j and j + J/2 paired, while J > 1 (J <= 16)
+        if y.shape[1] > 1:
+            y = _combine(y.reshape([M, 2, y.shape[1] // 2, 4]), 1, MAX)
+    return gl.convert_layout(y.reshape([M, 4]), ROW_PARTS)
+
+
+@gluon.jit
+def _new_max(x, m_i, qk_scale):
+    """max(m_i, each row's max of x * qk_scale) for x [M, N] in a wgmma accumulator layout (qk_scale > 0): the
+    lanes' partial maxima, then two shuffles across the quad."""
+    return gl.maximum(m_i, gl.convert_layout(gl.max(_lane_parts(x, True), 1), m_i.type.layout) * qk_scale)
 
 
 @gluon.jit
@@ -127,11 +166,13 @@ def _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout: gl.
     keep = offs_k[None, :] < seqlen_k
     if CAUSAL:
         keep = keep & (offs_k[None, :] <= offs_q[:, None] + diag)
-    sc = gl.where(keep, s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    # masked before the scale (qk_scale > 0): -inf * qk_scale - m_sub is -inf, so the exponent is one FFMA
+    # as the unmasked body's, not a multiply and a subtraction (64 instructions fewer per step, NOTES v40)
+    sm = gl.where(keep, s, float("-inf"))
+    m_new = _new_max(sm, m_i, qk_scale)
     # a row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    return gl.exp2(sc - m_sub[:, None]), m_new, m_sub
+    return gl.exp2(sm * qk_scale - m_sub[:, None]), m_new, m_sub
 
 
 @gluon.jit
@@ -147,11 +188,13 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
         p, m_new, m_sub = _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout, BLOCK_N,
                                       CAUSAL)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_new = _new_max(s, m_i, qk_scale)
         m_sub = m_new
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
-    l_new = l_i * alpha + gl.sum(p, 1)
+    # l_i: each lane's partial sums ([HALF_M, 4], ROW_PARTS), reduced across the quad at the query tile's end
+    # only, as FlashAttention-3's (their sum is no row's max, and the softmax waits for no shuffle)
+    l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ROW_PARTS))[:, None] + _lane_parts(p, False)
     return p, m_new, l_new, alpha
 
 
@@ -210,9 +253,9 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     s = warpgroup_mma_wait(1, deps=(s,))
     mbarrier.arrive(k_empty.index(cur), count=1)
     # the row statistics change layout with S's width only in type: the rows sit in the same registers
-    p_h, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows_h), gl.convert_layout(l_i, rows_h),
-                                    qk_scale, gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, diag,
-                                    unmasked_to, h_layout, HALF_N, CAUSAL, True)
+    p_h, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows_h), l_i, qk_scale,
+                                    gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, diag, unmasked_to,
+                                    h_layout, HALF_N, CAUSAL, True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -222,7 +265,7 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
                         is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(cur), count=1)
-    return acc, gl.convert_layout(m_h, rows), gl.convert_layout(l_h, rows)
+    return acc, gl.convert_layout(m_h, rows), l_h
 
 
 @gluon.jit
@@ -250,7 +293,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
                       is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p, m_n, l_n, alpha = _softmax(s, gl.convert_layout(m_i, rows_n), gl.convert_layout(l_i, rows_n), qk_scale,
+    p, m_n, l_n, alpha = _softmax(s, gl.convert_layout(m_i, rows_n), l_i, qk_scale,
                                   gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, diag, unmasked_to,
                                   st_layout, N, CAUSAL, N < BLOCK_N)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -258,7 +301,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_tile, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(stage), count=1)
-    return acc, gl.convert_layout(m_n, rows), gl.convert_layout(l_n, rows)
+    return acc, gl.convert_layout(m_n, rows), l_n
 
 
 @gluon.jit
@@ -303,7 +346,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         q = q_buf.reshape([HALF_M, HEAD_DIM])
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF_M, 4], gl.float32, ROW_PARTS)
         mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
 
         if BLOCK_M // HALF_M == 3:
@@ -380,8 +423,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         c += n_k
 
         # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
-        seen = l_i > 0.0
-        l_safe = gl.where(seen, l_i, 1.0)
+        l_tot = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, s_layout))
+        seen = l_tot > 0.0
+        l_safe = gl.where(seen, l_tot, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
