@@ -25,6 +25,8 @@
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh v40                       v40's forward GPU tests, its A/B against v39's kernel,
 #                                                          ncu stall reasons of it at d=64 1K causal
+#   bash scripts/device_check.sh v40b                      v40's trees one by one (the max's, the sums') beside
+#                                                          v39's kernel at d=64, the forward's GPU tests
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
@@ -259,6 +261,17 @@ if [ "$stage" = v40 ]; then
     python3 scripts/profile_case.py 64 1024 causal fwd > "$OUT/ncu_fwd_v40.txt" 2>&1
   grep -E -i "Duration|Issued Ipc|stalled_(barrier|wait|long_scoreboard|no_instruction|short|math|mio)[a-z_]*_per_issue_active" \
     "$OUT/ncu_fwd_v40.txt" | head -20
+fi
+if [ "$stage" = v40b ]; then
+  # NOTES v40: which of the two trees costs the three-consumer path (FLASHATTN_FWD_TREES: bit 0 the max, bit 1
+  # the sums), beside v39's kernel, d=64; then the forward's GPU tests in the time left
+  FWD_SWEEP_KERNEL=scripts/ab/attn_fwd_ws_v39.py FWD_SWEEP_REPEAT=2 \
+    FWD_SWEEP_EXTRA='{"trees 0": {"FLASHATTN_FWD_TREES": "0"}, "trees 1": {"FLASHATTN_FWD_TREES": "1"}, "trees 2": {"FLASHATTN_FWD_TREES": "2"}}' \
+    FWD_SWEEP_ONLY="shipped,trees 0,trees 1,trees 2,gluon (FWD_SWEEP_KERNEL)" \
+    FWD_SWEEP_SHAPES="16,1024,1;8,2048,1;1,16384,0" timeout 330 python3 scripts/fwd_sweep.py "$OUT/ab_trees.json" 64 \
+    2>&1 | tee "$OUT/ab_trees.log"
+  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
+    | tee "$OUT/pytest_ws_fwd.log" | tail -4
 fi
 if [ "$stage" = fwd_source ]; then
   # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction

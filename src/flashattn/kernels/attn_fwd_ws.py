@@ -72,7 +72,7 @@ def _combine(x, axis: gl.constexpr, MAX: gl.constexpr):
 
 
 @gluon.jit
-def _lane_parts(x, MAX: gl.constexpr):
+def _lane_parts(x, MAX: gl.constexpr, TREE: gl.constexpr = True):
     """[M, N] in a wgmma accumulator layout -> [M, 4] in ROW_PARTS: the max (MAX) or the sum of each row's
     columns held by each lane of its quad, as a tree of log2(N / 4) levels. gl.max / gl.sum over a thread's
     registers chain each instruction on the last (at N = 128, 32 dependent FMNMX or FADD per row, each
@@ -80,18 +80,25 @@ def _lane_parts(x, MAX: gl.constexpr):
     level's instructions independent."""
     M: gl.constexpr = x.shape[0]
     J: gl.constexpr = x.shape[1] // 8
-    y = _combine(x.reshape([M, J, 4, 2]), 3, MAX)  # e
-    for _ in gl.static_range(4):  # j: columns j and j + J/2 paired, while J > 1 (J <= 16)
-        if y.shape[1] > 1:
-            y = _combine(y.reshape([M, 2, y.shape[1] // 2, 4]), 1, MAX)
-    return gl.convert_layout(y.reshape([M, 4]), ROW_PARTS)
+    if TREE:
+        y = _combine(x.reshape([M, J, 4, 2]), 3, MAX)  # e
+        for _ in gl.static_range(4):  # j: columns j and j + J/2 paired, while J > 1 (J <= 16)
+            if y.shape[1] > 1:
+                y = _combine(y.reshape([M, 2, y.shape[1] // 2, 4]), 1, MAX)
+        y = gl.convert_layout(y.reshape([M, 4]), ROW_PARTS)
+    else:
+        # one chain per lane and row (A/B)
+        y = _combine(x.reshape([M, J, 4, 2]).permute((0, 2, 1, 3)).reshape([M, 4, 2 * J]), 2, MAX)
+        y = gl.convert_layout(y, ROW_PARTS)
+    return y
 
 
 @gluon.jit
-def _new_max(x, m_i, qk_scale):
+def _new_max(x, m_i, qk_scale, TREES: gl.constexpr):
     """max(m_i, each row's max of x * qk_scale) for x [M, N] in a wgmma accumulator layout (qk_scale > 0): the
     lanes' partial maxima, then two shuffles across the quad."""
-    return gl.maximum(m_i, gl.convert_layout(gl.max(_lane_parts(x, True), 1), m_i.type.layout) * qk_scale)
+    return gl.maximum(m_i, gl.convert_layout(gl.max(_lane_parts(x, True, (TREES & 1) != 0), 1),
+                                             m_i.type.layout) * qk_scale)
 
 
 @gluon.jit
@@ -159,7 +166,7 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
 
 @gluon.jit
 def _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout: gl.constexpr,
-                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TREES: gl.constexpr):
     """The masked tile's exponentials (keys past seqlen_k, and under CAUSAL past each row's diagonal, get 0):
     (p, m_new, m_sub)."""
     offs_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -169,7 +176,7 @@ def _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout: gl.
     # masked before the scale (qk_scale > 0): -inf * qk_scale - m_sub is -inf, so the exponent is one FFMA
     # as the unmasked body's, not a multiply and a subtraction (64 instructions fewer per step, NOTES v40)
     sm = gl.where(keep, s, float("-inf"))
-    m_new = _new_max(sm, m_i, qk_scale)
+    m_new = _new_max(sm, m_i, qk_scale, TREES)
     # a row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     return gl.exp2(sm * qk_scale - m_sub[:, None]), m_new, m_sub
@@ -177,24 +184,26 @@ def _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout: gl.
 
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
-             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr = False):
+             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TREES: gl.constexpr,
+             MASKED: gl.constexpr = False):
     """One tile of the online softmax (base 2): (p, m_new, l_new, alpha). MASKED: the tile is known to need
     the mask (v32's half step: its keys reach past the diagonal of every row but the last), so the
     unmasked body, dead there, is not compiled (224 SASS instructions fewer at d=64 causal, NOTES v39)."""
     if MASKED:
         p, m_new, m_sub = _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout, BLOCK_N,
-                                      CAUSAL)
+                                      CAUSAL, TREES)
     elif start_n + BLOCK_N > unmasked_to:
         p, m_new, m_sub = _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout, BLOCK_N,
-                                      CAUSAL)
+                                      CAUSAL, TREES)
     else:
-        m_new = _new_max(s, m_i, qk_scale)
+        m_new = _new_max(s, m_i, qk_scale, TREES)
         m_sub = m_new
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     # l_i: each lane's partial sums ([HALF_M, 4], ROW_PARTS), reduced across the quad at the query tile's end
     # only, as FlashAttention-3's (their sum is no row's max, and the softmax waits for no shuffle)
-    l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ROW_PARTS))[:, None] + _lane_parts(p, False)
+    l_new = (l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ROW_PARTS))[:, None]
+             + _lane_parts(p, False, (TREES & 2) != 0))
     return p, m_new, l_new, alpha
 
 
@@ -231,7 +240,7 @@ def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STA
 def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step, start_n,
                     qk_scale, offs_q, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
                     p_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, TREES: gl.constexpr):
     """The last key step of a query tile whose last key tile (ring step `step`) has its upper half masked
     for every row of this warpgroup (HALF_DIAG, NOTES v32): QK^T, the softmax and PV over the tile's first
     BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
@@ -255,7 +264,7 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     # the row statistics change layout with S's width only in type: the rows sit in the same registers
     p_h, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows_h), l_i, qk_scale,
                                     gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, diag, unmasked_to,
-                                    h_layout, HALF_N, CAUSAL, True)
+                                    h_layout, HALF_N, CAUSAL, TREES, True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -271,7 +280,8 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
 @gluon.jit
 def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
                  qk_scale, offs_q, seqlen_k, diag, unmasked_to, p_layout: gl.constexpr, N: gl.constexpr,
-                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 TREES: gl.constexpr):
     """One key step (ring step `step`, keys start_n..start_n + N) with nothing else of this warpgroup in
     flight (three consumer warpgroups, NOTES v33): QK^T, the softmax, PV. Holds S or P, never both, beside
     O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
@@ -295,7 +305,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_n, l_n, alpha = _softmax(s, gl.convert_layout(m_i, rows_n), l_i, qk_scale,
                                   gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, diag, unmasked_to,
-                                  st_layout, N, CAUSAL, N < BLOCK_N)
+                                  st_layout, N, CAUSAL, TREES, N < BLOCK_N)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(stage), phase)
     acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_tile, acc, is_async=True)
@@ -316,7 +326,7 @@ def _next_tile(tile_smem, tile_ready, i):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              HALF_DIAG: gl.constexpr, WG: gl.constexpr):
+              HALF_DIAG: gl.constexpr, TREES: gl.constexpr, WG: gl.constexpr):
     o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
@@ -361,13 +371,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                              v_empty, c + j, j * BLOCK_N, qk_scale, offs_q, seqlen_k, diag,
                                              unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
-                                             CAUSAL)
+                                             CAUSAL, TREES)
             if HALF_DIAG:
                 if _halves(n_k, row0, diag, BLOCK_N):
                     acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                  v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N, qk_scale, offs_q,
                                                  seqlen_k, diag, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
-                                                 BLOCK_N, HEAD_DIM, CAUSAL)
+                                                 BLOCK_N, HEAD_DIM, CAUSAL, TREES)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
@@ -380,7 +390,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
-                                          s_layout, BLOCK_N, CAUSAL)
+                                          s_layout, BLOCK_N, CAUSAL, TREES)
             n_loop = n_k
             if HALF_DIAG:
                 # the last key tile's upper half is masked for every row of this warpgroup (_halves): that
@@ -400,7 +410,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(cur), count=1)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
-                                              unmasked_to, s_layout, BLOCK_N, CAUSAL)
+                                              unmasked_to, s_layout, BLOCK_N, CAUSAL, TREES)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
@@ -411,7 +421,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                     v_ready, v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N,
                                                     qk_scale, offs_q, seqlen_k, diag, unmasked_to,
                                                     s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM,
-                                                    CAUSAL)
+                                                    CAUSAL, TREES)
                 else:
                     acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
                                    HEAD_DIM)
@@ -449,24 +459,24 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 0)
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, 1)
 
 
 @gluon.jit
 def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr):
     # the third consumer warpgroup of 192-row tiles (NOTES v33)
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, 2)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, 2)
 
 
 @gluon.jit
@@ -475,7 +485,7 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    HALF_DIAG: gl.constexpr = False,
+    HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,
 ):
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64; NOTES v33). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
@@ -514,7 +524,7 @@ def attn_fwd_ws_kernel(
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale,
             problem)
     loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
-    flags = (DEFER_RELEASE, HALF_DIAG)
+    flags = (DEFER_RELEASE, HALF_DIAG, TREES)
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240
         # per consumer thread and 24 for the loader's
