@@ -27,6 +27,7 @@
 #                                                          ncu stall reasons of it at d=64 1K causal
 #   bash scripts/device_check.sh v40b                      v40's trees one by one (the max's, the sums') beside
 #                                                          v39's kernel at d=64, the forward's GPU tests
+#   bash scripts/device_check.sh v40c                      two consumers against three at d=64 2K-4K with v40
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
@@ -272,6 +273,13 @@ if [ "$stage" = v40b ]; then
     2>&1 | tee "$OUT/ab_trees.log"
   timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
     | tee "$OUT/pytest_ws_fwd.log" | tail -4
+fi
+if [ "$stage" = v40c ]; then
+  # NOTES v40: with v40's reductions, two consumers against three at d=64 2K-4K (the short-row limit of
+  # ("fwd_ws", 64) is 1K), and three consumers with both trees
+  FWD_SWEEP_REPEAT=2 FWD_SWEEP_EXTRA='{"2c trees 3": {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"}, "3c trees 3": {"FLASHATTN_FWD_TREES": "3"}}' \
+    FWD_SWEEP_ONLY="shipped,2c trees 3,3c trees 3" FWD_SWEEP_SHAPES="8,2048,1;8,2048,0;4,4096,1;4,4096,0" \
+    timeout 400 python3 scripts/fwd_sweep.py "$OUT/ab_consumers.json" 64 2>&1 | tee "$OUT/ab_consumers.log"
 fi
 if [ "$stage" = fwd_source ]; then
   # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction

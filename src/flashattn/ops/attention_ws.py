@@ -182,10 +182,11 @@ def _prepare_forward(pb, q, k, v, out, lse, lpt_group: int) -> _Prepared:
     # causal: a warpgroup whose rows see none of its last key tile's upper half skips it (NOTES v32);
     # FLASHATTN_FWD_HALF_DIAG=0 for the A/B
     half_diag = causal and _env.get("FLASHATTN_FWD_HALF_DIAG", "1") != "0"
-    # NOTES v40: the row max (bit 0) and the per-lane row sums (bit 1) as trees; FLASHATTN_FWD_TREES: A/B
-    trees = int(_env.get("FLASHATTN_FWD_TREES", "3"))
     # 192-row tiles: three consumer warpgroups of 160 registers, which run their steps serially (NOTES v33)
     three = cfg.block_m == 3 * _HALF_M
+    # the row max (bit 0) and the per-lane row sums (bit 1) reduced as trees, not chains: +5% with two
+    # consumers at d=64 1K causal, -2 to -4% with three (NOTES v40); FLASHATTN_FWD_TREES for the A/B
+    trees = int(_env.get("FLASHATTN_FWD_TREES", "0" if three else "3"))
     specs = (_descriptor_spec(q, _HALF_M, pb.d), _descriptor_spec(k, cfg.block_n, pb.d),
              _descriptor_spec(v, cfg.block_n, pb.d), _descriptor_spec(out, _HALF_M, pb.d))
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
