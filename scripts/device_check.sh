@@ -23,11 +23,7 @@
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh table_s13                 the train table, the Gluon kernels' GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
-#   bash scripts/device_check.sh v40                       v40's forward GPU tests, its A/B against v39's kernel,
-#                                                          ncu stall reasons of it at d=64 1K causal
-#   bash scripts/device_check.sh v40b                      v40's trees one by one (the max's, the sums') beside
-#                                                          v39's kernel at d=64, the forward's GPU tests
-#   bash scripts/device_check.sh v40c                      two consumers against three at d=64 2K-4K with v40
+#   bash scripts/device_check.sh table_s14                 the train table on v40, the forward's GPU tests
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
@@ -248,38 +244,12 @@ if [ "$stage" = fwd_vs_cudnn ]; then
       "$OUT/ncu_fwd_$who.txt" | grep -v -E " 0(\.0+)?$" | head -40
   done
 fi
-if [ "$stage" = v40 ]; then
-  # NOTES v40: the forward's row reductions as trees, the row sums per lane: the forward's GPU tests, the A/B
-  # against v39's kernel (scripts/ab) in one process, then ncu's stall reasons of the new kernel at d=64 1K causal
-  timeout 220 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
-    | tee "$OUT/pytest_ws_fwd.log" | tail -4
-  FWD_SWEEP_KERNEL=scripts/ab/attn_fwd_ws_v39.py FWD_SWEEP_REPEAT=2 FWD_SWEEP_ONLY="shipped,gluon (FWD_SWEEP_KERNEL)" \
-    FWD_SWEEP_SHAPES="16,1024,1;8,2048,1;1,16384,0" timeout 240 python3 scripts/fwd_sweep.py "$OUT/ab.json" 64 128 \
-    2>&1 | tee "$OUT/ab.log"
-  NCU=$(ncu_bin)
-  timeout $((580 - SECONDS)) "$NCU" --kernel-name regex:attn_fwd_ws --launch-skip 2 --launch-count 1 $NCU_STALLS \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active" \
-    python3 scripts/profile_case.py 64 1024 causal fwd > "$OUT/ncu_fwd_v40.txt" 2>&1
-  grep -E -i "Duration|Issued Ipc|stalled_(barrier|wait|long_scoreboard|no_instruction|short|math|mio)[a-z_]*_per_issue_active" \
-    "$OUT/ncu_fwd_v40.txt" | head -20
-fi
-if [ "$stage" = v40b ]; then
-  # NOTES v40: which of the two trees costs the three-consumer path (FLASHATTN_FWD_TREES: bit 0 the max, bit 1
-  # the sums), beside v39's kernel, d=64; then the forward's GPU tests in the time left
-  FWD_SWEEP_KERNEL=scripts/ab/attn_fwd_ws_v39.py FWD_SWEEP_REPEAT=2 \
-    FWD_SWEEP_EXTRA='{"trees 0": {"FLASHATTN_FWD_TREES": "0"}, "trees 1": {"FLASHATTN_FWD_TREES": "1"}, "trees 2": {"FLASHATTN_FWD_TREES": "2"}}' \
-    FWD_SWEEP_ONLY="shipped,trees 0,trees 1,trees 2,gluon (FWD_SWEEP_KERNEL)" \
-    FWD_SWEEP_SHAPES="16,1024,1;8,2048,1;1,16384,0" timeout 330 python3 scripts/fwd_sweep.py "$OUT/ab_trees.json" 64 \
-    2>&1 | tee "$OUT/ab_trees.log"
+if [ "$stage" = table_s14 ]; then
+  # the README's table on v40 (tree reductions, two consumers to 4K causal at d=64), then the forward's GPU tests
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
   timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
     | tee "$OUT/pytest_ws_fwd.log" | tail -4
-fi
-if [ "$stage" = v40c ]; then
-  # NOTES v40: with v40's reductions, two consumers against three at d=64 2K-4K (the short-row limit of
-  # ("fwd_ws", 64) is 1K), and three consumers with both trees
-  FWD_SWEEP_REPEAT=2 FWD_SWEEP_EXTRA='{"2c trees 3": {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"}, "3c trees 3": {"FLASHATTN_FWD_TREES": "3"}}' \
-    FWD_SWEEP_ONLY="shipped,2c trees 3,3c trees 3" FWD_SWEEP_SHAPES="8,2048,1;8,2048,0;4,4096,1;4,4096,0" \
-    timeout 400 python3 scripts/fwd_sweep.py "$OUT/ab_consumers.json" 64 2>&1 | tee "$OUT/ab_consumers.log"
 fi
 if [ "$stage" = fwd_source ]; then
   # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction

@@ -67,7 +67,8 @@ from flashattn.ops import configs, tma  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 _entry = configs._table_entry
-configs._table_entry = lambda kernel, block_d, cuda, seqlen=None: _entry(kernel, block_d, True, seqlen)
+configs._table_entry = lambda kernel, block_d, cuda, seqlen=None, causal=False: _entry(
+    kernel, block_d, True, seqlen, causal)
 _dconf = decode_ops._decode_config
 decode_ops._decode_config = lambda bd, es, paged, dev, env, many=False: _dconf(bd, es, paged, "cuda", env,
                                                                                 many)

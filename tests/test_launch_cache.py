@@ -54,7 +54,7 @@ def h200(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for name in ("FLASHATTN_WS", "FLASHATTN_WS_BWD", "FLASHATTN_TMA", "FLASHATTN_CONFIG",
                  "FLASHATTN_SCHEDULE", "FLASHATTN_BWD_DEFER_DQ",
-                 "FLASHATTN_FWD_HALF_DIAG", "FLASHATTN_BACKEND"):
+                 "FLASHATTN_FWD_HALF_DIAG", "FLASHATTN_FWD_TREES", "FLASHATTN_BACKEND"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(backend, "backend_name", lambda t: "triton")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -67,8 +67,8 @@ def h200(monkeypatch):
     monkeypatch.setattr(tma, "device_ok", lambda t: True)
     monkeypatch.setattr(merge, "sm_count", lambda device: 132)
     entry = configs._table_entry
-    monkeypatch.setattr(configs, "_table_entry", lambda kernel, block_d, cuda, seqlen=None:
-                        entry(kernel, block_d, True, seqlen))
+    monkeypatch.setattr(configs, "_table_entry", lambda kernel, block_d, cuda, seqlen=None, causal=False:
+                        entry(kernel, block_d, True, seqlen, causal))
     for module, name in ((fwd_ws_kernels, "attn_fwd_ws_kernel"), (bwd_ws_kernels, "attn_bwd_ws_kernel"),
                          (attention, "attn_bwd_preprocess_kernel"), (attention, "attn_fwd_kernel"),
                          (attention, "attn_bwd_kernel")):

@@ -14,7 +14,7 @@ from flashattn.bench import providers
 from flashattn.iomodel import AttnShape, forward_io, kernel_tiles
 from flashattn.ops import attention_ws, merge, tma
 from flashattn.ops.attention import _problem
-from flashattn.ops.configs import _H200, _H200_SHORT, TileConfig, tile_config
+from flashattn.ops.configs import _H200, _H200_SHORT, _H200_SHORT_CAUSAL, TileConfig, tile_config
 
 CUDA = torch.device("cuda")  # the table is read on the host: no GPU needed
 
@@ -44,6 +44,28 @@ def test_short_rows_differ_where_tuned():
     assert tile_config("fwd", 64, CUDA, 1024) == TileConfig(64, 64, 4, 3)
     assert tile_config("fwd", 64, CUDA, 2048) == _H200[("fwd", 64)]  # measured slower at 2K
     assert tile_config("dkdv", 128, CUDA, 1024) == _H200[("dkdv", 128)]
+
+
+@pytest.mark.parametrize("kernel, d", sorted(_H200_SHORT_CAUSAL))
+def test_causal_short_rows_apply_to_causal_calls_up_to_their_limit(kernel, d):
+    limit, causal_row = _H200_SHORT_CAUSAL[(kernel, d)]
+    assert tile_config(kernel, d, CUDA, 1, causal=True) == causal_row
+    assert tile_config(kernel, d, CUDA, limit, causal=True) == causal_row
+    assert tile_config(kernel, d, CUDA, limit + 1, causal=True) == _H200[(kernel, d)]
+    assert tile_config(kernel, d, CUDA, causal=True) == _H200[(kernel, d)]
+    # without the mask the plain short rows hold
+    assert tile_config(kernel, d, CUDA, limit) == _H200[(kernel, d)]
+
+
+def test_d64_gluon_forward_takes_two_consumers_to_4k_causal():
+    # NOTES v40: two consumer warpgroups (128-row tiles) win at 2K and 4K causal, three win past them and
+    # without the mask past 1K
+    two, three = TileConfig(128, 128, 4, 3), _H200[("fwd_ws", 64)]
+    assert three.block_m == 192
+    assert [attention_ws.forward_config(64, CUDA, n, causal=True) for n in (1024, 2048, 4096, 8192)] == \
+        [two, two, two, three]
+    assert [attention_ws.forward_config(64, CUDA, n) for n in (1024, 2048, 4096)] == [two, three, three]
+    assert attention_ws.forward_config(128, CUDA, 2048, causal=True) == _H200[("fwd_ws", 128)]
 
 
 def test_override_beats_the_short_row(monkeypatch):
@@ -84,11 +106,14 @@ def test_io_model_follows_the_gluon_forward(monkeypatch):
     assert kernel_tiles("fwd", 128, 1024, causal=False) == gluon  # its launcher takes N = 1K non-causal
     assert kernel_tiles("fwd", 128, 1024, causal=True) == gluon
     assert kernel_tiles("fwd", 128, 4096, causal=True) == gluon
-    # d = 64: two consumers up to 1K (the short row), three past it (192-row tiles), causal or not
+    # d = 64: two consumers up to 1K (the short row) and to 4K causal (NOTES v40), three past them (192-row
+    # tiles)
     two = _H200_SHORT[("fwd_ws", 64)][1]
     assert kernel_tiles("fwd", 64, 1024, causal=False) == (two.block_m, two.block_n) == (128, 128)
     assert kernel_tiles("fwd", 64, 1024, causal=True) == (128, 128)
-    assert kernel_tiles("fwd", 64, 2048, causal=True) == (192, 128)
+    assert kernel_tiles("fwd", 64, 2048, causal=False) == (192, 128)
+    assert kernel_tiles("fwd", 64, 4096, causal=True) == (128, 128)
+    assert kernel_tiles("fwd", 64, 8192, causal=True) == (192, 128)
     assert kernel_tiles("fwd", 64, 16384, causal=False) == (192, 128)
     assert forward_io(AttnShape(16, 16, 1024, 128)).detail["block_m"] == gluon[0]
     assert forward_io(AttnShape(16, 16, 1024, 128, window=(256, 0))).detail["block_m"] == 64

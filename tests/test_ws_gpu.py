@@ -44,6 +44,7 @@ def _qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
 
 
 # the kernel takes d = 64 and 128 at any length (ops/attention_ws.py); d = 64 past 1K takes three consumers
+# (past 4K under causal masking, NOTES v40)
 SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (113, 1023), (1023, 113), (1, 1023), (2049, 1537),
            (128, 128), (256, 320)]
 CAUSAL_SEQLENS = [(1, 1537), (17, 1100), (1100, 17), (1025, 1025), (2049, 1537), (1537, 2049), (113, 2000),
@@ -57,9 +58,11 @@ def test_seqlens(ws_calls, sq, sk, d):
     assert ws_calls, "the warp-specialised forward did not run"
 
 
-# up to 1K two consumer warpgroups, past it three (192-row tiles, tails of 1025 - 960 and 1300 - 1152 rows)
+# causal: up to 4K two consumer warpgroups, past it three (192-row tiles, tails of 4200 - 4032 and 4500 - 4416
+# rows)
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (113, 1023), (1023, 113), (1024, 1024), (300, 700),
-                                    (1025, 1025), (1300, 1300), (2049, 1537), (1537, 2049), (1, 2000)])
+                                    (1025, 1025), (1300, 1300), (2049, 1537), (1537, 2049), (1, 2000),
+                                    (4200, 4200), (4500, 4100), (4100, 4500)])
 def test_seqlens_causal_d64(ws_calls, sq, sk):
     check_against_oracle(*_qkv(2, sq, sk, 4, 2, 64), causal=True)
     assert ws_calls, "the warp-specialised forward did not run"
@@ -80,8 +83,8 @@ def test_both_grids(ws_calls, monkeypatch, grid, causal):
     assert ws_calls
 
 
-# the shipped order (three consumers at d = 64 past N = 1K, NOTES v33), v27 and v32 turned off alone, and each
-# consumer count forced (d = 64 only: three spill at d = 128)
+# the shipped order (three consumers at d = 64 past N = 1K, or 4K causal: NOTES v33, v40), v27 and v32 turned
+# off alone, and each consumer count forced (d = 64 only: three spill at d = 128)
 ORDERS = {
     "shipped": {},
     "full-diagonal": {"FLASHATTN_FWD_HALF_DIAG": "0"},

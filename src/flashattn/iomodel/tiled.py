@@ -56,7 +56,7 @@ def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None, causal: b
         return block_m, block_n if headdim <= 128 or kernel != "fwd" else 64
     cuda = torch.device("cuda")
     if kernel == "fwd" and causal is not None and attention_ws.takes(headdim):
-        cfg = tile_config("fwd_ws", headdim, cuda, seqlen)
+        cfg = tile_config("fwd_ws", headdim, cuda, seqlen, bool(causal))
     else:
         cfg = tile_config(kernel, padded_headdim(headdim), cuda, seqlen)
     return cfg.block_m, cfg.block_n

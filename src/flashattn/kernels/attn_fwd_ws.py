@@ -74,10 +74,11 @@ def _combine(x, axis: gl.constexpr, MAX: gl.constexpr):
 @gluon.jit
 def _lane_parts(x, MAX: gl.constexpr, TREE: gl.constexpr = True):
     """[M, N] in a wgmma accumulator layout -> [M, 4] in ROW_PARTS: the max (MAX) or the sum of each row's
-    columns held by each lane of its quad, as a tree of log2(N / 4) levels. gl.max / gl.sum over a thread's
-    registers chain each instruction on the last (at N = 128, 32 dependent FMNMX or FADD per row, each
-    waiting out the previous one's latency, NOTES v40); halving the columns level by level keeps each
-    level's instructions independent."""
+    columns held by each lane of its quad. TREE: as a tree of log2(N / 4) levels; gl.max / gl.sum over a
+    thread's registers chain each instruction on the last (at N = 128, 32 dependent FMNMX or FADD per row,
+    each waiting out the previous one's latency), and halving the columns level by level keeps each level's
+    instructions independent. Two consumers gain 5% from the trees at d=64 1K causal; three, which run
+    serial steps, lose 2-4% (NOTES v40), and keep the chains."""
     M: gl.constexpr = x.shape[0]
     J: gl.constexpr = x.shape[1] // 8
     if TREE:
@@ -87,7 +88,7 @@ def _lane_parts(x, MAX: gl.constexpr, TREE: gl.constexpr = True):
                 y = _combine(y.reshape([M, 2, y.shape[1] // 2, 4]), 1, MAX)
         y = gl.convert_layout(y.reshape([M, 4]), ROW_PARTS)
     else:
-        # one chain per lane and row (A/B)
+        # one chain per lane and row
         y = _combine(x.reshape([M, J, 4, 2]).permute((0, 2, 1, 3)).reshape([M, 4, 2 * J]), 2, MAX)
         y = gl.convert_layout(y, ROW_PARTS)
     return y

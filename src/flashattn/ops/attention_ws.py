@@ -143,11 +143,11 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def forward_config(d: int, device: torch.device, longest: int):
+def forward_config(d: int, device: torch.device, longest: int, causal: bool = False):
     """The forward's tiles (ops/configs.py; FLASHATTN_CONFIG's fwd_ws= included), held to what the kernel
     does: steps of 128 keys (v32's half diagonal step assumes them: 64-key tiles gave wrong causal rows, and
     were 8-16% slower anyway, NOTES v36), two or three consumer warpgroups of 64 rows, a K/V ring of 2+."""
-    cfg = tile_config("fwd_ws", d, device, longest)
+    cfg = tile_config("fwd_ws", d, device, longest, causal)
     if cfg.block_n != 128 or cfg.block_m not in (2 * _HALF_M, 3 * _HALF_M) or cfg.num_stages < 2:
         raise ValueError(
             f"FLASHATTN_CONFIG: fwd_ws={cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages} is not a "
@@ -172,9 +172,9 @@ def forward(pb, q, k, v, out, lse, lpt_group: int, prepared: _Prepared | None = 
 def _prepare_forward(pb, q, k, v, out, lse, lpt_group: int) -> _Prepared:
     from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
 
-    cfg = forward_config(pb.d, q.device, pb.longest)
-    n_bh = pb.batch * pb.nheads
     causal = pb.flags["WINDOW_RIGHT"]
+    cfg = forward_config(pb.d, q.device, pb.longest, causal)
+    n_bh = pb.batch * pb.nheads
     n_work = host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh
     # a query tile's O store completes under the next tile's first QK^T (NOTES v27);
     # FLASHATTN_FWD_DEFER_RELEASE=0 waits for it at the tile's end (A/B)

@@ -66,7 +66,13 @@ _H200_SHORT = {  # (kernel, head dim) -> (longest sequence it is used for, confi
     # share grows with the tile), and tie without the mask (NOTES v33)
     ("fwd_ws", 64): (1024, TileConfig(128, 128, 4, 3)),
 }
-_LIMITS = sorted({limit for limit, _ in _H200_SHORT.values()})
+# Causal rows where they differ from _H200_SHORT's. The d=64 Gluon forward with v40's tree reductions: two
+# consumers beat three by 4% at 2K and 4K causal, and lose 2-4% at 8K and 16K causal and 2-4K without the mask
+# (NOTES v40)
+_H200_SHORT_CAUSAL = {
+    ("fwd_ws", 64): (4096, TileConfig(128, 128, 4, 3)),
+}
+_LIMITS = sorted({limit for limit, _ in [*_H200_SHORT.values(), *_H200_SHORT_CAUSAL.values()]})
 
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
@@ -88,23 +94,27 @@ def _parse_overrides(text: str) -> dict[str, TileConfig]:
     return out
 
 
-def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | None = None) -> TileConfig:
-    """The config for `kernel` ('fwd' | 'dkdv' | 'dq') at padded head dim `block_d`; `seqlen` (the longer of
-    sq and sk; None: long) picks the short-sequence rows."""
+def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | None = None,
+                causal: bool = False) -> TileConfig:
+    """The config for `kernel` ('fwd' | 'dkdv' | 'dq' | 'fwd_ws' | 'bwd_ws') at padded head dim `block_d`;
+    `seqlen` (the longer of sq and sk; None: long) picks the short-sequence rows, `causal` their causal
+    variant where one is listed."""
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
     # the smallest row limit that covers seqlen (None: long): a handful of distinct cache keys
     bucket = next((lim for lim in _LIMITS if seqlen is not None and seqlen <= lim), None)
-    return _table_entry(kernel, block_d, device.type == "cuda", bucket)
+    return _table_entry(kernel, block_d, device.type == "cuda", bucket, causal)
 
 
 @functools.lru_cache(maxsize=64)
-def _table_entry(kernel: str, block_d: int, cuda: bool, seqlen: int | None = None) -> TileConfig:
+def _table_entry(kernel: str, block_d: int, cuda: bool, seqlen: int | None = None,
+                 causal: bool = False) -> TileConfig:
     # cached: this runs on every call, and small problems are bound by the host-side launch cost
     if not cuda:
         return _INTERPRETER[kernel]
     keys = sorted(d for (k, d) in _H200 if k == kernel)
     key = max([d for d in keys if d <= block_d], default=keys[0])
-    limit, cfg = _H200_SHORT.get((kernel, key), (0, _H200[(kernel, key)]))
+    short = _H200_SHORT_CAUSAL if causal and (kernel, key) in _H200_SHORT_CAUSAL else _H200_SHORT
+    limit, cfg = short.get((kernel, key), (0, _H200[(kernel, key)]))
     return cfg if seqlen is not None and seqlen <= limit else _H200[(kernel, key)]
