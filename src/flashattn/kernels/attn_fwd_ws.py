@@ -202,7 +202,8 @@ def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to
         p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     # l_i: each lane's partial sums ([HALF_M, 4], ROW_PARTS), reduced across the quad at the query tile's end
-    # only, as FlashAttention-3's (their sum is no row's max, and the softmax waits for no shuffle)
+    # only, as FlashAttention-3's: the exponents need the row's max, never its sum, so no step waits for a
+    # shuffle of it
     l_new = (l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ROW_PARTS))[:, None]
              + _lane_parts(p, False, (TREES & 2) != 0))
     return p, m_new, l_new, alpha
@@ -486,7 +487,7 @@ def attn_fwd_ws_kernel(
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
-    HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,
+    HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
 ):
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64; NOTES v33). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
