@@ -21,7 +21,6 @@
 #                                                          d=128 forward sweep
 #   bash scripts/device_check.sh host_s13                  v35 + v38's host time (host_profile.py beside cuDNN),
 #                                                          the host-path tests, the core GPU tests
-#   bash scripts/device_check.sh table_s13                 the train table, the Gluon kernels' GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_s14                 the train table on v40, the forward's GPU tests
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
@@ -46,6 +45,9 @@ sparse16k() {  # TIMEOUT DIR MODES PROVIDERS [bench options]: the 16K sparse sui
 ncu_bin() {  # Nsight Compute's CLI: on PATH, or where the CUDA toolkit and Nsight installs put it
   command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1
 }
+# the forward profile stages' two kernels: WHO (ours | cudnn) -> ncu's kernel filter, profile_case.py's last argument
+fwd_kernel() { [ "$1" = cudnn ] && echo regex:sdpa || echo regex:attn_fwd_ws; }
+fwd_case_arg() { [ "$1" = cudnn ] && echo cudnn; }
 # the sections both profile stages read: time, pipes, warp stalls, issue slots
 NCU_STALLS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats"
 
@@ -221,23 +223,15 @@ if [ "$stage" = host_s13 ]; then
     | tee "$res/pytest_core.log" | tail -4
   tar -C /tmp -czf "$OUT/host_s13.tgz" host_s13
 fi
-if [ "$stage" = table_s13 ]; then
-  # the README's table on v38's caches, then the Gluon kernels' GPU tests (their spies see every route)
-  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
-    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
-  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not tile_boundary" 2>&1 \
-    | tee "$OUT/pytest_ws.log" | tail -4
-fi
 if [ "$stage" = fwd_vs_cudnn ]; then
   # ours and cuDNN's forward at d=64 1K causal (the M1 miss) side by side: pipes, issue slots, stalls, occupancy;
   # NCU_EXTRA_METRICS=",regex:..." adds metrics (e.g. the stall reasons per issued instruction)
   NCU=$(ncu_bin)
   for who in ours cudnn; do
-    kernel=$([ "$who" = cudnn ] && echo regex:sdpa || echo regex:attn_fwd_ws)
-    timeout 140 "$NCU" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 $NCU_STALLS \
+    timeout 140 "$NCU" --kernel-name "$(fwd_kernel "$who")" --launch-skip 2 --launch-count 1 $NCU_STALLS \
       --section Occupancy --section LaunchStats --section InstructionStats \
       --metrics "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active${NCU_EXTRA_METRICS:-}" \
-      python3 scripts/profile_case.py 64 1024 causal fwd $([ "$who" = cudnn ] && echo cudnn) \
+      python3 scripts/profile_case.py 64 1024 causal fwd $(fwd_case_arg "$who") \
       > "$OUT/ncu_fwd_$who.txt" 2>&1
     echo "== $who"
     grep -E -i "Kernel Name|  [a-z_]*sdpa|attn_fwd_ws|Duration|Issue Slots|Issued Ipc|Stall|Eligible|Registers|Block Size|Grid Size|Achieved Occ|Shared Memory Config|pipe_(tensor|xu|fma|alu).*(pct|%)" \
@@ -256,10 +250,9 @@ if [ "$stage" = fwd_source ]; then
   # (barrier, wait, no instruction), beside cuDNN's; the raw report (open with ncu-ui) comes back too
   NCU=$(ncu_bin)
   for who in ours cudnn; do
-    kernel=$([ "$who" = cudnn ] && echo regex:sdpa || echo regex:attn_fwd_ws)
-    timeout 200 "$NCU" --kernel-name "$kernel" --launch-skip 2 --launch-count 1 --section SourceCounters \
+    timeout 200 "$NCU" --kernel-name "$(fwd_kernel "$who")" --launch-skip 2 --launch-count 1 --section SourceCounters \
       --section WarpStateStats --import-source yes -o "$OUT/src_$who" \
-      python3 scripts/profile_case.py 64 1024 causal fwd $([ "$who" = cudnn ] && echo cudnn) > /dev/null 2>&1
+      python3 scripts/profile_case.py 64 1024 causal fwd $(fwd_case_arg "$who") > /dev/null 2>&1
     "$NCU" -i "$OUT/src_$who.ncu-rep" --page details --print-details all > "$OUT/src_$who.txt" 2>&1
     "$NCU" -i "$OUT/src_$who.ncu-rep" --page source --csv --print-source sass > "$OUT/src_${who}_sass.csv" 2>&1
     echo "== $who: $(wc -l < "$OUT/src_${who}_sass.csv") SASS lines"; grep -i -A12 "Warp Stall Sampling" \

@@ -72,7 +72,7 @@ def _combine(x, axis: gl.constexpr, MAX: gl.constexpr):
 
 
 @gluon.jit
-def _lane_parts(x, MAX: gl.constexpr, TREE: gl.constexpr = True):
+def _lane_parts(x, MAX: gl.constexpr, TREE: gl.constexpr):
     """[M, N] in a wgmma accumulator layout -> [M, 4] in ROW_PARTS: the max (MAX) or the sum of each row's
     columns held by each lane of its quad. TREE: as a tree of log2(N / 4) levels; gl.max / gl.sum over a
     thread's registers chain each instruction on the last (at N = 128, 32 dependent FMNMX or FADD per row,

@@ -191,8 +191,7 @@ def _prepare_forward(pb, q, k, v, out, lse, lpt_group: int) -> _Prepared:
              _descriptor_spec(v, cfg.block_n, pb.d), _descriptor_spec(out, _HALF_M, pb.d))
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   STAGES=cfg.num_stages, CAUSAL=causal, DEFER_RELEASE=defer_release, HALF_DIAG=half_diag,
-                  TREES=trees,
-                  num_warps=4, maxnreg=cfg.maxnreg or (_MAXNREG_THREE if three else _MAXNREG))
+                  TREES=trees, num_warps=4, maxnreg=cfg.maxnreg or (_MAXNREG_THREE if three else _MAXNREG))
     return _Prepared(
         Bound(attn_fwd_ws_kernel, (programs(n_work, q.device),), kwargs), specs,
         (lse.stride(0), lse.stride(1), pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, lpt_group),
