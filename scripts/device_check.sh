@@ -27,6 +27,8 @@
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
 #                                                          `flashattn check` (decode, block-sparse included)
+#   bash scripts/device_check.sh bwd_causal                the d=128 causal backward against the full one: launch
+#                                                          orders (scripts/bwd_sweep.py), ncu memory and stalls
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
@@ -258,6 +260,29 @@ if [ "$stage" = fwd_source ]; then
     echo "== $who: $(wc -l < "$OUT/src_${who}_sass.csv") SASS lines"; grep -i -A12 "Warp Stall Sampling" \
       "$OUT/src_$who.txt" | head -30
   done
+fi
+if [ "$stage" = bwd_causal ]; then
+  # NOTES v41: per step, the d=128 causal backward is ~16% slower than the full one at 16K. Launch orders (L2
+  # reuse of Q, dO and the dQ buffer), then ncu of both at 16K: L2 hit rate, DRAM bytes, local memory (the
+  # spill), stalls; the causal one's stalls per SASS instruction
+  BWD_SWEEP_GROUPS=${BWD_SWEEP_GROUPS:-1,4,all} BWD_SWEEP_REPEAT=${BWD_SWEEP_REPEAT:-2} timeout 200 \
+    python3 scripts/bwd_sweep.py "$OUT/bwd_sweep.json" 2>&1 | tee "$OUT/bwd_sweep.log"
+  NCU=$(ncu_bin)
+  mem="lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_red.sum"
+  mem="$mem,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum"
+  for mask in causal full; do
+    timeout 120 "$NCU" --kernel-name regex:attn_bwd_ws --launch-skip 2 --launch-count 1 $NCU_STALLS \
+      --section MemoryWorkloadAnalysis --metrics "$mem" \
+      python3 scripts/profile_case.py 128 16384 $mask > "$OUT/ncu_bwd_$mask.txt" 2>&1
+    echo "== $mask"
+    grep -E -i "Duration|Issued Ipc|Stall|Memory Throughput|DRAM Through|L2 Hit|lts__|dram__|l1tex__" \
+      "$OUT/ncu_bwd_$mask.txt" | grep -v -E " 0(\.0+)?$" | head -40
+  done
+  timeout 150 "$NCU" --kernel-name regex:attn_bwd_ws --launch-skip 2 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats --import-source yes -o "$OUT/src_bwd" python3 scripts/profile_case.py 128 16384 \
+    causal > /dev/null 2>&1
+  "$NCU" -i "$OUT/src_bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/src_bwd_sass.csv" 2>&1
+  echo "source counters: $(wc -l < "$OUT/src_bwd_sass.csv") SASS lines"
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
