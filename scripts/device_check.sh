@@ -29,6 +29,8 @@
 #                                                          `flashattn check` (decode, block-sparse included)
 #   bash scripts/device_check.sh bwd_causal                the d=128 causal backward against the full one: launch
 #                                                          orders (scripts/bwd_sweep.py), ncu memory and stalls
+#   bash scripts/device_check.sh bwd_stats                 v41 against the kernel before it (BWD_AB_OLD: a copy of
+#                                                          its src), the backward GPU tests, memcheck, racecheck
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
@@ -283,6 +285,26 @@ if [ "$stage" = bwd_causal ]; then
     causal > /dev/null 2>&1
   "$NCU" -i "$OUT/src_bwd.ncu-rep" --page source --csv --print-source sass > "$OUT/src_bwd_sass.csv" 2>&1
   echo "source counters: $(wc -l < "$OUT/src_bwd_sass.csv") SASS lines"
+fi
+if [ "$stage" = bwd_stats ]; then
+  # NOTES v41: the backward with LSE and D read from shared memory against the kernel before it, interleaved
+  # rounds in separate processes (the launcher's arguments differ, so not one process), then its GPU tests and
+  # the sanitizers (the loader's TMA copies changed)
+  mkdir -p "$OUT/ab"
+  for round in 1 2; do
+    for tree in ${BWD_AB_OLD:-} src; do
+      echo "== round $round: $tree"
+      PYTHONPATH=$PWD/$tree BWD_SWEEP_SHAPES=${BWD_SWEEP_SHAPES:-"1,16384,1;1,16384,0;4,4096,1;16,1024,1"} \
+        timeout 150 python3 scripts/bwd_sweep.py "$OUT/ab/${tree//\//_}_$round.json" 128 64 2>&1 | tail -30
+    done
+  done
+  tar -C "$OUT" -czf "$OUT/ab.tgz" ab && rm -r "$OUT/ab"
+  timeout 200 python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k backward 2>&1 \
+    | tee "$OUT/pytest_ws_bwd.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -3 \
+    | tee "$OUT/memcheck.log"
+  timeout 60 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -3 \
+    | tee "$OUT/racecheck.log"
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:

@@ -33,16 +33,20 @@ from flashattn.kernels.common import (
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, Delta, CU_Q, DQ_ACC,
+    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
-    stride_lse_b, stride_lse_h,
-    nheads, seqlen_q,
+    stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
+    nheads, seqlen_q, delta_rows,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ZERO_DQ: tl.constexpr,
+    GLUON: tl.constexpr,
 ):
-    # ZERO_DQ: also zero the Gluon backward's float32 dQ buffer (contiguous (b, sq, h, d), padded layout,
-    # d = dv), which saves a launch of its own: ~15-30 us of host time on the H200 machine (NOTES v25)
+    # GLUON: the Gluon backward's inputs (kernels/attn_bwd_ws.py). D goes with the LSE in base 2 (LSE2) into
+    # its TMA-read stats planes, whose rows are padded to delta_rows >= seqlen_q (the padding rows get D = 0
+    # and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing), and the float32 dQ buffer
+    # (contiguous (b, sq, h, d), padded layout, d = dv) is zeroed here, which saves a launch of its own:
+    # ~15-30 us of host time on the H200 machine (NOTES v25). Otherwise D is shaped like the LSE (delta_rows =
+    # seqlen_q) and LSE, LSE2 and DQ_ACC are not read.
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = (off_bh % nheads).to(tl.int64)
@@ -56,9 +60,12 @@ def attn_bwd_preprocess_kernel(
     do = load_tile(DO + off_b64 * stride_dob + row0 * stride_dom + off_h * stride_doh, offs_m, offs_d,
                    stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    delta_base = Delta + off_b64 * stride_lse_b + off_h * stride_lse_h + row0
-    tl.store(delta_base + offs_m, delta, mask=offs_m < seqlen_q)
-    if ZERO_DQ:
+    delta_offs = off_b64 * stride_delta_b + off_h * stride_delta_h + row0 + offs_m
+    tl.store(Delta + delta_offs, delta, mask=offs_m < delta_rows)
+    if GLUON:
+        lse = tl.load(LSE + off_b64 * stride_lse_b + off_h * stride_lse_h + offs_m, mask=offs_m < seqlen_q,
+                      other=0.0)
+        tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < delta_rows)
         rows = (off_b64 * seqlen_q + offs_m) * nheads + off_h
         ptrs = DQ_ACC + rows[:, None] * HEAD_DIM_V + offs_d[None, :]
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),

@@ -32,7 +32,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
-LOG2E = gl.constexpr(1.4426950408889634)  # 1/ln(2): the saved LSE is a natural log, the kernel is in base 2
 
 
 @builtin
@@ -77,25 +76,11 @@ def _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG: gl.constexpr,
 
 
 @gluon.jit
-def _row_stats(LSE, Delta, off_b, off_hk, m_first, c, n_steps, steps_per_head, seqlen_q, strides,
-               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
-    """LSE (in base 2) and D of step c's query rows, as (BLOCK_M,) vectors along Sᵀ's columns. Rows past
-    seqlen_q, and every row of a step past the last, read LSE = +inf (their P is exactly 0) and D = 0."""
-    stride_lse_b, stride_lse_h = strides
-    g = c // steps_per_head
-    m0 = m_first + (c - g * steps_per_head) * BLOCK_M
-    row_base = off_b.to(gl.int64) * stride_lse_b + (off_hk * GROUP + g).to(gl.int64) * stride_lse_h
-    offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    valid = (offs_q < seqlen_q) & (c < n_steps)
-    lse = gl.load(LSE + row_base + offs_q, mask=valid, other=float("inf")) * LOG2E
-    delta = gl.load(Delta + row_base + offs_q, mask=valid, other=0.0)
-    return lse, delta
-
-
-@gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem = loader_args
+    descs, smems, bars, problem = loader_args
+    q_desc, do_desc, k_desc, v_desc, stats_desc = descs
+    q_smem, do_smem, k_smem, v_smem, stats_smem = smems
     kv_bar, ready, empty, ds_ready, done = bars
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
     off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
@@ -112,10 +97,13 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             s = c % STAGES
             # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + stats_desc.block_type.nbytes)
             m0 = m_first + mi * BLOCK_M
             tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], ready.index(s), q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [off_b, m0, off_h, 0], ready.index(s), do_smem.index(s))
+            tma.async_copy_global_to_shared(stats_desc, [0, off_b * nheads_k * GROUP + off_h, m0],
+                                            ready.index(s), stats_smem.index(s))
             c += 1
 
 
@@ -131,8 +119,8 @@ def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               WG: gl.constexpr):
-    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, bars, LSE, Delta, strides,
-     scales, problem) = args
+    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars, scales,
+     problem) = args
     kv_bar, ready, empty, ds_ready, done = bars
     qk_scale, sm_scale = scales
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
@@ -169,9 +157,11 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     m0_prev = m_first
     off_h_prev = off_hk * GROUP
     n_steps = GROUP * n_m
-    steps_per_head = gl.maximum(n_m, 1)  # n_m = 0 leaves no step, but the first prefetch still divides by it
-    lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, 0, n_steps, steps_per_head, seqlen_q, strides,
-                            GROUP, BLOCK_M, s_layout)
+    steps_per_head = gl.maximum(n_m, 1)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
+    # the stats tiles as rows: 2s is stage s's LSE, 2s + 1 its D (unswizzled, so the same bytes)
+    stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for c in range(n_steps):
         g = c // steps_per_head
         off_h = off_hk * GROUP + g
@@ -184,6 +174,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse = stats_rows.index(2 * s).load(row_layout)
         st = warpgroup_mma_wait(1, deps=(st,))
         # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
         # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the causal cut
@@ -196,6 +187,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             pt = gl.exp2(st * qk_scale - lse[None, :])
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        delta = stats_rows.index(2 * s + 1).load(row_layout)
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
         # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys.
@@ -213,9 +205,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 dq = _dq_of(ds_smem, ds_ready, pb_, ((c - 1) // NBUF) & 1, k0_cols, k1_cols, q_zero)
         else:
             dq = _dq_of(ds_smem, ds_ready, b, (c // NBUF) & 1, k0_cols, k1_cols, q_zero)
-        # the next step's LSE and D: global loads whose latency hides behind this step's dV, dK and dQ
-        lse, delta = _row_stats(LSE, Delta, off_b, off_hk, m_first, c + 1, n_steps, steps_per_head, seqlen_q,
-                                strides, GROUP, BLOCK_M, s_layout)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         # this tile's Q and dO have no reader left
         mbarrier.arrive(empty.index(s), count=1)
@@ -265,8 +254,8 @@ def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 
 @gluon.jit
 def attn_bwd_ws_kernel(
-    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, LSE, Delta, stride_lse_b, stride_lse_h,
-    nheads_k, seqlen_q, seqlen_k, qk_scale, sm_scale, n_bhk, lpt_group,
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
+    qk_scale, sm_scale, n_bhk, lpt_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
 ):
@@ -282,6 +271,10 @@ def attn_bwd_ws_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2 * NBUF, HALF_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    # each (Q, dO) stage's LSE (base 2) and D rows, read from shared memory where they are used: held in
+    # registers for the whole step (prefetched a step ahead), their 32 values per thread were what spilled
+    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -296,9 +289,10 @@ def attn_bwd_ws_kernel(
         mbarrier.init(ds_ready.index(i), count=2)
     bars = (kv_bar, ready, empty, ds_ready, done)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group)
-    args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, bars, LSE, Delta,
-            (stride_lse_b, stride_lse_h), (qk_scale, sm_scale), problem)
-    loader_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, problem)
+    args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars,
+            (qk_scale, sm_scale), problem)
+    loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem), bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([

@@ -233,10 +233,10 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             dq = torch.empty(*q.shape, dtype=q.dtype, device=q.device)  # unpacked: as attention_forward's
             dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
-            delta = torch.empty_like(lse)
+            stats = attention_ws.backward_stats(pb, q.device)
             dq_acc = torch.empty(*q.shape, dtype=torch.float32, device=q.device)
-            preprocess((out, dout, delta, q, dq_acc, *pre_args))
-            attention_ws.backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale, kv_group,
+            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], *pre_args))
+            attention_ws.backward(pb, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale, kv_group,
                                   prepared)
             return dq, dk, dv, None
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
@@ -244,7 +244,6 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    delta = torch.empty_like(lse)
     cu_q = cu_seqlens_q if pb.varlen else q
     cu_k = cu_seqlens_k if pb.varlen else q
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
@@ -252,23 +251,32 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     flags = pb.flags
     block_d = max(flags["BLOCK_D"], flags["BLOCK_DV"])
 
-    # the Gluon backward adds dQ into a float32 buffer, which the preprocess zeroes (no launch of its own)
+    # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
+    # (attention_ws.backward_stats): the preprocess zeroes the one and fills the other (no launch of its own)
     gluon = attention_ws.bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic)
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if gluon else delta
+    if gluon:
+        stats = attention_ws.backward_stats(pb, q.device)
+        delta, lse2, dq_acc = stats[1], stats[0], torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        delta_rows = stats.shape[-1]
+        delta_strides = (pb.nheads * delta_rows, delta_rows)
+    else:
+        delta = lse2 = dq_acc = torch.empty_like(lse)
+        delta_rows, delta_strides = pb.seqlen_q, lse_strides
     pre_m = 64 if q.device.type == "cuda" else 32
     preprocess = Bound(
         attn_bwd_preprocess_kernel, (host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads),
-        dict(HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen, ZERO_DQ=gluon),
+        dict(HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen, GLUON=gluon),
     )
-    pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, pb.nheads, pb.seqlen_q)
-    preprocess((out, dout, delta, cu_q, dq_acc, *pre_args))
+    pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.seqlen_q,
+                delta_rows)
+    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, *pre_args))
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse
     row_bytes = (pb.d + pb.dv) * q.element_size()
     kv_group = pb.lpt_group(pb.batch * pb.nheads_k, pb.seqlen_q * row_bytes * flags["GROUP"])
     if gluon:
-        prepared = attention_ws.backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale,
+        prepared = attention_ws.backward(pb, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale,
                                          kv_group)
         if key is not None:
             _remember(_backward_cache, key, (pb, kv_group, preprocess, pre_args, prepared))

@@ -212,18 +212,34 @@ def bwd_eligible(pb, q, k, v, dout, learnable_sink, deterministic: bool) -> bool
             and tma.usable(q, k, v, dout, varlen=False))
 
 
-def backward(pb, q, k, v, dout, lse, delta, dq_acc, dq, dk, dv, softmax_scale: float, kv_group: int,
+def backward_stats(pb, device: torch.device) -> torch.Tensor:
+    """The backward kernel's per-row statistics, which the preprocess fills: (2, b·h, sq rounded up to 4)
+    float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O). The kernel's loader brings both with each (Q, dO)
+    tile through one TMA copy, so a row of a plane must be 16-byte aligned: hence the padding."""
+    return torch.empty(2, pb.batch * pb.nheads, -(-pb.seqlen_q // 4) * 4, dtype=torch.float32, device=device)
+
+
+def backward(pb, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale: float, kv_group: int,
              prepared: _Prepared | None = None) -> _Prepared:
-    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward; dq_acc: a zeroed
-    float32 buffer shaped like q (contiguous), into which the kernel adds dQ. prepared: as `forward`'s."""
+    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward; stats: as
+    `backward_stats`, filled; dq_acc: a zeroed float32 buffer shaped like q (contiguous), into which the
+    kernel adds dQ. prepared: as `forward`'s."""
     if prepared is None:
-        prepared = _prepare_backward(pb, q, k, v, dout, lse, dq_acc, dk, dv, softmax_scale, kv_group)
-    prepared.launch((*prepared.descriptors(q, dout, k, v, dk, dv, dq_acc), lse, delta, *prepared.args))
+        prepared = _prepare_backward(pb, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, kv_group)
+    prepared.launch((*prepared.descriptors(q, dout, k, v, dk, dv, dq_acc, stats), *prepared.args))
     dq.copy_(dq_acc)
     return prepared
 
 
-def _prepare_backward(pb, q, k, v, dout, lse, dq_acc, dk, dv, softmax_scale: float,
+@functools.cache
+def _stats_layout():
+    from triton.experimental.gluon import language as gl
+
+    # unswizzled: the kernel reads each plane's row back as a plain vector
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def _prepare_backward(pb, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
                       kv_group: int) -> _Prepared:
     from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
 
@@ -235,12 +251,12 @@ def _prepare_backward(pb, q, k, v, dout, lse, dq_acc, dk, dv, softmax_scale: flo
     causal = pb.flags["WINDOW_RIGHT"]
     specs = (*(_descriptor_spec(t, cfg.block_m, pb.d) for t in (q, dout)),
              *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
-             _descriptor_spec(dq_acc, cfg.block_m, pb.d // 2, "float32"))
+             _descriptor_spec(dq_acc, cfg.block_m, pb.d // 2, "float32"),
+             (list(stats.shape), list(stats.stride()), [2, 1, cfg.block_m], _stats_layout()))
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   STAGES=cfg.num_stages, CAUSAL=causal, DEFER_DQ=defer_dq, num_warps=4,
                   maxnreg=cfg.maxnreg or _MAXNREG)
     return _Prepared(
         Bound(attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, cfg.block_n) * n_bhk,), kwargs), specs,
-        (lse.stride(0), lse.stride(1), pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale,
-         n_bhk, kv_group),
+        (pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, kv_group),
     )

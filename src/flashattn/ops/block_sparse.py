@@ -99,8 +99,9 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     attn_bwd_preprocess_kernel[(host.cdiv(sq, 64), b * h)](
-        out, dout, delta, q, q, *_rows(out), *_rows(dout), lse.stride(0), lse.stride(1), h, sq,
-        HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False, ZERO_DQ=False,
+        out, dout, delta, q, q, delta, delta, *_rows(out), *_rows(dout), *(lse.stride(0), lse.stride(1)) * 2,
+        h, sq, sq, HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False,
+        GLUON=False,
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     rule_args, rule_flags = _rule(kt)
