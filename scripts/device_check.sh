@@ -22,7 +22,7 @@
 #   bash scripts/device_check.sh host_s13                  v35 + v38's host time (host_profile.py beside cuDNN),
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
-#   bash scripts/device_check.sh table_s14                 the train table on v40, the forward's GPU tests
+#   bash scripts/device_check.sh table_s15                 the train table on v41, the core GPU tests
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
@@ -242,12 +242,13 @@ if [ "$stage" = fwd_vs_cudnn ]; then
       "$OUT/ncu_fwd_$who.txt" | grep -v -E " 0(\.0+)?$" | head -40
   done
 fi
-if [ "$stage" = table_s14 ]; then
-  # the README's table on v40 (tree reductions, two consumers to 4K causal at d=64), then the forward's GPU tests
+if [ "$stage" = table_s15 ]; then
+  # the README's table on v41 (the backward's LSE and D from shared memory), then the core GPU tests but the
+  # realistic sizes: the preprocess changed for every backward, Triton's included
   timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
     --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
-  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "not backward" 2>&1 \
-    | tee "$OUT/pytest_ws_fwd.log" | tail -4
+  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
+    | tee "$OUT/pytest_core.log" | tail -4
 fi
 if [ "$stage" = fwd_source ]; then
   # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction

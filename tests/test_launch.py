@@ -1,6 +1,7 @@
 """ops/launch.py: a launch plan is reused only where Triton's JIT would pick the same compiled kernel."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -161,20 +162,26 @@ def test_an_installed_hook_takes_the_jit(fake_cuda):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
 @pytest.mark.parametrize("sq", [1, 17, 113])
-def test_preprocess_zeroes_the_dq_buffer(sq):
-    """ZERO_DQ: the backward's preprocess also zeroes the Gluon backward's float32 dQ buffer, every row and
-    column of it (the tail tile included), and still writes delta = rowsum(dO * O)."""
+def test_preprocess_fills_the_gluon_backward_inputs(sq):
+    """GLUON: the backward's preprocess zeroes the Gluon backward's float32 dQ buffer, every row and column of
+    it (the tail tile included), and writes D = rowsum(dO * O) and the LSE in base 2 into the stats planes,
+    whose padding rows (up to a multiple of 4) get zeros."""
     from flashattn.kernels.attn_bwd import attn_bwd_preprocess_kernel
 
     b, h, d = 2, 3, 40
+    rows = -(-sq // 4) * 4
     o, do = (torch.randn(b, sq, h, d, dtype=torch.float16) for _ in range(2))
-    delta = torch.full((b, h, sq), float("nan"))
+    lse = torch.randn(b, h, sq)
+    stats = torch.full((2, b * h, rows), float("nan"))
     dq_acc = torch.full((b, sq, h, d), float("nan"))
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
-        o, do, delta, o, dq_acc, *o.stride()[:3], *do.stride()[:3], delta.stride(0), delta.stride(1), h, sq,
-        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, ZERO_DQ=True,
+        o, do, stats[1], o, dq_acc, lse, stats[0], *o.stride()[:3], *do.stride()[:3], lse.stride(0),
+        lse.stride(1), h * rows, rows, h, sq, rows,
+        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True,
     )
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
-    expected = (o.float() * do.float()).sum(-1).transpose(1, 2)
-    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).reshape(b * h, sq)
+    torch.testing.assert_close(stats[1, :, :sq], delta, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats[0, :, :sq], lse.reshape(b * h, sq) / math.log(2), rtol=1e-6, atol=0)
+    assert torch.equal(stats[:, :, sq:], torch.zeros(2, b * h, rows - sq))

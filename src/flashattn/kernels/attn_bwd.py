@@ -46,7 +46,7 @@ def attn_bwd_preprocess_kernel(
     # and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing), and the float32 dQ buffer
     # (contiguous (b, sq, h, d), padded layout, d = dv) is zeroed here, which saves a launch of its own:
     # ~15-30 us of host time on the H200 machine (NOTES v25). Otherwise D is shaped like the LSE (delta_rows =
-    # seqlen_q) and LSE, LSE2 and DQ_ACC are not read.
+    # seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read.
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = (off_bh % nheads).to(tl.int64)
@@ -61,11 +61,13 @@ def attn_bwd_preprocess_kernel(
                    stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     delta_offs = off_b64 * stride_delta_b + off_h * stride_delta_h + row0 + offs_m
-    tl.store(Delta + delta_offs, delta, mask=offs_m < delta_rows)
+    # seqlen_q is this sequence's own length from here (varlen); the Gluon planes' padding rows get zeros
+    n_rows = delta_rows if GLUON else seqlen_q
+    tl.store(Delta + delta_offs, delta, mask=offs_m < n_rows)
     if GLUON:
         lse = tl.load(LSE + off_b64 * stride_lse_b + off_h * stride_lse_h + offs_m, mask=offs_m < seqlen_q,
                       other=0.0)
-        tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < delta_rows)
+        tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < n_rows)
         rows = (off_b64 * seqlen_q + offs_m) * nheads + off_h
         ptrs = DQ_ACC + rows[:, None] * HEAD_DIM_V + offs_d[None, :]
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),
