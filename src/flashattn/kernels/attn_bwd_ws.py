@@ -5,8 +5,8 @@ over the query tiles of every query head in the GQA group; dQ = scale·dS K is a
 float32 buffer with TMA reduce-adds (the tensor memory accelerator does the read-modify-write,
 asynchronously), so no second pass recomputes S and dP (the Triton backward's dQ program: 7 matmuls per tile
 pair, attn_bwd.py).
-  - a loader warp brings the program's K and V once, then streams (Q, dO) tiles of 64 query rows through a
-    ring of TMA stages;
+  - a loader warp brings the program's K and V once, then streams (Q, dO) tiles of 64 query rows, with the
+    rows' LSE and D (the preprocess's stats planes), through a ring of TMA stages;
   - two consumer warpgroups own 64 keys each. Per query tile one issues Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together,
     computes Pᵀ while dPᵀ runs, issues dV += Pᵀ dO and dK += dSᵀ Q, and writes its dSᵀ half to shared
     memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
