@@ -31,6 +31,8 @@
 #                                                          orders (scripts/bwd_sweep.py), ncu memory and stalls
 #   bash scripts/device_check.sh bwd_stats                 v41 against the kernel before it (BWD_AB_OLD: a copy of
 #                                                          its src), the backward GPU tests, memcheck, racecheck
+#   bash scripts/device_check.sh bwd64_rows                v42: 128-row steps for the d=64 backward now that the
+#                                                          row statistics left the registers
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
@@ -306,6 +308,22 @@ if [ "$stage" = bwd_stats ]; then
     | tee "$OUT/memcheck.log"
   timeout 60 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -3 \
     | tee "$OUT/racecheck.log"
+fi
+if [ "$stage" = bwd64_rows ]; then
+  # NOTES v42: the d=64 backward with 128-row steps (v21 lost 32-45% to 920 B of spill; v41 leaves 104 B) and
+  # with dQ in step order, beside the shipped 64-row deferred-dQ steps; then the backward GPU tests under the
+  # winner's config (BWD64_TEST_CONFIG, when given)
+  one='{"128 rows, 2 stages": {"FLASHATTN_CONFIG": "bwd_ws=128,128,4,2", "FLASHATTN_BWD_DEFER_DQ": "0"},'
+  two=' "128 rows, 3 stages": {"FLASHATTN_CONFIG": "bwd_ws=128,128,4,3", "FLASHATTN_BWD_DEFER_DQ": "0"},'
+  three=' "64 rows, step dQ": {"FLASHATTN_BWD_DEFER_DQ": "0"}}'
+  BWD_SWEEP_EXTRA="$one$two$three" BWD_SWEEP_REPEAT=2 \
+    BWD_SWEEP_SHAPES=${BWD_SWEEP_SHAPES:-"16,1024,0;4,4096,0;1,16384,0;16,1024,1;1,16384,1"} timeout 300 \
+    python3 scripts/bwd_sweep.py "$OUT/bwd64_rows.json" 64 2>&1 | tee "$OUT/bwd64_rows.log"
+  if [ -n "${BWD64_TEST_CONFIG:-}" ]; then
+    FLASHATTN_CONFIG=$BWD64_TEST_CONFIG FLASHATTN_BWD_DEFER_DQ=0 timeout $((585 - SECONDS)) python3 -m pytest \
+      -m gpu -q -rs tests/test_ws_gpu.py -k "backward and 64 and not dq_orders" 2>&1 | tee "$OUT/pytest_bwd64.log" \
+      | tail -4
+  fi
 fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
