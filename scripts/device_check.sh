@@ -23,6 +23,7 @@
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_s15                 the train table on v41, the core GPU tests
+#   bash scripts/device_check.sh table_v42                 the train table on v42, the d=64 backward GPU tests
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
 #   bash scripts/device_check.sh table_checks              the train table, the torch.compile GPU tests,
@@ -308,6 +309,14 @@ if [ "$stage" = bwd_stats ]; then
     | tee "$OUT/memcheck.log"
   timeout 60 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -3 \
     | tee "$OUT/racecheck.log"
+fi
+if [ "$stage" = table_v42 ]; then
+  # the README's table on v42 (128-row steps for the d=64 backward without the mask), then the d=64 backward's
+  # GPU tests under the shipped rule
+  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  timeout $((560 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "backward and 64" 2>&1 \
+    | tee "$OUT/pytest_bwd64.log" | tail -4
 fi
 if [ "$stage" = bwd64_rows ]; then
   # NOTES v42: the d=64 backward with 128-row steps (v21 lost 32-45% to 920 B of spill; v41 leaves 104 B) and

@@ -144,6 +144,22 @@ def test_a_hit_launches_as_the_uncached_path(h200, monkeypatch, d, causal):
     assert [kind for kind, *_ in h200] == ["run"] * 3  # the plans that the miss's JIT calls returned
 
 
+@pytest.mark.parametrize("causal, block_m, defer", [(False, 128, False), (True, 64, True)])
+def test_d64_backward_steps(h200, causal, block_m, defer):
+    # NOTES v42: 128-row steps, dQ in step order, without the mask; 64-row steps and the deferred dQ with it
+    q, k, v = _qkv(64)
+    out, lse = _fwd(q, k, v, causal=causal)
+    h200.clear()
+    _bwd(q, k, v, out, lse, torch.randn_like(q), causal=causal)
+    ((_, _, params),) = [c for c in _launches(h200, {}) if c[0] == "attn_bwd_ws_kernel"]
+    names = bwd_ws_kernels.attn_bwd_ws_kernel.arg_names
+    assert params[names.index("BLOCK_M")] == block_m
+    assert params[names.index("DEFER_DQ")] is defer
+    # the stats planes come with each stage: one row of each per query row
+    stats = params[names.index("stats_desc")]
+    assert stats[4] == [2, 1, block_m]
+
+
 def test_the_public_call_hits_forward_and_backward(h200):
     q, k, v = (t.requires_grad_() for t in _qkv())
     for _ in range(3):

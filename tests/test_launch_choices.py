@@ -12,6 +12,7 @@ from utils import LaunchRecorder
 from flashattn import flash_attn_func
 from flashattn.bench import providers
 from flashattn.iomodel import AttnShape, forward_io, kernel_tiles
+from flashattn.iomodel.tiled import ws_backward_tiles
 from flashattn.ops import attention_ws, merge, tma
 from flashattn.ops.attention import _problem
 from flashattn.ops.configs import _H200, _H200_SHORT, _H200_SHORT_CAUSAL, TileConfig, tile_config
@@ -66,6 +67,17 @@ def test_d64_gluon_forward_takes_two_consumers_to_4k_causal():
         [two, two, two, three]
     assert [attention_ws.forward_config(64, CUDA, n) for n in (1024, 2048, 4096)] == [two, three, three]
     assert attention_ws.forward_config(128, CUDA, 2048, causal=True) == _H200[("fwd_ws", 128)]
+
+
+def test_d64_gluon_backward_steps_by_mask():
+    # NOTES v42: 128-row steps without the mask, 64-row ones under it; d = 128 has one row for both
+    assert tile_config("bwd_ws", 64, CUDA) == TileConfig(128, 128, 4, 2)
+    assert tile_config("bwd_ws", 64, CUDA, 1024) == TileConfig(128, 128, 4, 2)
+    assert tile_config("bwd_ws", 64, CUDA, causal=True) == TileConfig(64, 128, 4, 3)
+    assert tile_config("bwd_ws", 64, CUDA, 1024, causal=True) == TileConfig(64, 128, 4, 3)
+    assert tile_config("bwd_ws", 128, CUDA, causal=True) == tile_config("bwd_ws", 128, CUDA)
+    assert ws_backward_tiles(AttnShape(1, 16, 4096, 64)) == (128, 128)
+    assert ws_backward_tiles(AttnShape(1, 16, 4096, 64, causal=True)) == (64, 128)
 
 
 def test_override_beats_the_short_row(monkeypatch):

@@ -182,7 +182,7 @@ def ws_backward_tiles(shape: AttnShape) -> tuple[int, int] | None:
     dq_buffer = shape.batch * shape.nheads * shape.seqlen_q * shape.headdim * 4
     if not attention_ws.takes_backward(shape.headdim, dq_buffer):
         return None
-    cfg = tile_config("bwd_ws", shape.headdim, torch.device("cuda"))
+    cfg = tile_config("bwd_ws", shape.headdim, torch.device("cuda"), causal=shape.bounds[1] == 0)
     return cfg.block_m, cfg.block_n
 
 

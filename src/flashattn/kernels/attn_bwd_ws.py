@@ -5,15 +5,16 @@ over the query tiles of every query head in the GQA group; dQ = scale·dS K is a
 float32 buffer with TMA reduce-adds (the tensor memory accelerator does the read-modify-write,
 asynchronously), so no second pass recomputes S and dP (the Triton backward's dQ program: 7 matmuls per tile
 pair, attn_bwd.py).
-  - a loader warp brings the program's K and V once, then streams (Q, dO) tiles of 64 query rows, with the
-    rows' LSE and D (the preprocess's stats planes), through a ring of TMA stages;
+  - a loader warp brings the program's K and V once, then streams (Q, dO) tiles of BLOCK_M query rows (64, or
+    128 for d = 64 without a mask), with the rows' LSE and D (the preprocess's stats planes), through a ring
+    of TMA stages;
   - two consumer warpgroups own 64 keys each. Per query tile one issues Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together,
     computes Pᵀ while dPᵀ runs, issues dV += Pᵀ dO and dK += dSᵀ Q, and writes its dSᵀ half to shared
     memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
     and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order, which
     leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here (NOTES v19).
-    DEFER_DQ (d = 64): each step computes the previous step's dQ, so the dSᵀ hand-off no longer holds the two
-    warpgroups in step (NOTES v24).
+    DEFER_DQ (d = 64, 64-row steps): each step computes the previous step's dQ, so the dSᵀ hand-off no
+    longer holds the two warpgroups in step (NOTES v24).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
 Triton backward (as flash_attn's flag does). Only the plain case comes here (ops/attention_ws.py decides).
 """

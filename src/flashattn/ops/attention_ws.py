@@ -18,9 +18,10 @@ instead (A/B timing).
 The backward (FA3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair instead of the
 Triton backward's 7) takes the same plain calls at d = 64 and 128, causal or not: +8-24% over the Triton
 backward at d = 128 (benchmarks/NOTES.md v20), +2% to +19% at d = 64 with its deferred dQ (v24); one run
-each. It never runs with
-deterministic=True (the reduce order varies, as with flash_attn's atomic dQ), nor once its float32 dQ buffer
-would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
+each. Since v41 it reads each step's LSE and D from shared memory (+20% at d = 128 causal, +8% without the
+mask, +2-6% at d = 64), and since v42 the d = 64 backward without a mask takes 128-row steps (+3-4%). It
+never runs with deterministic=True (the reduce order varies, as with flash_attn's atomic dQ), nor once its
+float32 dQ buffer would pass _DQ_BUFFER_CAP; FLASHATTN_WS_BWD=0 turns it off (A/B timing).
 """
 
 import functools
@@ -243,12 +244,14 @@ def _prepare_backward(pb, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: f
                       kv_group: int) -> _Prepared:
     from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
 
-    cfg = tile_config("bwd_ws", pb.d, q.device)
+    causal = pb.flags["WINDOW_RIGHT"]
+    cfg = tile_config("bwd_ws", pb.d, q.device, causal=causal)
     n_bhk = pb.batch * pb.nheads_k
     half_n = cfg.block_n // 2
-    # d = 64: each step computes the previous step's dQ (NOTES v24); FLASHATTN_BWD_DEFER_DQ=0 for the A/B
-    defer_dq = pb.d == 64 and _env.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
-    causal = pb.flags["WINDOW_RIGHT"]
+    # d = 64 with 64-row steps (causal): each step computes the previous step's dQ (NOTES v24), whose four dSᵀ
+    # buffers 128-row steps have no shared memory for; FLASHATTN_BWD_DEFER_DQ=0 for the A/B
+    defer = _env.get("FLASHATTN_BWD_DEFER_DQ", "1") != "0"
+    defer_dq = defer and pb.d == 64 and cfg.block_m == 64
     specs = (*(_descriptor_spec(t, cfg.block_m, pb.d) for t in (q, dout)),
              *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
              _descriptor_spec(dq_acc, cfg.block_m, pb.d // 2, "float32"),

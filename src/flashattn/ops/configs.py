@@ -46,10 +46,17 @@ _H200 = {
     # d = 64: three consumer warpgroups of 64 rows (NOTES v33); 3 K/V stages (96 KiB) beside two Q tiles (48)
     ("fwd_ws", 64): TileConfig(192, 128, 4, 3),
     # the warp-specialised backward (d = 64 and 128): block_m query rows per step, block_n keys per program
-    # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. 128 rows per step at
-    # d = 64 spill 0.7-1.6 KB (ptxas -v, NOTES v20); d = 128 has shared memory for two stages only
-    ("bwd_ws", 64): TileConfig(64, 128, 4, 3),
+    # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. d = 64: 128-row steps
+    # (two stages fill the shared memory) +3-4% over 64-row ones without the mask, once v41 took the row
+    # statistics out of the registers (they spilled 0.9 KB before, NOTES v21, v42); d = 128 has shared memory
+    # for 64-row steps over two stages only
+    ("bwd_ws", 64): TileConfig(128, 128, 4, 2),
     ("bwd_ws", 128): TileConfig(64, 128, 4, 2),
+}
+# Causal rows of the long table where they differ: the d=64 backward keeps 64-row steps (with the deferred dQ
+# their four dSᵀ buffers allow), 2% ahead of 128-row ones at 1K causal and 1% behind at 16K (NOTES v42)
+_H200_CAUSAL = {
+    ("bwd_ws", 64): TileConfig(64, 128, 4, 3),
 }
 
 # Short sequences (max of sq, sk up to the row's limit): few key tiles per program, so a program's prologue
@@ -97,8 +104,8 @@ def _parse_overrides(text: str) -> dict[str, TileConfig]:
 def tile_config(kernel: str, block_d: int, device: torch.device, seqlen: int | None = None,
                 causal: bool = False) -> TileConfig:
     """The config for `kernel` ('fwd' | 'dkdv' | 'dq' | 'fwd_ws' | 'bwd_ws') at padded head dim `block_d`;
-    `seqlen` (the longer of sq and sk; None: long) picks the short-sequence rows, `causal` their causal
-    variant where one is listed."""
+    `seqlen` (the longer of sq and sk; None: long) picks the short-sequence rows, `causal` the causal variant
+    of a row where one is listed."""
     overrides = _overrides()
     if kernel in overrides:
         return overrides[kernel]
@@ -115,6 +122,7 @@ def _table_entry(kernel: str, block_d: int, cuda: bool, seqlen: int | None = Non
         return _INTERPRETER[kernel]
     keys = sorted(d for (k, d) in _H200 if k == kernel)
     key = max([d for d in keys if d <= block_d], default=keys[0])
+    long = (_H200_CAUSAL if causal and (kernel, key) in _H200_CAUSAL else _H200)[(kernel, key)]
     short = _H200_SHORT_CAUSAL if causal and (kernel, key) in _H200_SHORT_CAUSAL else _H200_SHORT
-    limit, cfg = short.get((kernel, key), (0, _H200[(kernel, key)]))
-    return cfg if seqlen is not None and seqlen <= limit else _H200[(kernel, key)]
+    limit, cfg = short.get((kernel, key), (0, long))
+    return cfg if seqlen is not None and seqlen <= limit else long
