@@ -34,6 +34,7 @@
 #                                                          its src), the backward GPU tests, memcheck, racecheck
 #   bash scripts/device_check.sh bwd64_rows                v42: 128-row steps for the d=64 backward now that the
 #                                                          row statistics left the registers
+#   bash scripts/device_check.sh d256                      the train grid at d=256 (issue 3: reported, no target)
 #   bash scripts/device_check.sh plan_checks               v25's launch plans under every feature: the feature
 #                                                          check, `flashattn check`, the core GPU tests
 set -uo pipefail
@@ -309,6 +310,11 @@ if [ "$stage" = bwd_stats ]; then
     | tee "$OUT/memcheck.log"
   timeout 60 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py ws_bwd 2>&1 | tail -3 \
     | tee "$OUT/racecheck.log"
+fi
+if [ "$stage" = d256 ]; then
+  # issue 3 asks that d=256 works and is reported (no target): the train grid at d=256 beside FA2 and cuDNN
+  timeout 230 python3 -m flashattn bench --suite train --headdims 256 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn --out "$OUT/train256" 2>&1 | tail -40
 fi
 if [ "$stage" = table_v42 ]; then
   # the README's table on v42 (128-row steps for the d=64 backward without the mask), then the d=64 backward's
