@@ -158,9 +158,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     m0_prev = m_first
     off_h_prev = off_hk * GROUP
     n_steps = GROUP * n_m
+    # n_m >= 1 wherever a step runs; the clamp is what v41 and v42 were measured with (without it, ptxas
+    # allocates differently: 8 B more of spill loads in the causal build)
     steps_per_head = gl.maximum(n_m, 1)
     row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
-    # the stats tiles as rows: 2s is stage s's LSE, 2s + 1 its D (unswizzled, so the same bytes)
+    # the stats tiles as rows: 2s is stage s's LSE, 2s + 1 its D. Indexing keeps a shared layout's rank (3
+    # for the TMA tile), and a vector load needs rank 1: hence the reinterpretation, exact because the TMA
+    # tile is unswizzled (Triton 3.6's Gluon names it _reinterpret; the project pins triton 3.6.*)
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for c in range(n_steps):
