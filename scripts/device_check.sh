@@ -22,7 +22,6 @@
 #   bash scripts/device_check.sh host_s13                  v35 + v38's host time (host_profile.py beside cuDNN),
 #                                                          the host-path tests, the core GPU tests
 #   bash scripts/device_check.sh fwd_vs_cudnn              ncu of ours and cuDNN's forward at d=64 1K causal
-#   bash scripts/device_check.sh table_s15                 the train table on v41, the core GPU tests
 #   bash scripts/device_check.sh table_v42                 the train table on v42, the d=64 backward GPU tests
 #   bash scripts/device_check.sh fwd_source                ncu source counters (stalls per SASS instruction) of
 #                                                          ours and cuDNN's forward at d=64 1K causal
@@ -50,6 +49,12 @@ sparse16k() {  # TIMEOUT DIR MODES PROVIDERS [bench options]: the 16K sparse sui
     --out "$2/sparse16k" "${@:5}" 2>&1 | tail -30
 }
 
+# the README's train table (TIMEOUT, then the folder under $OUT): d=64 and 128, forward and backward, beside
+# FA2, cuDNN and flex
+train_table() {
+  timeout "$1" python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
+    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/$2" 2>&1 | tail -60
+}
 ncu_bin() {  # Nsight Compute's CLI: on PATH, or where the CUDA toolkit and Nsight installs put it
   command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1
 }
@@ -246,14 +251,6 @@ if [ "$stage" = fwd_vs_cudnn ]; then
       "$OUT/ncu_fwd_$who.txt" | grep -v -E " 0(\.0+)?$" | head -40
   done
 fi
-if [ "$stage" = table_s15 ]; then
-  # the README's table on v41 (the backward's LSE and D from shared memory), then the core GPU tests but the
-  # realistic sizes: the preprocess changed for every backward, Triton's included
-  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
-    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
-  timeout $((585 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k "not realistic" 2>&1 \
-    | tee "$OUT/pytest_core.log" | tail -4
-fi
 if [ "$stage" = fwd_source ]; then
   # NOTES "The thirteenth session": where our d=64 1K causal forward's warps stall, per SASS instruction
   # (barrier, wait, no instruction), beside cuDNN's; the raw report (open with ncu-ui) comes back too
@@ -319,8 +316,7 @@ fi
 if [ "$stage" = table_v42 ]; then
   # the README's table on v42 (128-row steps for the d=64 backward without the mask), then the d=64 backward's
   # GPU tests under the shipped rule
-  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
-    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  train_table 330 train
   timeout $((560 - SECONDS)) python3 -m pytest -m gpu -q -rs tests/test_ws_gpu.py -k "backward and 64" 2>&1 \
     | tee "$OUT/pytest_bwd64.log" | tail -4
 fi
@@ -343,8 +339,7 @@ fi
 if [ "$stage" = table_checks ]; then
   # the README's table on the shipped code, then what v25's launch plans had not yet been checked under:
   # torch.compile (the core GPU tests' compile cases) and `flashattn check`'s decode and block-sparse cases
-  timeout 330 python3 -m flashattn bench --suite train --headdims 64,128 --modes fwd,bwd --quiet \
-    --providers flashattn,sdpa-flash,sdpa-cudnn,flex --out "$OUT/train" 2>&1 | tail -60
+  train_table 330 train
   timeout 100 python3 -m pytest -m gpu -q -rs tests/test_gpu_core.py -k compile 2>&1 \
     | tee "$OUT/pytest_compile.log" | tail -4
   timeout 130 python3 -m flashattn check 2>&1 | tee "$OUT/check.log" | tail -8
