@@ -14,13 +14,13 @@ package's (an A/B against an earlier or a trial kernel in one process); BWD_SWEE
 R times, interleaved (drift shows as the spread between rounds).
 """
 
-import importlib.util
 import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from sweep_rows import kernel_from_file, record, shapes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -30,10 +30,7 @@ from flashattn.ops import attention
 
 # (batch, N, causal) at 16K tokens, hidden 2048: M1's marginal backward point (d=128 16K causal) and the
 # causal rows furthest from cuDNN, with the non-causal 16K row for the steady state
-SHAPES = [(1, 16384, True), (1, 16384, False), (4, 4096, True), (16, 1024, True)]
-if os.environ.get("BWD_SWEEP_SHAPES"):
-    SHAPES = [(int(b), int(n), c == "1") for b, n, c in
-              (part.split(",") for part in os.environ["BWD_SWEEP_SHAPES"].split(";"))]
+SHAPES = shapes("BWD_SWEEP_SHAPES", [(1, 16384, True), (1, 16384, False), (4, 4096, True), (16, 1024, True)])
 VARIANTS = {"shipped": {}}  # name -> environment (BWD_SWEEP_* entries are read by _run_variant)
 for _g in filter(None, os.environ.get("BWD_SWEEP_GROUPS", "").split(",")):
     VARIANTS[f"group {_g}"] = {"BWD_SWEEP_GROUP": _g}
@@ -41,10 +38,7 @@ VARIANTS.update(json.loads(os.environ.get("BWD_SWEEP_EXTRA", "{}")))
 _SHIPPED_KERNEL = attn_bwd_ws.attn_bwd_ws_kernel
 _OTHER_KERNEL = None
 if os.environ.get("BWD_SWEEP_KERNEL"):
-    _spec = importlib.util.spec_from_file_location("bwd_sweep_other_kernel", os.environ["BWD_SWEEP_KERNEL"])
-    _module = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_module)
-    _OTHER_KERNEL = _module.attn_bwd_ws_kernel
+    _OTHER_KERNEL = kernel_from_file(os.environ["BWD_SWEEP_KERNEL"], "attn_bwd_ws_kernel")
     VARIANTS["BWD_SWEEP_KERNEL"] = {"BWD_SWEEP_OTHER": "1"}
 _REPEAT = int(os.environ.get("BWD_SWEEP_REPEAT", "1"))
 _ENV_NAMES = {name for env in VARIANTS.values() for name in env}  # cleared before each variant
@@ -98,22 +92,19 @@ def _shape(d, b, n, causal, rows, path):
     cudnn = flops / _median_ms(sdpa_bwd(SDPBackend.CUDNN_ATTENTION)) * 1e-9
     print(f"d={d} N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s, cuDNN {cudnn:.0f}", flush=True)
     for rnd, (name, env) in ((r, v) for r in range(_REPEAT) for v in VARIANTS.items()):
-        row = dict(d=d, n=n, causal=causal, variant=name, round=rnd, bar_tflops=bar, cudnn_tflops=cudnn)
-        try:
+
+        def measure(row, env=env):
             got = _run_variant(env, grads)
             torch.cuda.synchronize()
             row["rel_err"] = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
                                  for g, r in zip(got, ref, strict=True))
             ms = _run_variant(env, lambda: _median_ms(grads))
             row.update(ms=ms, tflops=flops / ms * 1e-9)
-            print(f"  {name:20} {row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar, "
-                  f"{row['tflops'] / cudnn:.3f} of cuDNN), rel err {row['rel_err']:.1e}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"  {name:20} {row['error']}", flush=True)
-        rows.append(row)
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+
+        record(rows, path, dict(d=d, n=n, causal=causal, variant=name, round=rnd, bar_tflops=bar,
+                                cudnn_tflops=cudnn), measure,
+               lambda row: f"{row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar, "
+                           f"{row['tflops'] / cudnn:.3f} of cuDNN), rel err {row['rel_err']:.1e}")
 
 
 def main(path, head_dims):

@@ -16,13 +16,13 @@ interleaved (drift shows as the spread between rounds); FWD_SWEEP_ONLY="shipped,
 cuDNN's time is printed beside the bar.
 """
 
-import importlib.util
 import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from sweep_rows import kernel_from_file, record, shapes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -32,7 +32,8 @@ from flashattn.ops import attention, attention_ws
 
 # (batch, N, causal) at 16K tokens, hidden 2048: the short d=64 points that were under the bar in the s10-s12
 # tables, and the long row (steady state)
-SHAPES = [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True), (1, 16384, False)]
+SHAPES = shapes("FWD_SWEEP_SHAPES",
+                [(16, 1024, False), (16, 1024, True), (8, 2048, True), (4, 4096, True), (1, 16384, False)])
 THREE, TWO = {"FLASHATTN_CONFIG": "fwd_ws=192,128,4,3"}, {"FLASHATTN_CONFIG": "fwd_ws=128,128,4,3"}
 VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
     64: {
@@ -48,19 +49,13 @@ VARIANTS = {  # head dim -> name -> (environment, Gluon forced)
         "gluon full diag": ({"FLASHATTN_FWD_HALF_DIAG": "0"}, True),
     },
 }
-if os.environ.get("FWD_SWEEP_SHAPES"):
-    SHAPES = [(int(b), int(n), c == "1") for b, n, c in
-              (part.split(",") for part in os.environ["FWD_SWEEP_SHAPES"].split(";"))]
 _EXTRA = json.loads(os.environ.get("FWD_SWEEP_EXTRA", "{}"))
 for _table in VARIANTS.values():
     _table.update({name: (env, True) for name, env in _EXTRA.items()})
 _SHIPPED_KERNEL = attn_fwd_ws.attn_fwd_ws_kernel
 _OTHER_KERNEL = None
 if os.environ.get("FWD_SWEEP_KERNEL"):
-    _spec = importlib.util.spec_from_file_location("fwd_sweep_other_kernel", os.environ["FWD_SWEEP_KERNEL"])
-    _module = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_module)
-    _OTHER_KERNEL = _module.attn_fwd_ws_kernel
+    _OTHER_KERNEL = kernel_from_file(os.environ["FWD_SWEEP_KERNEL"], "attn_fwd_ws_kernel")
     for _table in VARIANTS.values():
         # the package's kernel, forced, beside the other file's under the same switches
         _table.update({"gluon (package)": ({}, True),
@@ -117,22 +112,18 @@ def _shape(d, b, n, causal, rows, path):
     cudnn_tflops = flops / do_bench(cudnn, warmup=25, rep=100, return_mode="median") * 1e-9
     print(f"d={d} N={n} causal={causal}: 1.4 x FA2 = {bar:.0f} TFLOP/s, cuDNN {cudnn_tflops:.0f}", flush=True)
     for rnd, (name, (env, forced)) in ((r, v) for r in range(_REPEAT) for v in VARIANTS[d].items()):
-        row = dict(d=d, n=n, causal=causal, variant=name, round=rnd, bar_tflops=bar,
-                   cudnn_tflops=cudnn_tflops)
-        try:
+
+        def measure(row, env=env, forced=forced):
             out = _run_variant(env, forced, call)
             torch.cuda.synchronize()
             row["rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             ms, graph_ms = _run_variant(env, forced, bench), _run_variant(env, forced, graph)
             row.update(ms=ms, tflops=flops / ms * 1e-9, graph_tflops=flops / graph_ms * 1e-9)
-            print(f"  {name:20} {row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar), "
-                  f"graph {row['graph_tflops']:5.0f}, rel err {row['rel_err']:.1e}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"  {name:20} {row['error']}", flush=True)
-        rows.append(row)
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+
+        record(rows, path, dict(d=d, n=n, causal=causal, variant=name, round=rnd, bar_tflops=bar,
+                                cudnn_tflops=cudnn_tflops), measure,
+               lambda row: f"{row['tflops']:5.0f} TFLOP/s ({row['tflops'] / bar:.3f} of the bar), "
+                           f"graph {row['graph_tflops']:5.0f}, rel err {row['rel_err']:.1e}")
 
 
 def main(path, head_dims):
