@@ -4,10 +4,11 @@ A tiny problem (b=1, h=2, N=256), so the GPU never holds the host back: each num
 call of back-to-back calls without a sync, the median of 7 repetitions of 200 calls. Layers, outermost first:
   public   flash_attn_func with inputs that require grad (what training and the bench call)
   nograd   the same under torch.no_grad (the autograd Function's share is the difference)
-  launcher ops.attention.attention_forward / attention_backward (argument checks and autograd excluded)
+  launcher backends.triton.attention.attention_forward / attention_backward (argument checks and autograd
+           excluded)
   jit      the kernel's launch through the JIT (kernel[grid](...)) with every argument built beforehand
   compiled the compiled kernel's run() with the same arguments (the JIT's binding and cache lookup excluded:
-           what ops/launch.py's plans do)
+           what backends/triton/launch.py's plans do)
 and sdpa-cudnn's public call beside them; then the public calls again at the train grid's d=128 N=1K causal
 size (b=16, h=16; 20 calls a repetition, which the GPU queue absorbs): host time that grows with the problem
 (through allocations, say) shows there. Then a cProfile of forward + backward through the public API.
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
-from flashattn.ops import attention, launch
+from flashattn.backends.triton import attention, launch
 
 
 def _per_call_us(fn, calls=200, reps=7):
@@ -90,8 +91,8 @@ def _launches(jit_fn, call):
 
 def _layers(d, causal):
     """name -> closure, for the layers of the module docstring at head dim d."""
-    from flashattn.kernels.attn_bwd_ws import attn_bwd_ws_kernel
-    from flashattn.kernels.attn_fwd_ws import attn_fwd_ws_kernel
+    from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
+    from flashattn.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 
     q, k, v = (torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

@@ -3,7 +3,8 @@
 
 For each shape and case this runs, under `ncu --profile-from-start off`, a child process of this same script
 that warms up, then brackets exactly one call with cudaProfilerStart/Stop: our forward and backward (the
-launchers of flashattn.ops.attention), our decode (flashattn.flash_attn_with_kvcache), the `naive` provider's
+launchers of flashattn.backends.triton.attention), our decode (flashattn.flash_attn_with_kvcache), the
+`naive` provider's
 standard attention, and SDPA's FlashAttention-2 as a yardstick. The per-kernel dram__bytes_read/write are
 summed per call and set against flashattn.iomodel: the L2-aware estimate (the +-20% target) and the no-L2
 upper bound. Results: ncu_io.json, ncu_io.md and the raw CSVs under --out. Each case is one process (~10-20
@@ -110,14 +111,14 @@ def _setup(spec: dict, impl: str, pass_: str):
     nothing = lambda: None  # noqa: E731
     if impl == "ours":
         if pass_ == "decode":
-            from flashattn import flash_attn_with_kvcache
-
             # the index range checks add small kernels and a host sync to the profiled call (14 kernels where
             # 2 do the work, 2026-11-29); flash_attn has none, and the decode suite times without them too
-            os.environ["FLASHATTN_CHECK_INDICES"] = "0"
+            from flashattn import config, flash_attn_with_kvcache
+
+            config.set_check_indices(False)
             seqlens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
             return nothing, lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal)
-        from flashattn.ops.attention import attention_backward, attention_forward
+        from flashattn.backends.triton.attention import attention_backward, attention_forward
 
         if pass_ == "fwd":
             return nothing, lambda: attention_forward(q, k, v, softmax_scale=scale, causal=causal)

@@ -57,23 +57,18 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 JITFunction.run = _compile_only
 
 # import every kernel module while TRITON_INTERPRET is unset, then route CPU tensors to the Triton launchers
-import flashattn  # noqa: E402
-import flashattn.ops.attention  # noqa: E402, F401
-import flashattn.ops.block_sparse  # noqa: E402, F401
-import flashattn.ops.decode as decode_ops  # noqa: E402
-import flashattn.ops.merge as merge_ops  # noqa: E402
-from flashattn.bench.providers.base import env_var  # noqa: E402
-from flashattn.ops import configs, tma  # noqa: E402
+# as on an H200: the device facts routing reads, its SM count
+import dataclasses  # noqa: E402
 
-os.environ["TRITON_INTERPRET"] = "1"
-_entry = configs._table_entry
-configs._table_entry = lambda kernel, block_d, cuda, seqlen=None, causal=False: _entry(
-    kernel, block_d, True, seqlen, causal)
-_dconf = decode_ops._decode_config
-decode_ops._decode_config = lambda bd, es, paged, dev, env, many=False: _dconf(bd, es, paged, "cuda", env,
-                                                                                many)
-merge_ops.sm_count = decode_ops.sm_count = lambda device: 132
-tma.device_ok = lambda t: True  # the fake H200 has the tensor memory accelerator
+from flashattn import config  # noqa: E402
+from flashattn.backends.triton import attention as dense_ops  # noqa: E402
+from flashattn.backends.triton import block_sparse, gluon, routes, tma  # noqa: E402, F401
+from flashattn.backends.triton import decode as decode_ops  # noqa: E402
+from flashattn.backends.triton import merge as merge_ops  # noqa: E402
+
+config.INTERPRET = True
+tma.device_facts = lambda device: (True, (9, 0))
+merge_ops.sm_count = decode_ops.sm_count = gluon.sm_count = lambda device: 132
 _tiles = merge_ops.combine_tiles
 merge_ops.combine_tiles = lambda n, rows, bd, device: _tiles(n, rows, bd, torch.device("meta"))
 
@@ -82,19 +77,28 @@ def _t(*shape, dtype=torch.bfloat16, grad=False):
     return torch.randn(shape, dtype=dtype).requires_grad_(grad)
 
 
-def _fwd_bwd(fn, *tensors, tma_path="1", ws="1", ws_bwd="0", **kw):
-    # tma_path: FLASHATTN_TMA for the call (the aligned padded cases compile both load paths); ws, ws_bwd:
-    # FLASHATTN_WS and FLASHATTN_WS_BWD (the plain d = 64/128 cases take the warp-specialised Gluon kernels
-    # unless they are 0; the backward's are off by default here so that the Triton backward is compiled for
-    # every tile row, and on in the Gluon backward's own cases)
-    with env_var("FLASHATTN_TMA", tma_path), env_var("FLASHATTN_WS", ws), env_var("FLASHATTN_WS_BWD", ws_bwd):
-        out = fn(*tensors, **kw)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(torch.ones_like(out))
+def _fwd_bwd(fn, *tensors, **kw):
+    """The public call and its backward, on the routes an H200 would take."""
+    out = fn(*tensors, **kw)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.ones_like(out))
 
 
-def _with_config(spec, fn, *args, **kw):
-    with env_var("FLASHATTN_CONFIG", spec):
+def _routes(q, k, v, fwd, bwd, causal=False, **kw):
+    """The dense launchers forward and backward on explicit routes: fwd(spec) and bwd(spec) make them from the
+    call's spec (routes.triton_forward_route, ...); kw: options and route fields to replace (tma=...)."""
+    scale = q.shape[-1] ** -0.5
+    pb = dense_ops._problem(q, k, v, scale, causal, (-1, -1), 0.0, None, 0.0, 0, 0, None, None, None, None)
+    f, b = fwd(pb.spec), bwd(pb.spec)
+    fields = {name: kw.pop(name) for name in list(kw) if name in ("tma",)}
+    f, b = dataclasses.replace(f, **fields), dataclasses.replace(b, **fields)
+    options = dict(softmax_scale=scale, causal=causal)
+    out, lse = dense_ops.attention_forward(q, k, v, route=f, **options)
+    dense_ops.attention_backward(torch.ones_like(out), q, k, v, out, lse, route=b, **options)
+
+
+def _with_tiles(spec, fn, *args, **kw):
+    with config.use_tiles(spec):
         fn(*args, **kw)
 
 
@@ -104,46 +108,40 @@ QUICK = "--quick" in sys.argv  # bf16 at the table's head dims only: the CI test
 def dense_cases():
     from flashattn import flash_attn_func, flash_attn_varlen_func
 
+    triton = (routes.triton_forward_route, routes.triton_backward_route)
     for dtype in (torch.bfloat16,) if QUICK else (torch.bfloat16, torch.float16, torch.float32):
         # fp32 compiles take ~30-100 s each (ptxas): one head dim covers its DOT_PREC path
         dims = (64, 128, 256) if QUICK else (40, 64, 96, 128, 192, 256) if dtype != torch.float32 else (64,)
         for d in dims:
             for causal in (False, True):
-                # (sq, sk, path): short-sequence tile rows on both load paths (with TMA: the Gluon forward),
-                # the long rows (N > 2K) on the Triton forward's TMA path
-                for sq, sk, path in ((130, 70, "0"), (130, 70, "1"), (2100, 2060, "1")):
-                    if dtype == torch.float32 and path == "1":
-                        continue
-                    q = _t(1, sq, 2, d, dtype=dtype, grad=True)
-                    k, v = (_t(1, sk, 1, d, dtype=dtype, grad=True) for _ in range(2))
-                    ws = "1" if sq < 2048 else "0"
-                    yield f"dense {dtype} d={d} causal={causal} sq={sq} tma={path} ws={ws}", partial(
-                        _fwd_bwd, flash_attn_func, q, k, v, causal=causal, tma_path=path, ws=ws)
-    # the warp-specialised Gluon forward: d = 128, causal only past 1K (ops/attention_ws.py), fp16 and bf16
+                # the Triton kernels on both load paths at the short-sequence tile rows, and the long rows
+                # (N > 2K) with descriptors where their route takes them
+                for sq, sk, use_tma in ((130, 70, False), (130, 70, True), (2100, 2060, True)):
+                    if use_tma and (dtype == torch.float32 or d != 128):
+                        continue  # descriptors only at d = 128
+                    q = _t(1, sq, 2, d, dtype=dtype)
+                    k, v = (_t(1, sk, 1, d, dtype=dtype) for _ in range(2))
+                    yield f"dense triton {dtype} d={d} causal={causal} sq={sq} tma={use_tma}", partial(
+                        _routes, q, k, v, *triton, causal=causal, tma=use_tma)
+    # the Gluon kernels through the public call: d = 64 and 128, causal or not, GQA, fp16 and bf16
     for dtype in (torch.bfloat16,) if QUICK else (torch.bfloat16, torch.float16):
-        for causal in (False, True):
-            q = _t(1, 1100, 4, 128, dtype=dtype, grad=True)
-            k, v = (_t(1, 1100, 2, 128, dtype=dtype, grad=True) for _ in range(2))
-            yield f"dense ws {dtype} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
-                                                                causal=causal)
-    # the Gluon backward: d = 64 and 128, causal or not, GQA
-    for d in (64, 128):
-        for causal in (False, True):
-            q = _t(1, 1100, 4, d, grad=True)
-            k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
-            yield f"dense ws backward d={d} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
-                                                                       causal=causal, ws_bwd="1")
-    # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes
-    # (sq = 300 with the third session's kernels; 512 causal with 4 heads as well, in the fifth), so that
-    # program now loads Q/dO through pointers
+        for d in (64, 128):
+            for causal in (False, True):
+                for n in (1100, 4500) if d == 64 else (1100,):  # two and three consumer warpgroups
+                    q = _t(1, n, 4, d, dtype=dtype, grad=True)
+                    k, v = (_t(1, n, 2, d, dtype=dtype, grad=True) for _ in range(2))
+                    yield f"dense gluon {dtype} d={d} causal={causal} n={n}", partial(
+                        _fwd_bwd, flash_attn_func, q, k, v, causal=causal)
+    # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes,
+    # so that program loads Q/dO through pointers
     for sq, causal in ((300, False), (300, True), (512, True)):
-        q, k, v = (_t(1, sq, 4, 128, grad=True) for _ in range(3))
-        yield f"dense d=128 mha sq={sq} causal={causal}", partial(_fwd_bwd, flash_attn_func, q, k, v,
-                                                                  causal=causal)
-    # 2-stage pipelines must take the pointer path: ptxas crashes on them with descriptors (ops/attention.py)
-    q, k, v = (_t(2, 130, 4, 64, grad=True) for _ in range(3))
-    yield "dense tma=1 with 2-stage tiles", partial(_with_config, "fwd=64,64,4,2;dkdv=32,64,4,2;dq=64,64,4,2",
-                                                    _fwd_bwd, flash_attn_func, q, k, v, causal=True)
+        q, k, v = (_t(1, sq, 4, 128) for _ in range(3))
+        yield f"dense triton d=128 mha sq={sq} causal={causal}", partial(_routes, q, k, v, *triton,
+                                                                         causal=causal)
+    # 2-stage pipelines must take the pointer path: ptxas crashes on them with descriptors
+    q, k, v = (_t(2, 130, 4, 64) for _ in range(3))
+    yield "dense triton with 2-stage tiles", partial(
+        _with_tiles, "fwd=64,64,4,2;dkdv=32,64,4,2;dq=64,64,4,2", _routes, q, k, v, *triton, causal=True)
     q, k, v = _t(2, 150, 4, 48, grad=True), _t(2, 190, 2, 48, grad=True), _t(2, 190, 2, 32, grad=True)
     yield "dense all features", partial(
         _fwd_bwd, flash_attn_func, q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
@@ -170,7 +168,7 @@ def decode_cases():
                         _t(2, sq, hk, d, dtype=dtype), _t(2, sq, hk, d, dtype=dtype), rotary_cos=cos,
                         rotary_sin=sin, cache_seqlens=torch.tensor([5, 700], dtype=torch.int32),
                         block_table=table, causal=sq > 1)
-    # a paged cache read by many programs (40 x 2 > 132 / 2) takes the narrower key tile (ops/decode.py)
+    # a paged cache read by many programs (40 x 2 > 132 / 2) takes the narrower key tile
     pool = (40 * cap // 64, 64)
     table = torch.arange(pool[0], dtype=torch.int32).view(40, -1)
     yield "decode paged many programs", partial(

@@ -5,8 +5,8 @@ Backends under test:
   * ``triton`` -- on CUDA, or on CPU when the process was started with ``TRITON_INTERPRET=1``
     (the Triton interpreter; slow, and it computes bf16 wrong, so fp16 only there, see backend_dtypes).
 
-A test that takes the ``backend`` fixture gets ``FLASHATTN_BACKEND`` set for its duration (through
-``monkeypatch``, the library reads it at call time).  A test that also takes ``dtype`` is parametrised over
+A test that takes the ``backend`` fixture gets that backend forced for its duration
+(``flashattn.config.use_backend``).  A test that also takes ``dtype`` is parametrised over
 the (backend, dtype) pairs that backend supports on this machine; ``@pytest.mark.dtypes(torch.float32, ...)``
 narrows the dtype list for one test.
 """
@@ -17,41 +17,9 @@ import os
 
 import pytest
 import torch
+from utils import BACKENDS, DEVICE, DTYPE_NAMES, HAS_CUDA, backend_dtypes
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-BACKENDS = ["torch"] + (["triton"] if (HAS_CUDA or INTERPRET) else [])
-
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def backend_dtypes(backend: str) -> list[torch.dtype]:
-    """The dtypes a backend is tested with on this machine."""
-    if is_interpreted(backend):
-        # The Triton interpreter emulates bf16 incorrectly (numpy has no bf16), and it is slow: the API tests
-        # run it in fp16 only; tests/test_triton_interpret.py runs the kernels in fp16 and fp32.
-        return [torch.float16]
-    return [torch.float16, torch.bfloat16, torch.float32]
-
-
-def is_interpreted(backend: str) -> bool:
-    """True when ``backend`` runs Triton kernels through the (slow) CPU interpreter."""
-    return backend == "triton" and (INTERPRET or not HAS_CUDA)
-
-
-# Interpreter cost is per tile visited (numpy emulation, ~5 ms a tile), not per flop: a case is skipped on
-# the interpreted backend above b * h * ceil(sq / 32) * ceil(sk / 32) tiles (113 x 113 at b = h = 2 is 64);
-# tests/test_triton_interpret.py covers the kernels there with chosen multi-tile shapes.
-INTERPRET_TILE_BUDGET = 32
-
-
-def skip_if_too_slow(backend: str, b: int, h: int, sq: int, sk: int, d: int) -> None:
-    del d  # the interpreter's cost hardly depends on the head dim
-    tiles = b * h * -(-sq // 32) * -(-sk // 32)
-    if is_interpreted(backend) and tiles > INTERPRET_TILE_BUDGET:
-        pytest.skip("too slow for the Triton interpreter (covered by test_triton_interpret.py and on GPU)")
+from flashattn import config as flashattn_config
 
 
 def pytest_configure(config):
@@ -85,15 +53,15 @@ def pytest_generate_tests(metafunc):
     for backend in BACKENDS:
         for dtype in backend_dtypes(backend):
             if wanted is None or dtype in wanted:
-                params.append(pytest.param(backend, dtype, id=f"{backend}-{_DTYPE_NAMES[dtype]}"))
+                params.append(pytest.param(backend, dtype, id=f"{backend}-{DTYPE_NAMES[dtype]}"))
     metafunc.parametrize(("backend", "dtype"), params, indirect=["backend"])
 
 
 @pytest.fixture
-def backend(request, monkeypatch):
-    """The backend name; ``FLASHATTN_BACKEND`` is set to it for the test."""
-    monkeypatch.setenv("FLASHATTN_BACKEND", request.param)
-    return request.param
+def backend(request):
+    """The backend name, forced for the test."""
+    with flashattn_config.use_backend(request.param):
+        yield request.param
 
 
 @pytest.fixture

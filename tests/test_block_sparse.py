@@ -8,19 +8,25 @@ Triton kernels under TRITON_INTERPRET=1 once they support block sparsity: the sh
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import INTERPRET
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
-from utils import LaunchRecorder, assert_close_to_ref, make_qkv, program_pairs
+from utils import INTERPRET, LaunchRecorder, assert_close_to_ref, make_qkv, program_pairs, use_tiles
 
 import flashattn
-from flashattn.block_sparse import _ops, _torch, block_sparse_attn_func
-from flashattn.block_sparse.reference import masked_attention_ref as dense_mask_attention
-from flashattn.kernels.attn_sparse import _program
+from flashattn import backends
+from flashattn import config as flashattn_config
+from flashattn.backends.torch import block_sparse as torch_block_sparse
+from flashattn.block_sparse import block_sparse_attn_func
+from flashattn.kernels.triton.attn_sparse import _program
 from flashattn.masks import BlockMask, MaskRule
+from flashattn.ops import block_sparse as ops
+from flashattn.ops import registry
+from flashattn.reference import masked_attention_ref as dense_mask_attention
 
 
 def _leaves(*ts):
@@ -70,7 +76,7 @@ CASES = [(p, torch.float32) for p in PATTERNS] + [
 
 @pytest.mark.parametrize("pattern,dtype", CASES)
 def test_matches_dense_oracle(pattern, dtype):
-    interpreted = _ops.backend_name(torch.empty(0)) == "triton" and not torch.cuda.is_available()
+    interpreted = backends.backend_name(torch.empty(0)) == "triton" and not torch.cuda.is_available()
     if dtype == torch.bfloat16 and interpreted:
         pytest.skip("the Triton interpreter computes bf16 wrong (numpy has no bf16); the GPU covers bf16")
     sq, sk, bs = 70, 113, (32, 16)
@@ -89,22 +95,30 @@ RULE_MASKS = {  # the constructors whose partial blocks the Triton kernels compu
 
 
 @pytest.mark.parametrize("name", RULE_MASKS)
-def test_rule_masks_match_oracle_and_bits(name, monkeypatch):
-    """Partial blocks by the rule (the default for these masks) against the oracle, and bitwise equal to
-    the same call reading the bitmasks (FLASHATTN_SPARSE_RULE=0): the two differ only in where the
-    predicate comes from."""
+def test_rule_masks_match_oracle_and_bits(name):
+    """Partial blocks by the rule (the default route for these masks) against the oracle, and on the Triton
+    kernels bitwise equal to the route that reads the bitmasks: the two differ only in where the predicate
+    comes from."""
     n, bs = 83, (32, 16)
     mask = RULE_MASKS[name](n, bs)
     assert mask.to_kernel_tensors().rule is not None
     sq, sk = mask.seqlen_q, mask.seqlen_k
     q, k, v = make_qkv(1, sq, sk, 4, 2, 32, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
     check_against_oracle(q, k, v, mask)
+    if backends.backend_name(q) != "triton":
+        return
+    from flashattn.backends.triton import block_sparse as launchers
+
+    kt = mask.to_kernel_tensors(q.device)
+    rule = launchers.default_route(q, v, kt)
+    assert rule.by_rule
+    dout = torch.randn_like(q)
     runs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("FLASHATTN_SPARSE_RULE", flag)
-        qq, kk, vv = _leaves(q, k, v)
-        out = block_sparse_attn_func(qq, kk, vv, mask)
-        runs.append((out, *torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))))
+    for route in (rule, dataclasses.replace(rule, by_rule=False)):
+        out, lse = launchers.block_sparse_forward(q, k, v, kt, softmax_scale=32 ** -0.5, route=route)
+        grads = launchers.block_sparse_backward(dout, q, k, v, out, lse, kt, softmax_scale=32 ** -0.5,
+                                                route=route)
+        runs.append((out, lse, *grads))
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -112,17 +126,16 @@ def test_rule_masks_match_oracle_and_bits(name, monkeypatch):
 def test_backward_one_launch_per_role(monkeypatch):
     """The backward's dK/dV and dQ programs run as two launches of one kernel, whatever warps each role's
     tile config asks for, and the gradients do not depend on the warps."""
-    from flashattn.block_sparse import _ops
-    from flashattn.ops import block_sparse as launchers
-
     mask = BlockMask.local_global(90, (12, 5), 7, block_size=(32, 16))
     q, k, v = make_qkv(1, 90, 90, 4, 2, 32, dtype=torch.float16, generator=torch.Generator().manual_seed(4))
-    if _ops.launchers(q) is not launchers:
+    if backends.backend_name(q) != "triton":
         pytest.skip("the Triton launchers run on CUDA or under TRITON_INTERPRET=1")
+    from flashattn.backends.triton import block_sparse as launchers
+
     counts = []
     runs = []
     for spec in ("dkdv=16,32,4,1;dq=32,16,4,1", "dkdv=16,32,4,1;dq=32,16,2,1"):
-        monkeypatch.setenv("FLASHATTN_CONFIG", spec)
+        use_tiles(monkeypatch, spec)
         calls = []
         kernel = launchers.sparse_bwd_kernel
         monkeypatch.setattr(launchers, "sparse_bwd_kernel", LaunchRecorder(kernel, calls))
@@ -253,8 +266,8 @@ def test_memory_stays_below_dense(monkeypatch):
     """With a small step budget no tensor of the torch path reaches seqlen_q x seqlen_k elements. (The torch
     backend is forced: under TRITON_INTERPRET=1 the Triton path runs, whose interpreter copies whole storages
     through torch ops, and eager calls no longer hide them behind the custom op.)"""
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
-    monkeypatch.setitem(_torch._STEP_BUDGET, "cpu", 16 * 16 * 8)
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    monkeypatch.setitem(torch_block_sparse._STEP_BUDGET, "cpu", 16 * 16 * 8)
     n = 256
     q, k, v = _leaves(*make_qkv(1, n, n, 1, 1, 16, generator=torch.Generator().manual_seed(8)))
     mask = BlockMask.local_global(n, 24, 16, block_size=16)
@@ -307,9 +320,11 @@ def test_validation_messages():
         block_sparse_attn_func(q, k, v, BlockMask.causal(64, 80), dropout_p=1.0)
 
 
-def test_dispatch_uses_the_torch_path_until_the_kernels_exist(monkeypatch):
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
-    assert _ops.launchers(torch.zeros(1)) is _torch
+def test_the_torch_backend_serves_its_calls(monkeypatch):
+    from flashattn.backends.torch import entry as torch_entry
+
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    assert backends.entry(torch.zeros(1)) is torch_entry
 
 
 def _loss(q, k, v, mask):
@@ -349,7 +364,7 @@ def test_eager_calls_skip_the_registered_ops_and_match_them(monkeypatch):
     dout = torch.randn(1, 40, 2, 16, generator=torch.Generator().manual_seed(12))
     results = {}
     for through_ops in (False, True):
-        monkeypatch.setattr(flashattn.autograd, "_through_custom_op", lambda flag=through_ops: flag)
+        monkeypatch.setattr(registry, "_registered_only", through_ops)
         leaves = _leaves(q, k, v)
         with _RecordOps() as rec:
             out = block_sparse_attn_func(*leaves, mask, softcap=3.0)
@@ -368,10 +383,10 @@ def test_opcheck():
     args = (q, k, v, kt.tensors(), kt.block_m, kt.block_n, kt.rule.as_list(), 0.25, 1.0, 0.0)
     # aot_dispatch is what test_torch_compile_fullgraph_matches_eager exercises, at a fraction of the cost
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(_ops.block_sparse_fwd, args, test_utils=utils)
-    out, lse, rng = _ops.block_sparse_fwd(*args)
+    torch.library.opcheck(ops.block_sparse_fwd.library_op, args, test_utils=utils)
+    out, lse, rng = ops.block_sparse_fwd(*args)
     bwd_args = (torch.randn_like(out), q, k, v, out, lse, rng, *args[3:])
-    torch.library.opcheck(_ops.block_sparse_bwd, bwd_args, test_utils=utils)
+    torch.library.opcheck(ops.block_sparse_bwd.library_op, bwd_args, test_utils=utils)
 
 
 # -- the `sparse` bench suite (CPU smoke: the harness, the oracle, the masks flex gets)
@@ -419,7 +434,7 @@ def test_sparse_suite_runs_and_checks_on_cpu(monkeypatch):
         return Prepared(fwd=lambda: flashattn.flash_attn_func(*leaves), leaves=leaves)
 
     # the harness is under test here, not the kernels: the interpreter would only make it slow
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
     providers.register(Provider("test-unmasked", unmasked, "test double"), replace=True)
     try:
         names = ["flashattn-sparse", "flashattn", "test-unmasked"]
@@ -467,7 +482,7 @@ def test_program_mapping_covers_every_tile_once(n_bh, n_blocks, subtiles):
     once, the hoisted tiles of all heads before any other, then head by head."""
     if not INTERPRET:
         pytest.skip("runs the Triton helper under TRITON_INTERPRET=1")
-    from flashattn.ops.block_sparse import _grid
+    from flashattn.backends.triton.block_sparse import _grid
 
     (n,), (nbh, n_tiles, hoist) = _grid(n_bh, n_blocks, subtiles)
     assert n == n_bh * n_blocks * subtiles and 0 <= hoist < n_tiles

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-from utils import assert_close_to_ref
+from utils import assert_close_to_ref, use_tiles
 
+from flashattn import config as flashattn_config
 from flashattn.kvcache import flash_attn_with_kvcache
 from flashattn.reference import attention_ref
 
@@ -226,9 +227,17 @@ def test_split_counts_agree(backend):
     ],
 )
 def test_num_splits_heuristic(programs, n_tiles, splits):
-    from flashattn.ops.decode import num_splits_heuristic
+    from flashattn.backends.triton.routes import num_splits_heuristic
 
     assert num_splits_heuristic(programs, n_tiles, 132) == splits
+
+
+def _decode_tiles(d, element_size, paged, kv_programs):
+    from flashattn.backends.triton import routes
+
+    # one query row per program (GQA group 1, seqlen_q 1), kv_programs (batch, kv head) pairs on an H200
+    spec = routes.DecodeSpec(kv_programs, 1, 1, 1, d, element_size, paged, 4096, sms=132)
+    return routes.decode_tiles_for(spec)
 
 
 @pytest.mark.parametrize(
@@ -241,24 +250,18 @@ def test_num_splits_heuristic(programs, n_tiles, splits):
     ],
 )
 def test_decode_tiles_follow_the_program_count(monkeypatch, paged, programs, block_n):
-    from flashattn.ops.decode import decode_config
-
-    monkeypatch.delenv("FLASHATTN_CONFIG", raising=False)
-    # the rule is read on the host: a "cuda" device needs no GPU here
-    where = dict(device=torch.device("cuda"), kv_programs=programs, sms=132)
-    assert decode_config(128, 2, paged, **where).block_n == block_n
+    use_tiles(monkeypatch, None)
+    assert _decode_tiles(128, 2, paged, programs).block_n == block_n
     # measured for 16-bit caches at d = 128 only: d = 64 and fp32 keep their tiles
-    assert decode_config(64, 2, paged, **where).block_n == 128
-    assert decode_config(128, 4, paged, **where).block_n == 64
+    assert _decode_tiles(64, 2, paged, programs).block_n == 128
+    assert _decode_tiles(128, 4, paged, programs).block_n == 64
 
 
 def test_decode_override_beats_the_program_count(monkeypatch):
-    from flashattn.ops.configs import TileConfig
-    from flashattn.ops.decode import decode_config
+    from flashattn.backends.triton.configs import TileConfig
 
-    monkeypatch.setenv("FLASHATTN_CONFIG", "decode_paged=64,128,4,5")
-    cfg = decode_config(128, 2, True, torch.device("cuda"), kv_programs=128, sms=132)
-    assert cfg == TileConfig(64, 128, 4, 5)
+    use_tiles(monkeypatch, "decode_paged=64,128,4,5")
+    assert _decode_tiles(128, 2, True, 128) == TileConfig(64, 128, 4, 5)
 
 
 def test_no_key_rows(backend):
@@ -353,14 +356,14 @@ BAD = {
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_input(monkeypatch, name):
     make, exc, match = BAD[name]
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**make())
 
 
 def test_unused_block_table_entries_are_not_checked(monkeypatch):
     # vLLM-style tables pad with -1 or garbage past each sequence's last page
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
     args = _base(16)
     args["block_table"][0, 2:] = -1
     args["block_table"][1, 1:] = 1000
@@ -390,10 +393,10 @@ def test_opcheck(monkeypatch):
     # schema, fake tensor and mutation declarations of the op torch.compile traces through
     from flashattn.kvcache import kvcache_fwd
 
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
     kc, vc = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
     q, kn, vn = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
     seqlens = _i32(10, 50)
     args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None,
             0.25, True, -1, -1, 0.0, None, True, 0)
-    torch.library.opcheck(kvcache_fwd, args)
+    torch.library.opcheck(kvcache_fwd.library_op, args)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from utils import assert_close_to_ref
 
+from flashattn import config as flashattn_config
 from flashattn import flash_attn_func
 from flashattn.kvcache import flash_attn_with_kvcache
 from flashattn.merge import merge_attention_states
@@ -173,7 +174,7 @@ def test_bad_input(name):
 def test_opcheck(monkeypatch):
     from flashattn.merge import merge_states
 
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
     outs = [torch.randn(2, 3, 4, 16, requires_grad=True) for _ in range(3)]
     lses = [torch.randn(2, 4, 3, requires_grad=True) for _ in range(3)]
-    torch.library.opcheck(merge_states, (outs, lses))
+    torch.library.opcheck(merge_states.library_op, (outs, lses))

@@ -13,6 +13,7 @@ from torch import nn
 from utils import assert_close_to_ref
 
 import flashattn
+from flashattn import config as flashattn_config
 from flashattn import modules
 from flashattn.modules import CrossAttention, MultiHeadAttention, SelfAttention, padded_attention
 from flashattn.reference import attention_ref
@@ -26,7 +27,7 @@ def _torch_backend_off_gpu(request, monkeypatch):
     # the modules' logic is the same on every backend; CI runs with TRITON_INTERPRET=1, which would
     # otherwise interpret the kernels in every call (minutes). GPU tests keep the Triton kernels.
     if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+        monkeypatch.setattr(flashattn_config, "backend", "torch")
 
 
 # -- rotary --------------------------------------------------------------------------------------------------

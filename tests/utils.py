@@ -1,11 +1,50 @@
-"""Shared test helpers: the tolerance rule, random (optionally non-contiguous) inputs, a launch recorder, the
+"""Shared test helpers: what this machine runs (backends, dtypes, the interpreter), the tolerance rule,
+random (optionally non-contiguous) inputs, a launch recorder, the
 (head, tile) pairs a kernel's 1D program mapping assigns."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import triton
 import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+BACKENDS = ["torch"] + (["triton"] if (HAS_CUDA or INTERPRET) else [])
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def backend_dtypes(backend: str) -> list[torch.dtype]:
+    """The dtypes a backend is tested with on this machine."""
+    if is_interpreted(backend):
+        # The Triton interpreter emulates bf16 incorrectly (numpy has no bf16), and it is slow: the API tests
+        # run it in fp16 only; tests/backends/triton/test_interpret.py runs the kernels in fp16 and fp32.
+        return [torch.float16]
+    return [torch.float16, torch.bfloat16, torch.float32]
+
+
+def is_interpreted(backend: str) -> bool:
+    """True when ``backend`` runs Triton kernels through the (slow) CPU interpreter."""
+    return backend == "triton" and (INTERPRET or not HAS_CUDA)
+
+
+# Interpreter cost is per tile visited (numpy emulation, ~5 ms a tile), not per flop: a case is skipped on
+# the interpreted backend above b * h * ceil(sq / 32) * ceil(sk / 32) tiles (113 x 113 at b = h = 2 is 64);
+# tests/backends/triton/test_interpret.py covers the kernels there with chosen multi-tile shapes.
+INTERPRET_TILE_BUDGET = 32
+
+
+def skip_if_too_slow(backend: str, b: int, h: int, sq: int, sk: int, d: int) -> None:
+    del d  # the interpreter's cost hardly depends on the head dim
+    tiles = b * h * -(-sq // 32) * -(-sk // 32)
+    if is_interpreted(backend) and tiles > INTERPRET_TILE_BUDGET:
+        pytest.skip("too slow for the Triton interpreter (covered by test_triton_interpret.py and on GPU)")
 
 __all__ = ["LaunchRecorder", "assert_close_to_ref", "make_qkv", "max_abs_err", "program_pairs"]
 
@@ -148,3 +187,26 @@ def program_pairs(mapping, n_programs, n_bh, n_tiles, arg) -> list[tuple[int, in
     out = torch.full((n_programs, 2), -1, dtype=torch.int32)
     _record_pairs[(n_programs,)](out, n_bh, n_tiles, arg, MAPPING=mapping)
     return [tuple(p) for p in out.tolist()]
+
+
+def use_tiles(monkeypatch, spec) -> None:
+    """Replace rows of the tile table for one test (flashattn.config's tile overrides; None: the table)."""
+    from flashattn import config
+
+    monkeypatch.setattr(config, "tile_overrides", config.parse_tiles(spec) if isinstance(spec, str) else {})
+    monkeypatch.setattr(config, "generation", config.generation + 1)
+
+
+# An ncu --csv report in its long format (one metric a row), as the IO model's and the bench's tests read it
+NCU_LONG = """\
+==PROF== Connected to process 4242 (/usr/bin/python3)
+==PROF== Profiling "attn_fwd_kernel": 0%....50%....100% - 1 pass
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3","127.0.0.1","attn_fwd_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","402,653,184"
+"0","4242","python3","127.0.0.1","attn_fwd_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","138,412,032"
+"0","4242","python3","127.0.0.1","attn_fwd_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","351,232"
+"1","4242","python3","127.0.0.1","attn_bwd_preprocess_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","268.44"
+"1","4242","python3","127.0.0.1","attn_bwd_preprocess_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Kbyte","4,194.30"
+"1","4242","python3","127.0.0.1","attn_bwd_preprocess_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","70,50"
+==PROF== Disconnected from process 4242
+"""  # noqa: E501

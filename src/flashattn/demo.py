@@ -5,7 +5,7 @@ import time
 import torch
 
 from flashattn import flash_attn_func
-from flashattn.backend import backend_name
+from flashattn.backends import backend_name
 from flashattn.reference import attention_ref
 
 
@@ -144,7 +144,7 @@ def _check_block_sparse(dev: torch.device, dtypes) -> int:
     """block_sparse_attn_func with the local + global mask, odd length, GQA: forward against the dense-mask
     oracle."""
     from flashattn import BlockMask, block_sparse_attn_func
-    from flashattn.block_sparse.reference import masked_attention_ref
+    from flashattn.reference import masked_attention_ref
 
     failures = 0
     n, h, hk, d = 333, 4, 2, 64

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashattn import config
 from flashattn.kvcache import flash_attn_with_kvcache
 
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     tie = args.tie if args.tie is not None else (1e-3 if dtype == torch.float32 else 0.05)
     if not args.check_indices:
         # flash_attn checks no indices either; the checks cost a device-to-host copy per layer and step
-        os.environ["FLASHATTN_CHECK_INDICES"] = "0"
+        config.set_check_indices(False)
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, ffn=int(args.d_model * 2.75) // 64 * 64)
     g = torch.Generator().manual_seed(args.seed + 1)

@@ -19,9 +19,8 @@ Beyond flash_attn 2.x, every function takes two keyword arguments current models
 """
 
 from flashattn import _validate
-from flashattn.autograd import attention
 from flashattn.dropout import dropout_keep_mask
-from flashattn.ops.attention import default_scale
+from flashattn.ops.attention import attention, default_scale
 
 
 def _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink) -> bool:
@@ -101,9 +100,8 @@ def flash_attn_func(
             before masking).
         alibi_slopes: (nheads,) or (batch, nheads) float32, default None. Adds -slope·|i + seqlen_k -
             seqlen_q - j| to the score of query i and key j (after softcap).
-        deterministic: bool, default False. Bitwise-reproducible gradients. Without it, plain d=64/128 calls
-            on Hopper run the warp-specialised backward, whose dQ is summed in a varying order (TMA
-            reduce-adds); with it, the atomic-free Triton backward (8-24% slower at d=128, NOTES v20).
+        deterministic: bool, default False. Bitwise-reproducible gradients (the same inputs give the same
+            bits on every run). Without it, the fastest backward may sum dQ in a varying order.
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask (for testing).
         learnable_sink: (nheads,) float32, keyword only, default None. See the module docstring.
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flashattn import _validate
-from flashattn.kvcache import _checks_enabled, check_block_table
+from flashattn._validate_cache import check_block_table, checks_enabled
 
 _POOL = "(num_pages, page_size, nheads_k, headdim) with a block_table"
 
@@ -40,7 +40,7 @@ def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor,
                       cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
     """(k, v) packed (total_k, nheads_k, headdim[_v]) from the page pools."""
     page_size, num_pages = k.shape[1], k.shape[0]
-    if _checks_enabled(k):
+    if checks_enabled(k):
         # the entries the keys use must name pages of the pool (one device-to-host copy); an out-of-range
         # index in the gather below would be a device-side assert, not a message
         lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]

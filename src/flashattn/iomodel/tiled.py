@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashattn.backends.triton import routes
+from flashattn.backends.triton.configs import tile_config
+from flashattn.backends.triton.host import block_d
 from flashattn.iomodel.estimate import H200, AttnShape, IOEstimate, Machine, combine
 
 LSE_BYTES = 4  # LSE and delta are fp32 per row
@@ -30,35 +33,22 @@ def cdiv(a: int, b: int) -> int:
 
 def padded_headdim(d: int) -> int:
     """Head dim as the kernels compute it: the next power of two, at least 16 (the smallest tl.dot)."""
-    return max(16, 1 << (d - 1).bit_length())
+    return block_d(d)
 
 
-# (block_m, block_n) when flashattn.ops cannot be imported (no torch): the H200 rows for head dims <= 128.
-_FALLBACK_TILES = {"fwd": (128, 128), "dkdv": (64, 128), "dq": (128, 64)}
+def route_spec(shape: AttnShape, *, deterministic: bool = False) -> routes.Spec:
+    """The routing spec of `shape` on the H200 (16-bit unless dtype_bytes is 4, TMA-ready tensors): the IO
+    model follows the launchers' own routes, so it follows tuning without a second copy of the numbers."""
+    return routes.Spec(shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
+                       shape.headdim, shape.headdim, "float32" if shape.dtype_bytes == 4 else "bfloat16",
+                       window=shape.bounds, deterministic=deterministic)
 
 
-def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None, causal: bool | None = None
-                 ) -> tuple[int, int]:
-    """(block_m, block_n) our launcher picks on a GPU for `kernel` ("fwd", "dkdv" or "dq") at `headdim`.
-
-    Read from the launchers' own table (flashattn.ops.configs, FLASHATTN_CONFIG overrides included), so the
-    model follows tuning without a second copy of the numbers; `seqlen` (max of sq, sk) as the launcher's.
-    `causal` (True / False for a plain call, None under another window): the forward then takes the
-    warp-specialised kernel's tiles where its launcher would (ops/attention_ws.py).
-    """
-    try:
-        import torch
-
-        from flashattn.ops import attention_ws
-        from flashattn.ops.configs import tile_config
-    except ImportError:
-        block_m, block_n = _FALLBACK_TILES[kernel]
-        return block_m, block_n if headdim <= 128 or kernel != "fwd" else 64
-    cuda = torch.device("cuda")
-    if kernel == "fwd" and causal is not None and attention_ws.takes(headdim):
-        cfg = tile_config("fwd_ws", headdim, cuda, seqlen, bool(causal))
-    else:
-        cfg = tile_config(kernel, padded_headdim(headdim), cuda, seqlen)
+def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None) -> tuple[int, int]:
+    """(block_m, block_n) of the Triton kernel `kernel` ("fwd", "dkdv" or "dq") at `headdim` on a GPU, from
+    the launchers' tile table (expert overrides included); `seqlen` (max of sq, sk; None: long) picks the
+    short-sequence rows."""
+    cfg = tile_config(kernel, padded_headdim(headdim), True, seqlen)
     return cfg.block_m, cfg.block_n
 
 
@@ -134,10 +124,10 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
                machine: Machine = H200, ctas_per_sm: int = 1) -> IOEstimate:
     """The forward kernel: grid (cdiv(sq, block_m), b*h); Q tile read once, K/V streamed, O, LSE written.
 
-    Tile sizes default to what the launcher uses (`kernel_tiles`).
+    Tile sizes default to the route the launcher takes (routes.forward_route).
     """
-    default_m, default_n = kernel_tiles("fwd", shape.headdim, max(shape.seqlen_q, shape.seqlen_k),
-                                        shape.bounds[1] == 0 if _plain_mask(shape) else None)
+    tiles = routes.forward_route(route_spec(shape)).tiles
+    default_m, default_n = tiles.block_m, tiles.block_n
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)
@@ -160,30 +150,13 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
     )
 
 
-def _plain_mask(shape: AttnShape) -> bool:
-    """Causal or no mask, no other window: the warp-specialised kernels' case."""
-    left, right = shape.bounds
-    return left == -1 and right in (-1, 0)
-
-
 def ws_backward_tiles(shape: AttnShape) -> tuple[int, int] | None:
-    """(block_m, block_n) of the warp-specialised backward where its launcher takes `shape` on the H200
-    (ops/attention_ws.py: plain causal or full attention, d = 64/128, the float32 dQ buffer under its cap),
-    else None."""
-    if not _plain_mask(shape) or shape.density < 1.0:
+    """(block_m, block_n) of the warp-specialised backward where the backward's route takes it at `shape` on
+    the H200 (routes.backward_route), else None (block-sparse masks never take it)."""
+    if shape.density < 1.0:
         return None
-    try:
-        import torch
-
-        from flashattn.ops import attention_ws
-        from flashattn.ops.configs import tile_config
-    except ImportError:
-        return None
-    dq_buffer = shape.batch * shape.nheads * shape.seqlen_q * shape.headdim * 4
-    if not attention_ws.takes_backward(shape.headdim, dq_buffer):
-        return None
-    cfg = tile_config("bwd_ws", shape.headdim, torch.device("cuda"), causal=shape.bounds[1] == 0)
-    return cfg.block_m, cfg.block_n
+    route = routes.backward_route(route_spec(shape))
+    return (route.tiles.block_m, route.tiles.block_n) if isinstance(route, routes.GluonBackward) else None
 
 
 def _qdo_stream(shape: AttnShape, block_m: int, block_n: int, machine: Machine, ctas_per_sm: int) -> _Stream:
@@ -202,9 +175,9 @@ def _qdo_stream(shape: AttnShape, block_m: int, block_n: int, machine: Machine, 
 
 def _ws_backward_io(shape: AttnShape, block_m: int, block_n: int, machine: Machine, ctas_per_sm: int
                     ) -> IOEstimate:
-    """FlashAttention-3's backward (kernels/attn_bwd_ws.py): the preprocess also zeroes a float32 dQ buffer;
-    one key-major kernel streams Q and dO as the dK/dV kernel does and reduce-adds each (query tile, key tile)
-    pair's dQ into the buffer (5 matmuls per pair); a last pass converts the buffer to dQ."""
+    """FlashAttention-3's backward (kernels/gluon/attn_bwd.py): the preprocess also zeroes a float32 dQ
+    buffer; one key-major kernel streams Q and dO as the dK/dV kernel does and reduce-adds each (query tile,
+    key tile) pair's dQ into the buffer (5 matmuls per pair); a last pass converts the buffer to dQ."""
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)
     q_bytes = b * h * sq * d * e  # also O, dO, dQ
@@ -248,9 +221,9 @@ def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int 
     if kernel == "ws" or (kernel is None and ws_tiles is not None):
         block_m, block_n = ws_tiles or (64, 128)  # "ws" forced where the launcher would not take it
         return _ws_backward_io(shape, block_m1 or block_m, block_n1 or block_n, machine, ctas_per_sm)
-    longest = max(shape.seqlen_q, shape.seqlen_k)
-    m1, n1 = kernel_tiles("dkdv", shape.headdim, longest)
-    m2, n2 = kernel_tiles("dq", shape.headdim, longest)
+    triton = routes.backward_route(route_spec(shape, deterministic=True))
+    m1, n1 = triton.dkdv_tiles.block_m, triton.dkdv_tiles.block_n
+    m2, n2 = triton.dq_tiles.block_m, triton.dq_tiles.block_n
     block_m1, block_n1, block_m2, block_n2 = block_m1 or m1, block_n1 or n1, block_m2 or m2, block_n2 or n2
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)
@@ -304,25 +277,18 @@ def forward_backward_io(shape: AttnShape, *, machine: Machine = H200, ctas_per_s
 def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False, rows: int = 1, kv_programs: int = 1,
                  machine: Machine = H200) -> tuple[int, int]:
     """(block_m cap, block_n) of the split-KV kernel on a GPU for `rows` packed query rows in each of
-    `kv_programs` (batch, kv head) pairs, read from the launcher's own rule (FLASHATTN_CONFIG overrides
-    included, as kernel_tiles)."""
-    import torch
-
-    from flashattn.ops.decode import decode_config
-
-    cfg = decode_config(padded_headdim(headdim), dtype_bytes, paged, torch.device("cuda"), rows,
-                        kv_programs, machine.sms)
+    `kv_programs` (batch, kv head) pairs, from the launcher's own route (routes.decode_tiles_for)."""
+    spec = routes.DecodeSpec(kv_programs, rows, 1, 1, headdim, dtype_bytes, paged, 1, sms=machine.sms)
+    cfg = routes.decode_tiles_for(spec)
     return cfg.block_m, cfg.block_n
 
 
 def default_num_splits(batch: int, nheads_k: int, keys: int, machine: Machine = H200, *, rows: int = 1,
                        block_m: int = 64, block_n: int = 128) -> int:
-    """The split count the launcher picks (flashattn.ops.decode.num_splits_heuristic) for `rows` packed
-    query rows (GQA group x seqlen_q) per (batch, kv head) and a cache of `keys` keys."""
-    from flashattn.ops.decode import num_splits_heuristic, query_block
-
-    m_blocks = cdiv(rows, query_block(rows, block_m))
-    return num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms)
+    """The split count the launcher picks (routes.num_splits_heuristic) for `rows` packed query rows (GQA
+    group x seqlen_q) per (batch, kv head) and a cache of `keys` keys."""
+    m_blocks = cdiv(rows, routes.query_block(rows, block_m))
+    return routes.num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms)
 
 
 def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int | None = None,

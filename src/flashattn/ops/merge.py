@@ -1,81 +1,77 @@
-"""Launcher and plain-torch twin of the partial-attention merge (kernels/combine.py).
+"""The merge of partial attention results: `flashattn::merge_states`, with autograd.
 
-Layouts: partial outputs stacked as (n, b, sq, h, d), partial LSEs as (n, b, h, sq), any strides with a
-contiguous last dim of the outputs. Returns out (b, sq, h, d) in `out_dtype` and lse (b, h, sq) float32.
-An LSE of -inf or +inf marks an empty partial; a row with no non-empty partial gets out 0 and lse +inf.
+out = Σ_i w_i out_i / Σ_i w_i, lse = m + log Σ_i w_i with w_i = exp(lse_i − m) (flashattn.merge has the
+conventions). The body calls the backend that serves the tensors: its merge_partials. The gradients are
+plain torch arithmetic on the saved parts.
 """
 
-import functools
 import math
 
 import torch
+from torch import Tensor
 
-from flashattn.kernels.combine import combine_kernel
-from flashattn.ops import host
-
-_TILE_ELEMS = 8192  # (splits, rows, d) elements one program loads at once: 64 fp32 registers a thread
-_INTERPRETER_SMS = 4  # few programs under the interpreter, but still more than one split at test sizes
+from flashattn.backends import entry
+from flashattn.ops.registry import Op
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _stacked(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    return torch.stack(outs), torch.stack(lses)
 
 
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def _impl(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """outs: n × (b, sq, h, d); lses: n × (b, h, sq) float32 -> out (b, sq, h, d), lse (b, h, sq)."""
+    o_parts, l_parts = _stacked(outs, lses)
+    return entry(o_parts).merge_partials(o_parts, l_parts, out_dtype=outs[0].dtype)
 
 
-def combine_tiles(n: int, rows: int, block_d: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_R): all partials of a row in one load when they fit, and rows per program chosen so
-    that small merges (a decode step: batch · heads rows) still spread over the SMs."""
-    block_s = min(host.pow2(n), max(2, _TILE_ELEMS // block_d))
-    if device.type != "cuda":
-        return block_s, 4
-    sms, block_r = sm_count(device), 1
-    while block_r < 16 and rows // (2 * block_r) >= 2 * sms:
-        if 2 * block_r * block_s * block_d > _TILE_ELEMS:
-            break
-        block_r *= 2
-    return block_s, block_r
+def _fake(outs, lses):
+    # contiguous, as the real op allocates them
+    return outs[0].new_empty(outs[0].shape), lses[0].new_empty(lses[0].shape)
 
 
-def merge_partials(o_parts, lse_parts, *, out_dtype=None, out=None, lse=None):
-    """Triton merge. `out` / `lse` may be given to write into (the decode launcher's final buffers)."""
-    n, b, sq, h, d = o_parts.shape
-    if out is None:
-        out = torch.empty((b, sq, h, d), dtype=out_dtype or o_parts.dtype, device=o_parts.device)
-    if lse is None:
-        lse = torch.empty((b, h, sq), dtype=torch.float32, device=o_parts.device)
-    block_d = host.block_d(d)
-    block_s, block_r = combine_tiles(n, b * sq * h, block_d, o_parts.device)
-    grid = (-(-sq * h // block_r), b)
-    combine_kernel[grid](
-        o_parts, lse_parts, out, lse,
-        *o_parts.stride()[:4], *lse_parts.stride(),
-        *out.stride()[:3], *lse.stride(),
-        h, sq, n,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s,
-        num_warps=4,
-    )
-    return out, lse
+def _weights(lses: list[Tensor], lse: Tensor) -> Tensor:
+    """(n, b, sq, h, 1) float32: w_i / Σ w = exp(lse_i - lse), 0 for empty parts and rows."""
+    l_parts = torch.stack(lses).float()
+    l_parts = torch.where(torch.isposinf(l_parts), torch.full_like(l_parts, -math.inf), l_parts)
+    lse_sub = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).float()
+    w = torch.exp(l_parts - lse_sub)
+    w = torch.where(torch.isposinf(lse), torch.zeros_like(w), w)  # a row with no key: all parts weigh 0
+    return w.permute(0, 1, 3, 2).unsqueeze(-1)
 
 
-def merge_partials_torch(o_parts, lse_parts, *, out_dtype=None):
-    """The same merge in plain torch (fp32, or fp64 for fp64 inputs)."""
-    cdtype = torch.float64 if o_parts.dtype == torch.float64 else torch.float32
-    lse_p = lse_parts.to(cdtype)
-    lse_p = torch.where(torch.isposinf(lse_p), torch.full_like(lse_p, -math.inf), lse_p)  # +inf = empty
-    m = lse_p.amax(dim=0)  # (b, h, sq)
-    m_sub = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse_p - m_sub)  # (n, b, h, sq); 0 for empty partials
-    w_sum = w.sum(dim=0)
-    seen = w_sum > 0
-    w_safe = torch.where(seen, w_sum, torch.ones_like(w_sum))
-    wt = (w / w_safe).permute(0, 1, 3, 2).unsqueeze(-1)  # (n, b, sq, h, 1)
-    o = torch.where(wt > 0, o_parts.to(cdtype) * wt, torch.zeros((), dtype=cdtype, device=o_parts.device))
-    out = o.sum(dim=0).to(out_dtype or o_parts.dtype)
-    lse = torch.where(seen, m_sub + torch.log(w_safe), torch.full_like(m_sub, math.inf))
-    return out, lse.to(torch.float32) if cdtype == torch.float32 else lse
+def _setup_context(ctx, inputs, output):
+    outs, lses = inputs
+    out, lse = output
+    ctx.save_for_backward(*outs, *lses, out, lse)
+    ctx.n = len(outs)
+
+
+def _backward(ctx, dout, dlse):
+    saved = ctx.saved_tensors
+    n = ctx.n
+    outs, lses, out, lse = list(saved[:n]), list(saved[n : 2 * n]), saved[2 * n], saved[2 * n + 1]
+    w = _weights(lses, lse)  # (n, b, sq, h, 1)
+    # out = Σ w_i out_i with w_i = exp(lse_i - lse):  d out_i = w_i dout,
+    # d lse_i = w_i (<dout, out_i - out> + dlse)  (∂w_j/∂lse_i = w_j (δ_ij - w_i))
+    dlse_total = torch.zeros_like(w)
+    if dlse is not None:
+        dlse_total = dlse_total + dlse.float().transpose(1, 2).unsqueeze(-1)
+    douts = []
+    if dout is not None:
+        dof = dout.float()
+        o_parts = torch.stack(outs).float()
+        safe = torch.where(w > 0, o_parts - out.float(), torch.zeros_like(o_parts))
+        dlse_total = dlse_total + (dof * safe).sum(-1, keepdim=True)
+        douts = [(w[i] * dof).to(outs[i].dtype) for i in range(n)]
+    else:
+        douts = [torch.zeros_like(o) for o in outs]
+    dl = (w * dlse_total).squeeze(-1).permute(0, 1, 3, 2)  # (n, b, h, sq)
+    dlses = [dl[i].to(lses[i].dtype) for i in range(n)]
+    return douts, dlses
+
+
+merge_states = Op("merge_states", _impl, fake=_fake)
+# the differentiable inputs are lists, which an autograd.Function does not track: eager calls that need
+# gradients go through the registered op
+merge_states.register_autograd(_backward, _setup_context, differentiable=("outs", "lses"),
+                               eager_function=False)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -41,32 +40,6 @@ class Provider:
     name: str
     setup: Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor], Prepared]
     description: str = ""
-
-
-@contextlib.contextmanager
-def env_var(name: str, value: str) -> Iterator[None]:
-    """Set an environment variable the library reads at call time (FLASHATTN_BACKEND, ...) for the block."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-def env_variant(setup: Callable[..., Prepared], name: str, value: str) -> Callable[..., Prepared]:
-    """The provider setup `setup` with its check and timing run under `name=value`: the same call down another
-    path of the library (a backend, a load path), for A/B rows."""
-
-    def variant(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-        prepared = setup(case, q, k, v)
-        prepared.context = lambda: env_var(name, value)
-        return prepared
-
-    return variant
 
 
 def make_leaves(

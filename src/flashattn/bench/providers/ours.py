@@ -1,15 +1,19 @@
-"""`flashattn` (this project, through its public API); for A/B timing the same with one switch set:
-`flashattn-ptr` (TMA descriptors off: the pointer-load path), `flashattn-headmajor` (the former launch order),
-`flashattn-triton` (the warp-specialised Gluon forward off), `flashattn-triton-bwd` (the Gluon backward off),
-`flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of its persistent grid);
-and `torch-backend` (its pure-PyTorch backend)."""
+"""`flashattn` (this project, through its public API) and, for A/B timing, the same attention on other routes
+(flashattn.backends.triton.routes) through the launchers with an explicit route:
+`flashattn-triton` (the Triton kernels forward and backward), `flashattn-triton-bwd` (the Triton backward
+only), `flashattn-ptr` (the Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor`
+(the default routes with the launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one
+program per query tile instead of its persistent grid); and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from ..case import Case
-from .base import Prepared, Provider, env_variant, first_tensor, make_leaves
+from .base import Prepared, Provider, first_tensor, make_leaves
 
 
 def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -23,31 +27,87 @@ def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def _setup_torch_backend(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    # fail here, with the import's own message, if the backend is missing, rather than timing another backend
-    import flashattn.torch_backend  # noqa: F401
+    from flashattn import config
 
-    return env_variant(_setup_public, "FLASHATTN_BACKEND", "torch")(case, q, k, v)
+    prepared = _setup_public(case, q, k, v)
+    prepared.context = lambda: config.use_backend("torch")
+    return prepared
+
+
+class _Routed(torch.autograd.Function):
+    """The dense launchers forward and backward on fixed routes (no validation: the bench's inputs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options: dict, routes: tuple):
+        from flashattn.backends.triton import attention
+
+        out, lse = attention.attention_forward(q, k, v, route=routes[0], **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options, ctx.route = options, routes[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from flashattn.backends.triton import attention
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv, _ = attention.attention_backward(dout, q, k, v, out, lse, route=ctx.route, **ctx.options)
+        return dq, dk, dv, None, None
+
+
+def routed(forward: Callable, backward: Callable) -> Callable[..., Prepared]:
+    """A provider setup running the case on forward(spec) / backward(spec) routes, spec being the call's
+    (flashattn.backends.triton.attention.spec_of); each function returns a route."""
+
+    def setup(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+        from flashattn.backends.triton import attention
+
+        leaves = make_leaves(q, k, v, "bshd")
+        spec = attention.spec_of(*leaves, causal=case.causal, dout=leaves[0])
+        options = dict(softmax_scale=q.shape[-1] ** -0.5, causal=case.causal)
+        chosen = (forward(spec), backward(spec))
+        return Prepared(fwd=lambda: _Routed.apply(*leaves, options, chosen), leaves=leaves)
+
+    return setup
+
+
+def _replace(route_fn: Callable, kind: type | None = None, **fields) -> Callable:
+    """route_fn's route with fields replaced (only where the route is a `kind`, when given)."""
+
+    def make(spec):
+        route = route_fn(spec)
+        return dataclasses.replace(route, **fields) if kind is None or isinstance(route, kind) else route
+
+    return make
+
+
+def _providers() -> list[Provider]:
+    from flashattn.backends.triton import routes as r
+
+    return [
+        Provider("flashattn-triton", routed(r.triton_forward_route, r.triton_backward_route),
+                 "this project's Triton kernels forward and backward (the routes every feature takes), "
+                 "through the launchers (A/B timing)"),
+        Provider("flashattn-triton-bwd", routed(r.forward_route, r.triton_backward_route),
+                 "this project's default forward with the Triton backward (A/B timing)"),
+        Provider("flashattn-ptr", routed(_replace(r.triton_forward_route, tma=False),
+                                         _replace(r.triton_backward_route, tma=False)),
+                 "this project's Triton kernels on pointer loads instead of TMA descriptors (A/B timing)"),
+        Provider("flashattn-headmajor",
+                 routed(_replace(r.forward_route, lpt_group=1),
+                        _replace(r.backward_route, r.TritonBackward, kv_group=1, q_group=1)),
+                 "this project's default routes with the launch order head by head instead of grouped "
+                 "heaviest-first (A/B timing)"),
+        Provider("flashattn-ws-tiles", routed(_replace(r.forward_route, r.GluonForward, persistent=False),
+                                              r.backward_route),
+                 "this project's Gluon forward on one program per query tile instead of its persistent grid "
+                 "(A/B timing)"),
+    ]
 
 
 PROVIDERS = [
     Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
-    Provider("flashattn-ptr", env_variant(_setup_public, "FLASHATTN_TMA", "0"),
-             "this project with FLASHATTN_TMA=0: pointer loads instead of TMA descriptors (A/B timing)"),
-    Provider("flashattn-headmajor", env_variant(_setup_public, "FLASHATTN_SCHEDULE", "head-major"),
-             "this project with FLASHATTN_SCHEDULE=head-major: programs head by head, the launch order "
-             "before the grouped heaviest-first one (A/B timing)"),
-    Provider("flashattn-triton", env_variant(_setup_public, "FLASHATTN_WS", "0"),
-             "this project with FLASHATTN_WS=0: the Triton forward instead of the warp-specialised Gluon one "
-             "(A/B timing)"),
-    Provider("flashattn-triton-bwd", env_variant(_setup_public, "FLASHATTN_WS_BWD", "0"),
-             "this project with FLASHATTN_WS_BWD=0: the Triton backward (dK/dV and dQ programs) instead of "
-             "the warp-specialised Gluon one (A/B timing)"),
-    Provider("flashattn-ws-tiles", env_variant(_setup_public, "FLASHATTN_WS_GRID", "tiles"),
-             "this project with FLASHATTN_WS_GRID=tiles: the Gluon forward on one program per query tile "
-             "instead of its persistent grid (A/B timing)"),
-    Provider(
-        "torch-backend",
-        _setup_torch_backend,
-        "this project's chunked pure-PyTorch backend (flash_attn_func under FLASHATTN_BACKEND=torch)",
-    ),
+    *_providers(),
+    Provider("torch-backend", _setup_torch_backend,
+             "this project's chunked pure-PyTorch backend (flash_attn_func with the torch backend forced)"),
 ]

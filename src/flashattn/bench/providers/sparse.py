@@ -1,12 +1,12 @@
 """Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex.
 
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (`flashattn-sparse-bits`:
-the same, its partial blocks reading bitmasks even where the mask has a rule); `flex-sparse` runs
-torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and a mask_mod of the
-same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel is the plain
-`flashattn` provider; the suite skips it where it cannot express the mask. The mask is described by the
-case's extra fields (`pattern`, `target_density`, `window`, `global_tokens`, `seed`, `block`), built once,
-and shared by the providers and the suite's oracle.
+the same through the launchers on a route whose partial blocks read bitmasks even where the mask has a rule);
+`flex-sparse` runs torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and
+a mask_mod of the same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel
+is the plain `flashattn` provider; the suite skips it where it cannot express the mask. The mask is described
+by the case's extra fields (`pattern`, `target_density`, `window`, `global_tokens`, `seed`, `block`), built
+once, and shared by the providers and the suite's oracle.
 
 One mask_mod serves every flex case: its parameters live in module tensors that each case overwrites in
 place, and every flex block mask is per head, so flex compiles once per N instead of once per mask (a
@@ -25,7 +25,7 @@ import torch
 from flashattn.masks._kernel import FULL, PARTIAL
 
 from ..case import Case
-from .base import Prepared, Provider, env_variant, make_leaves
+from .base import Prepared, Provider, make_leaves
 from .flex import _compiled_flex
 
 BLOCK = 128
@@ -172,6 +172,38 @@ def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: tor
     return Prepared(fwd=lambda: flashattn.block_sparse_attn_func(qb, kb, vb, mask), leaves=leaves)
 
 
+class _BitsRoute(torch.autograd.Function):
+    """The block-sparse launchers forward and backward on the bitmask route."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kt):
+        import dataclasses
+
+        from flashattn.backends.triton import block_sparse
+
+        scale = q.shape[-1] ** -0.5
+        route = dataclasses.replace(block_sparse.default_route(q, v, kt), by_rule=False)
+        out, lse = block_sparse.block_sparse_forward(q, k, v, kt, softmax_scale=scale, route=route)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kt, ctx.route, ctx.scale = kt, route, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from flashattn.backends.triton import block_sparse
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_sparse.block_sparse_backward(dout, q, k, v, out, lse, ctx.kt,
+                                                         softmax_scale=ctx.scale, route=ctx.route)
+        return dq, dk, dv, None
+
+
+def _setup_flashattn_sparse_bits(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    kt = block_mask(MaskSpec.of(case), q.device).to_kernel_tensors(q.device)
+    leaves = make_leaves(q, k, v, "bshd")
+    return Prepared(fwd=lambda: _BitsRoute.apply(*leaves, kt), leaves=leaves)
+
+
 def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -188,9 +220,9 @@ def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 PROVIDERS = [
     Provider("flashattn-sparse", _setup_flashattn_sparse,
              "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
-    Provider("flashattn-sparse-bits", env_variant(_setup_flashattn_sparse, "FLASHATTN_SPARSE_RULE", "0"),
-             "the same with FLASHATTN_SPARSE_RULE=0: partial blocks read their bitmasks even when the mask "
-             "has a rule (A/B timing)"),
+    Provider("flashattn-sparse-bits", _setup_flashattn_sparse_bits,
+             "the same on the route whose partial blocks read their bitmasks even when the mask has a rule "
+             "(A/B timing)"),
     Provider("flex-sparse", _setup_flex_sparse,
              "torch.compile(flex_attention) with our BlockMask's block lists and the same element rule"),
 ]

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import config
 from .. import providers as provider_registry
 from ..case import Case, Grid, canonical_dtype, torch_dtype
-from ..providers.base import Prepared, Provider, env_var, make_leaves
+from ..providers.base import Prepared, Provider, make_leaves
 from ..results import KEY_FIELDS
 from .base import MS, Suite, View, fmt_rate
 
@@ -33,7 +34,7 @@ def _no_index_checks():
     # flash_attn_with_kvcache range-checks its indices with one device-to-host copy per call; flash_attn has
     # no such check and SDPA has no indices, so the timed region leaves it out (it is a host sync, not GPU
     # work: inside a CUDA graph it is skipped anyway)
-    return env_var("FLASHATTN_CHECK_INDICES", "0")
+    return config.use_check_indices(False)
 
 
 def paged_copy(k: torch.Tensor, page: int, table: torch.Tensor | None = None):

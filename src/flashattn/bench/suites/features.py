@@ -1,4 +1,4 @@
-"""`features`: the performance targets of issue 7, packed variable-length batches and sliding windows.
+"""`features`: the feature workloads: packed variable-length batches and sliding windows.
 
 varlen: 16K tokens packed as sequences of mixed lengths (a fixed random draw, 128..8K) against the same
 tokens as equal-length batches (b=4 N=4K, b=2 N=8K); causal and not. Target: varlen TFLOP/s at least 0.90x
@@ -220,7 +220,7 @@ _LENGTHS = packed_lengths(TOKENS)
 SUITE = FeatureSuite(
     name="features",
     description=(
-        f"issue 7 targets (defaults), bf16, h=16, d=128. varlen: {TOKENS} tokens packed as lengths "
+        f"feature workloads (defaults), bf16, h=16, d=128. varlen: {TOKENS} tokens packed as lengths "
         f"{list(_LENGTHS)} (seed {LENGTHS_SEED}) vs equal lengths b=4 N=4K and b=2 N=8K, causal and not; "
         f"window: left = right = {WINDOW} vs full at b=1 N=16K, non-causal. TFLOP/s count visible pairs "
         "only: per sequence when packed (half when causal), the band for windows"

@@ -1,4 +1,4 @@
-"""`sparse`: block-sparse attention (issue 5) against this project's dense kernel and flex with the same mask.
+"""`sparse`: block-sparse attention against this project's dense kernel and flex with the same mask.
 
 bf16, b=1, h=16, d=128, N = 16K and 64K (--quick: 8K). Per N: dense, causal, then local + global (the
 FlashAttention paper's block-sparse setting; 64K fwd+bwd is its Path-256 row) and per-head random block
@@ -11,7 +11,7 @@ dense kernel's time (`flashattn`, pattern dense, same N and mode) over the row's
 others).
 
 The check before timing compares every provider with the dense-mask fp64 oracle
-(flashattn.block_sparse.reference) on the usual slice: batch 0, the first heads, blocks of the first and last
+(flashattn.reference) on the usual slice: batch 0, the first heads, blocks of the first and last
 rows with every key, the mask rows cut from the BlockMask. The runner takes this suite's `oracle` in place of
 the dense one and calls its `annotate` on the rows.
 """
@@ -121,7 +121,7 @@ class SparseOracle(Oracle):
     yardstick."""
 
     def _run(self, fn, q, k, v, dout, dtype):
-        from flashattn.block_sparse.reference import masked_attention_ref
+        from flashattn.reference import masked_attention_ref
 
         del fn  # the dense oracle's function; this one is decided by dtype
         s, case = self.slice, self.case

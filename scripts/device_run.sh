@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU runner: what the device has to show, in named stages, in one call. Everything lands under
+# $OUT/res and comes back as one archive, $OUT/res.tgz (the device returns at most 8 files).
+#
+#   FLASHATTN_GIT_SHA=$(git rev-parse HEAD) bash scripts/device_run.sh STAGE [STAGE ...]
+#
+# Stages, each named for what it measures:
+#   fa4-libs      unpack FlashAttention-4's libraries (call carrying .fa4a; see ../shared/tools/fa4-wheels.sh)
+#   gpu-tests     pytest -m gpu: every GPU test, its summary
+#   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
+#   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
+#   features      the features suite (packed documents, windows, softcap, sinks, GQA, d=256) beside cuDNN/FA4
+#   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
+#   sparse        the sparse suite at 16K beside flex
+#   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
+#   baseline      the train table, the decode suite and the host time of the tree carried in .baseline/
+#                 (`git archive REV src scripts | tar -x -C .baseline`), then this tree's, in the same call
+# Time limits per stage: STAGE_S (seconds, default per stage below).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+RES="$OUT/res"
+mkdir -p "$RES"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$RES/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+# FA4 beside ours where its wheels came along: the libraries from an earlier call of this warm machine
+# (fa4-libs), the wheels from this call's carried .fa4b
+if [ -d /tmp/fa4 ] && [ -d .fa4b ]; then
+  for w in .fa4b/*.whl; do python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/fa4')" "$w"; done
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages
+fi
+FA4=$(python3 -c "import flash_attn.cute.interface" 2>/dev/null && echo ",fa4")
+
+bench() {  # SECONDS NAME [bench options]: one bench run under $RES/NAME, the summary's tail
+  timeout "$1" python3 -m flashattn bench --quiet --out "$RES/$2" "${@:3}" 2>&1 | tail -45
+}
+
+for stage in "$@"; do
+  echo "== stage $stage"
+  case "$stage" in
+    fa4-libs)
+      mkdir -p /tmp/fa4 && tar -C /tmp/fa4 -xJf .fa4a/libs.tar.xz && echo "FA4 libraries unpacked" ;;
+    gpu-tests)
+      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests 2>&1 \
+        | tee "$RES/pytest_gpu.log" | tail -25 ;;
+    sanitize)
+      export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
+      for case in dense decode sparse ws_bwd; do
+        timeout 120 compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
+          | tee -a "$RES/memcheck.log"
+      done
+      for case in ws_fwd ws_bwd; do
+        timeout 120 compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
+          | tee -a "$RES/racecheck.log"
+      done
+      unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
+    train-table)
+      bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
+        --providers "flashattn,sdpa-cudnn$FA4" ;;
+    features)
+      bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
+    decode)
+      bench "${DECODE_S:-200}" decode --suite decode ;;
+    sparse)
+      bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd ;;
+    host-time)
+      timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
+    baseline)
+      # the same measurements of the baseline tree and of this one, one process each, baseline first
+      for tree in baseline current; do
+        src=$PWD/src; scripts=scripts
+        [ $tree = baseline ] && src=$PWD/.baseline/src && scripts=.baseline/scripts
+        PYTHONPATH=$src timeout 200 python3 -m flashattn bench --quiet --out "$RES/$tree-train" --suite train \
+          --headdims 64,128 --modes fwd,bwd --providers flashattn 2>&1 | tail -25
+        PYTHONPATH=$src timeout 150 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" --suite decode \
+          2>&1 | tail -20
+        PYTHONPATH=$src timeout 120 python3 $scripts/host_profile.py "$RES/$tree-host_time.json" 2>&1 \
+          | grep "us/call"
+      done ;;
+    *)
+      echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+tar -C "$OUT" -czf "$OUT/res.tgz" res && rm -rf "$RES"

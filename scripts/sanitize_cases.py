@@ -1,0 +1,115 @@
+"""Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
+
+    python scripts/sanitize_cases.py [dense] [decode] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
+
+(default: the first three).
+
+ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after
+the Triton forward's route) so that a hazard report names one of them.
+"""
+
+import sys
+
+import torch
+
+from flashattn import (
+    BlockMask,
+    block_sparse_attn_func,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+
+
+def _grad_check(out, *inputs):
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+def _qkv(*shapes):
+    return [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+
+
+def dense():
+    # d = 64 and 128 take the TMA path (tails past seqlen read through the descriptor), 40 and 256 pointers
+    for b, sq, sk, h, hk, d in [(1, 113, 67, 2, 1, 40), (2, 67, 130, 4, 2, 64), (1, 200, 137, 4, 1, 128),
+                                (1, 33, 33, 2, 2, 256)]:
+        for causal in (False, True):
+            q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+            _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
+    # every feature at once, and varlen with empty sequences
+    q, k, v = _qkv((2, 150, 4, 48), (2, 190, 2, 48), (2, 190, 2, 32))
+    sink = torch.zeros(4, device="cuda", requires_grad=True)
+    out = flash_attn_func(q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
+                          alibi_slopes=torch.rand(4, device="cuda"), learnable_sink=sink)
+    _grad_check(out, q, k, v, sink)
+    lens = [0, 77, 1, 130]
+    cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32, device="cuda")
+    q, k, v = _qkv((sum(lens), 4, 64), (sum(lens), 2, 64), (sum(lens), 2, 64))
+    _grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True), q, k, v)
+
+
+def decode():
+    # paged (page 16: a key tile spans pages) and contiguous; append + rotary, GQA 4, three splits
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for page in (None, 16):
+        q = torch.randn(2, 3, 8, 64, **bf)
+        kn, vn = torch.randn(2, 3, 2, 64, **bf), torch.randn(2, 3, 2, 64, **bf)
+        if page is None:
+            kc, vc, table = torch.randn(2, 300, 2, 64, **bf), torch.randn(2, 300, 2, 64, **bf), None
+        else:
+            kc, vc = torch.randn(40, page, 2, 64, **bf), torch.randn(40, page, 2, 64, **bf)
+            table = torch.randperm(40, device="cuda", dtype=torch.int32)[:38].view(2, 19)
+        cos, sin = torch.rand(304, 16, **bf), torch.rand(304, 16, **bf)
+        out = flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, causal=True,
+                                      cache_seqlens=torch.tensor([0, 297], device="cuda", dtype=torch.int32),
+                                      block_table=table, num_splits=3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+
+
+def sparse():
+    # a built-in pattern and a mask_mod bitmask, odd length, GQA
+    for mask in (BlockMask.local_global(333, 70, 16, block_size=(64, 64), device="cuda"),
+                 BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 5 == 0, None, None, 333, 333,
+                                         block_size=(64, 64), device="cuda")):
+        q, k, v = _qkv((1, 333, 4, 64), (1, 333, 2, 64), (1, 333, 2, 64))
+        _grad_check(block_sparse_attn_func(q, k, v, mask), q, k, v)
+
+
+def ws_fwd(head_dims=(64, 128)):
+    # 140 tiles of 256 rows x 70 heads: more than the 132 programs, so some take a second from the counter
+    for causal, n, h, d in ((False, 200, 2, 128), (True, 1100, 2, 128), (True, 256, 70, 128),
+                            (False, 256, 70, 128), (False, 256, 70, 64), (True, 1000, 2, 64),
+                            (True, 700, 70, 64)):
+        if d not in head_dims:
+            continue
+        q, k, v = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out = flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+
+
+def ws_fwd64():
+    # d = 64 alone: its three consumer warpgroups of 192-row tiles exist at d = 64 only
+    ws_fwd(head_dims=(64,))
+
+
+def ws_bwd():
+    from flashattn.backends.triton import attention, routes
+
+    # the Triton forward's route, so that only the backward is a Gluon kernel
+    default, routes.forward_route = routes.forward_route, routes.triton_forward_route
+    attention._forward_cache.clear()
+    # the last: causal sq > sk leaves whole query tiles without keys, which no reduce-add reaches
+    for b, sq, sk, h, hk, d in [(1, 200, 137, 4, 2, 128), (2, 67, 130, 4, 2, 64), (1, 300, 130, 4, 2, 64)]:
+        for causal in (False, True):
+            q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+            _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
+    routes.forward_route = default
+
+
+for name in sys.argv[1:] or ("dense", "decode", "sparse"):
+    globals()[name]()
+    print(f"sanitize case {name} done", flush=True)

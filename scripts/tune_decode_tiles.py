@@ -1,0 +1,131 @@
+"""Sweep the split-KV decode kernel's tiles and split count at the decode suite's shapes; save every timing.
+
+Usage (on the device): PYTHONPATH=src python scripts/tune_decode_tiles.py --out $OUT/tune_decode.json
+Each candidate tile config goes through FLASHATTN_CONFIG ("decode=" or "decode_paged=", read at call time by
+flashattn.ops.decode), each split count through num_splits (0 = the launcher's heuristic). On a GPU every
+call is captured in a CUDA graph and replayed, so the timings are GPU time (what a serving loop sees), not
+Python's host cost. On the CPU (a smoke test of this script, under TRITON_INTERPRET=1) tiny shapes are timed
+with perf_counter. The first tile of each list is the shipped default.
+"""
+
+import argparse
+import functools
+import itertools
+import json
+import statistics
+import time
+
+import torch
+
+from flashattn import config, flash_attn_with_kvcache
+
+TILES = [(64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2)]
+# paged caches get two more stages by default (the block-table read is pipelined too)
+PAGED_TILES = [(64, 128, 4, 5), (64, 128, 4, 4), (64, 64, 4, 5), (64, 64, 4, 4), (64, 128, 8, 5)]
+SPLIT_FACTORS = (0, 0.5, 2.0)  # 0: the heuristic; otherwise a multiple of the heuristic's count
+
+
+def _timer(device):
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        def gpu(fn):
+            fn()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+        return gpu
+
+    def cpu(fn):
+        fn()
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            runs.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(runs)
+
+    return cpu
+
+
+def _inputs(b, kv_len, page, h, hk, d, device, dtype):
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, 1, h, d, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(b, kv_len, hk, d, device=device, dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    seqlens = torch.full((b,), kv_len, device=device, dtype=torch.int32)
+    if page is None:
+        return q, k, v, seqlens, None
+    pages = b * (kv_len // page)
+    table = torch.randperm(pages, device=device).view(b, -1).to(torch.int32)
+    k_pool, v_pool = k.new_empty(pages, page, hk, d), v.new_empty(pages, page, hk, d)
+    k_pool[table.flatten().long()] = k.reshape(pages, page, hk, d)
+    v_pool[table.flatten().long()] = v.reshape(pages, page, hk, d)
+    return q, k_pool, v_pool, seqlens, table
+
+
+def heuristic_splits(b, hk, kv_len, block_n, device):
+    from flashattn.backends.triton.merge import sm_count
+    from flashattn.backends.triton.routes import num_splits_heuristic
+
+    return num_splits_heuristic(b * hk, -(-kv_len // block_n) + 1, sm_count(device))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="tune_decode.json")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--seqlens", default="4096,16384,65536")
+    ap.add_argument("--pages", default="none,64", help="page sizes; none = contiguous")
+    ap.add_argument("--heads", default="32,8,128", help="h, h_k, d")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    h, hk, d = (int(x) for x in args.heads.split(","))
+    timer = _timer(device)
+    config.set_check_indices(False)  # a host sync; flash_attn has no such check
+    results = []
+    shapes = itertools.product([int(x) for x in args.batches.split(",")],
+                               [int(x) for x in args.seqlens.split(",")],
+                               [None if p == "none" else int(p) for p in args.pages.split(",")])
+    for b, kv_len, page in shapes:
+        q, kc, vc, seqlens, table = _inputs(b, kv_len, page, h, hk, d, device, dtype)
+        kv_bytes = 2 * b * kv_len * hk * d * q.element_size()
+        key = "decode_paged" if page else "decode"
+        rows = []
+        for tile in PAGED_TILES if page else TILES:
+            config.set_tiles(f"{key}={','.join(map(str, tile))}")
+            base = heuristic_splits(b, hk, kv_len, tile[1], device)
+            for factor in SPLIT_FACTORS:
+                splits = 0 if factor == 0 else max(1, round(base * factor))
+                row = dict(batch=b, kv_len=kv_len, page_size=page, tile=list(tile), num_splits=splits,
+                           heuristic_splits=base)
+                call = functools.partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
+                                         block_table=table, num_splits=splits)
+                try:
+                    ms = timer(call)
+                    row.update(ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                rows.append(row)
+        config.set_tiles(None)
+        timed = [r for r in rows if "ms" in r]
+        default = next((r for r in timed if r["num_splits"] == 0 and r["tile"] == rows[0]["tile"]), None)
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        if best:
+            ref = f"default {default['tbps']:.2f} TB/s; " if default else ""
+            splits = best["num_splits"] or "heuristic"
+            print(f"b={b} kv={kv_len} page={page}: {ref}best {best['tbps']:.2f} TB/s, tile {best['tile']}, "
+                  f"num_splits {splits} ({best['heuristic_splits']} by the heuristic)", flush=True)
+        results += rows
+    with open(args.out, "w") as f:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        doc = {"device": name, "h": h, "hk": hk, "d": d, "dtype": str(dtype), "rows": results}
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""The private torch and Triton internals that the host-time fast paths use, each behind a version check
+with the public path as its fallback. Nothing else in the library touches a private attribute.
+
+At short sequence lengths a call's Python outlasts its kernels, so the launch path avoids generic
+machinery: autograd.Function.apply's Python wrapper, the Triton JIT's per-launch argument binding, Gluon's
+descriptor constructor. Each shortcut below is used only on the versions it was written and tested against
+(`TORCH_FAST`, `triton_fast()`); elsewhere the same call goes through the public API, a few microseconds
+slower.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TESTED_TORCH = ((2, 11), (2, 13))  # [first, last] (major, minor): the H200's torch and CI's
+TESTED_TRITON = (3, 6)  # the Triton release whose launcher and specialisation the launch plans mirror
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = text.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def _torch_fast() -> bool:
+    ok = TESTED_TORCH[0] <= _version(torch.__version__) <= TESTED_TORCH[1]
+    c = torch._C
+    return ok and hasattr(c, "_functorch") and hasattr(c._functorch, "unwrap_if_dead") and hasattr(
+        c, "_are_functorch_transforms_active")
+
+
+TORCH_FAST = _torch_fast()
+
+
+def function_apply(cls: type[torch.autograd.Function]):
+    """`cls.apply` without its generic Python steps: Function.apply checks for a setup_context and unwraps
+    dead functorch wrappers through a generator over every argument (~1-2 us); the returned callable unwraps
+    the tensor arguments it is told about and calls the C++ apply directly. Falls back to cls.apply when
+    functorch transforms are active or torch is not a tested version."""
+    if not TORCH_FAST:
+        return cls.apply
+    from torch._C._functorch import unwrap_if_dead
+
+    c_apply = super(torch.autograd.Function, cls).apply  # the C++ apply that Function.apply ends in
+    active = torch._C._are_functorch_transforms_active
+    public = cls.apply
+
+    def apply(*args):
+        if active():
+            return public(*args)
+        return c_apply(*[unwrap_if_dead(a) if type(a) is torch.Tensor else a for a in args])
+
+    return apply
+
+
+@functools.cache
+def triton_fast() -> bool:
+    """Whether the installed Triton is the release the launch plans mirror (asked on first use: importing
+    flashattn does not import Triton)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return _version(triton.__version__) == TESTED_TRITON
+
+
+def current_device() -> int:
+    """torch.cuda.current_device() without its lazy-init check (the caller has CUDA tensors)."""
+    return torch._C._cuda_getDevice() if TORCH_FAST else torch.cuda.current_device()
+
+
+def raw_stream(device: int) -> int:
+    """The current CUDA stream of `device` as the integer handle Triton's launcher takes."""
+    if TORCH_FAST:
+        return torch._C._cuda_getCurrentRawStream(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_knobs = None
+
+
+def launch_hooks_installed() -> bool:
+    """Whether a Triton launch hook is installed (profilers): launch plans bypass the hooks, so they step
+    aside while one is. Triton 3.6 keeps hooks in chains that are empty by default."""
+    global _knobs
+    if _knobs is None:  # imported once: an import statement costs host time on every call
+        from triton import knobs
+
+        _knobs = knobs
+    runtime = _knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def run_compiled(compiled, grid: tuple, stream: int, args: tuple, tail: tuple) -> None:
+    """Launch a compiled Triton kernel (Triton 3.6's CompiledKernel) as its JIT would, given every runtime
+    argument in order and the constexprs' values (`tail`)."""
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None,
+                 None, *args, *tail)
+
+
+def descriptor_factory():
+    """A function (base, shape, strides, block_shape, layout) -> Gluon host tensor descriptor. On the tested
+    Triton it sets the dataclass's fields directly, skipping the constructor's checks (~3 of the ~5 us
+    each, 4-7 per launch): the launchers hand it tensors they checked or allocated contiguous."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not triton_fast():
+        return lambda base, shape, strides, block_shape, layout: TensorDescriptor(
+            base, shape, strides, block_shape, layout)
+
+    def make(base, shape, strides, block_shape, layout):
+        d = object.__new__(TensorDescriptor)
+        d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
+            base, shape, strides, block_shape, layout, "zero")
+        return d
+
+    return make

@@ -1,0 +1,9 @@
+"""The torch backend's entry points, one per op: same signatures as flashattn.backends.triton.entry."""
+
+from flashattn.backends.torch.attention import attention_backward, attention_forward
+from flashattn.backends.torch.block_sparse import block_sparse_backward, block_sparse_forward
+from flashattn.backends.torch.decode import kvcache_forward
+from flashattn.backends.torch.merge import merge_partials
+
+__all__ = ["attention_backward", "attention_forward", "block_sparse_backward", "block_sparse_forward",
+           "kvcache_forward", "merge_partials"]

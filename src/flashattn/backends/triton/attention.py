@@ -1,0 +1,304 @@
+"""Launchers of the dense and varlen attention kernels: allocate outputs, take the route, launch.
+
+Pure functions (tensors in, tensors out, no autograd): the ops, tests, benchmarks and the CLI call them.
+Padded layout: q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), lse (b, h, sq).
+Varlen layout (cu_seqlens_q/k given): q (total_q, h, d), k/v (total_k, h_k, ·), lse (h, total_q).
+Any strides with a contiguous last dim.
+
+Which kernel runs is the route's choice (routes.forward_route / routes.backward_route of the call's Spec):
+the warp-specialised Gluon kernels (gluon.py) or the Triton ones (kernels/triton/). A caller may pass a
+route of its own (`route=`): the benchmarks time alternatives that way.
+
+Launch order: grids are 1D, and under a window (causal included), where tiles differ in work, heads run in
+groups heaviest tile first (kernels/triton/common.py, grouped_program; the route's lpt_group).
+
+Host time: at short lengths a call's Python outlasts its kernels. Calls that take the Gluon kernels keep
+what they derive (the problem, the route, the launch's arguments but its tensors, the plans) per signature:
+shapes, strides, dtypes, device and the options, with 16-byte aligned tensors. A repeated signature only
+allocates its outputs, builds its descriptors and launches; other calls take the full path.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from flashattn import config
+from flashattn.backends.triton import gluon, host, routes, tma
+from flashattn.backends.triton import launch as launch_mod
+from flashattn.backends.triton.launch import Bound, launch
+from flashattn.kernels.triton.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kernel
+from flashattn.kernels.triton.attn_fwd import attn_fwd_kernel
+
+LOG2E = 1.4426950408889634  # 1/ln(2): the kernels take exp2, so the softmax scale absorbs it
+_INT32_MAX = 2**31 - 1
+# call signatures whose derivations the Gluon launchers keep (gluon.Prepared, 5-8 KB each with its key): a
+# model has a few per layer shape, and a cache past this many is emptied rather than grown (lengths that
+# vary from batch to batch would otherwise add an entry each)
+_CACHED_SIGNATURES = 256
+_forward_cache: dict = {}
+_backward_cache: dict = {}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What the kernels of one call share, derived once from the arguments: the spec and the kernels'
+    runtime scalars and constexpr flags."""
+
+    spec: routes.Spec
+    scalars: tuple  # qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset
+    flags: dict
+
+    # the spec's numbers under the names the launchers use
+    varlen = property(lambda self: self.spec.varlen)
+    batch = property(lambda self: self.spec.batch)
+    nheads = property(lambda self: self.spec.nheads)
+    nheads_k = property(lambda self: self.spec.nheads_k)
+    seqlen_q = property(lambda self: self.spec.seqlen_q)  # padded length, or max_seqlen_q for varlen
+    seqlen_k = property(lambda self: self.spec.seqlen_k)
+    d = property(lambda self: self.spec.headdim)
+    dv = property(lambda self: self.spec.headdim_v)
+    causal = property(lambda self: self.spec.causal)
+
+    def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, row, head) strides of a q/k/v/o-like tensor in this layout."""
+        if self.varlen:
+            return 0, t.stride(0), t.stride(1)
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+
+def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+             rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic=False,
+             streamed=()) -> _Problem:
+    """streamed: the tensors besides q, k, v that the kernels stream (dout in the backward): with them, the
+    spec's `aligned` says whether all of them suit TMA descriptors."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+        h, d = q.shape[1], q.shape[2]
+        hk = k.shape[1]
+        sq, sk = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        batch, sq, h, d = q.shape
+        sk, hk = k.shape[1], k.shape[2]
+    for name, t, n in (("q", q, sq), ("k", k, sk), ("v", v, sk)):
+        # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch/head/start ones 64-bit
+        row_stride = t.stride(0) if varlen else t.stride(1)
+        if n * row_stride > _INT32_MAX:
+            raise ValueError(
+                f"{name} has seqlen {n} with row stride {row_stride}: in-sequence offsets exceed 2^31 "
+                f"elements; split the sequence or use a layout with a smaller row stride"
+            )
+    left, right = window_size
+    if causal:
+        right = 0
+    dv = v.shape[-1]
+    cuda, capability = tma.device_facts(q.device)
+    spec = routes.Spec(
+        batch, h, hk, sq, sk, d, dv, _DTYPE_NAMES[q.dtype], varlen, (max(left, -1), max(right, -1)),
+        softcap > 0, alibi_slopes is not None, dropout_p > 0, learnable_sink is not None, deterministic,
+        cuda, capability, tma.aligned(q, k, v, *streamed) if cuda else False,
+    )
+    scalars = (
+        softmax_scale * LOG2E,
+        softmax_scale / softcap if softcap > 0 else 0.0,
+        softcap * LOG2E,
+        left, right, float(dropout_p), int(rng_seed), int(rng_offset),
+    )
+    flags = dict(
+        GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=host.block_d(d), BLOCK_DV=host.block_d(dv),
+        IS_VARLEN=varlen, WINDOW_LEFT=left >= 0, WINDOW_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0, DOT_PREC=host.dot_precision(q.dtype),
+    )
+    return _Problem(spec, scalars, flags)
+
+
+def spec_of(q, k, v, *, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+            dropout_p: float = 0.0, learnable_sink=None, cu_seqlens_q=None, max_seqlen_q=None,
+            max_seqlen_k=None, deterministic: bool = False, dout=None) -> routes.Spec:
+    """The routing spec of a call on these tensors (dout: the backward's, whose alignment counts too): what
+    attention_forward / attention_backward route by, for callers that build a route of their own."""
+    return _problem(q, k, v, 1.0, causal, window_size, softcap, alibi_slopes, dropout_p, 0, 0, cu_seqlens_q,
+                    max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
+                    () if dout is None else (dout,)).spec
+
+
+def _alibi_args(alibi_slopes, dummy):
+    if alibi_slopes is None:
+        return dummy, 0
+    return alibi_slopes, (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+
+
+def _cacheable(q, streamed: tuple, alibi_slopes, learnable_sink, cu_seqlens_q, softmax_scale,
+               window_size) -> bool:
+    """Whether a call's derivations are cached: it may take a Gluon kernel (no tensor option, a head dim it
+    takes, 16-byte aligned streamed tensors), it launches through plans, and its options key a dict (a
+    float scale: an int one would specialise otherwise; a tuple window)."""
+    if not (launch_mod.direct(q) and alibi_slopes is None and learnable_sink is None and cu_seqlens_q is None
+            and type(softmax_scale) is float and type(window_size) is tuple
+            and q.shape[-1] in routes.GLUON_HEADDIMS):
+        return False
+    pointers = 0
+    for t in streamed:
+        pointers |= t.data_ptr()
+    return pointers % 16 == 0
+
+
+def _remember(cache: dict, key: tuple, entry: tuple) -> None:
+    if len(cache) >= _CACHED_SIGNATURES:
+        cache.clear()
+    cache[key] = entry
+
+
+def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                      route=None):
+    """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key).
+    route: routes.GluonForward / routes.TritonForward to run instead of the default one."""
+    key = None
+    if route is None and _cacheable(q, (q, k, v), alibi_slopes, learnable_sink, cu_seqlens_q, softmax_scale,
+                                    window_size):
+        # everything down to the launch's arguments but the tensors depends on these
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
+               config.generation)
+        hit = _forward_cache.get(key)
+        if hit is not None:
+            pb, route, out_shape, lse_shape, prepared = hit
+            # sizes unpacked: torch.empty parses separate ints faster than a tuple (~0.6 us), or a Size (~1.3)
+            out = torch.empty(*out_shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(*lse_shape, dtype=torch.float32, device=q.device)
+            gluon.forward(pb, route, q, k, v, out, lse, prepared)
+            return out, lse
+    pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink)
+    if route is None:
+        route = routes.forward_route(pb.spec)
+    out_shape = (*q.shape[:-1], pb.dv)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if isinstance(route, routes.GluonForward):
+        prepared = gluon.forward(pb, route, q, k, v, out, lse)
+        if key is not None:
+            _remember(_forward_cache, key, (pb, route, out_shape, lse_shape, prepared))
+        return out, lse
+    cfg = route.tiles
+    n_bh = pb.batch * pb.nheads
+    alibi, stride_alibi = _alibi_args(alibi_slopes, q)
+    descs = [tma.descriptor(t, cfg.block_n) for t in (k, v)] if route.tma else [None, None]
+    launch(
+        attn_fwd_kernel, (host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,),
+        q, k, v, out, lse,
+        cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
+        learnable_sink if learnable_sink is not None else q, *descs,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
+        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, n_bh, route.lpt_group,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, USE_TMA=route.tma,
+        **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+    )
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
+                       learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, deterministic=False, route=None):
+    """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
+
+    The Gluon backward (plain calls) adds dQ in a varying order; `deterministic` routes to the Triton
+    programs, where every gradient element is written by one program. route: as attention_forward's.
+    """
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if not lse.is_contiguous():
+        # the kernels read the LSE and D (allocated like it, contiguous) with one pair of strides
+        lse = lse.contiguous()
+    key = None
+    if route is None and not deterministic and _cacheable(q, (q, k, v, dout), alibi_slopes, learnable_sink,
+                                                          cu_seqlens_q, softmax_scale, window_size):
+        key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
+               k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
+               out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
+               rng_seed, rng_offset, config.generation)
+        hit = _backward_cache.get(key)
+        if hit is not None:
+            pb, route, preprocess, pre_args, prepared = hit
+            dq = torch.empty(*q.shape, dtype=q.dtype, device=q.device)  # unpacked: as attention_forward's
+            dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
+            stats = gluon.backward_stats(pb, q.device)
+            dq_acc = torch.empty(*q.shape, dtype=torch.float32, device=q.device)
+            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], *pre_args))
+            gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale, prepared)
+            return dq, dk, dv, None
+    pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
+                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
+                  (dout,))
+    if route is None:
+        route = routes.backward_route(pb.spec)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    cu_q = cu_seqlens_q if pb.varlen else q
+    cu_k = cu_seqlens_k if pb.varlen else q
+    alibi, stride_alibi = _alibi_args(alibi_slopes, q)
+    lse_strides = pb.lse_strides(lse)
+    flags = pb.flags
+
+    # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
+    # (gluon.backward_stats): the preprocess zeroes the one and fills the other (no launch of its own)
+    on_gluon = isinstance(route, routes.GluonBackward)
+    if on_gluon:
+        stats = gluon.backward_stats(pb, q.device)
+        delta, lse2, dq_acc = stats[1], stats[0], torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        delta_rows = stats.shape[-1]
+        delta_strides = (pb.nheads * delta_rows, delta_rows)
+    else:
+        delta = lse2 = dq_acc = torch.empty_like(lse)
+        delta_rows, delta_strides = pb.seqlen_q, lse_strides
+    pre_m = 64 if q.device.type == "cuda" else 32
+    preprocess = Bound(
+        attn_bwd_preprocess_kernel, (host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads),
+        dict(HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
+             GLUON=on_gluon),
+    )
+    pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.seqlen_q,
+                delta_rows)
+    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, *pre_args))
+    if on_gluon:
+        prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale)
+        if key is not None:
+            _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
+        return dq, dk, dv, None
+    has_sink = learnable_sink is not None
+    # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
+    dsink_rows = torch.zeros_like(lse) if has_sink else lse
+    kv_cfg, q_cfg = route.dkdv_tiles, route.dq_tiles
+    # the dK/dV role loads Q/dO through pointers (kernels/triton/attn_bwd.py says why); the dQ role streams
+    # K/V
+    k_desc, v_desc = [tma.descriptor(t, q_cfg.block_n) for t in (k, v)] if route.tma else [None, None]
+    roles = (
+        (host.cdiv(pb.seqlen_k, kv_cfg.block_n) * pb.batch * pb.nheads_k, True, kv_cfg, False, (None, None)),
+        (host.cdiv(pb.seqlen_q, q_cfg.block_m) * pb.batch * pb.nheads, False, q_cfg, route.tma,
+         (k_desc, v_desc)),
+    )
+    for n_programs, role_dkdv, cfg, use_tma, descs in roles:
+        launch(
+            attn_bwd_kernel, (n_programs,),
+            q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,
+            dsink_rows, *descs,
+            *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq), *pb.rows(dk), *pb.rows(dv),
+            *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q,
+            pb.seqlen_k, *pb.scalars, softmax_scale, pb.batch, route.kv_group, route.q_group,
+            DKDV_BLOCK_M=kv_cfg.block_m, DKDV_BLOCK_N=kv_cfg.block_n, DQ_BLOCK_M=q_cfg.block_m,
+            DQ_BLOCK_N=q_cfg.block_n, ROLE_DKDV=role_dkdv, HAS_SINK=has_sink, USE_TMA=use_tma,
+            **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        )
+    # lse is (h, total) in varlen, (b, h, sq) otherwise: sum everything but the head axis
+    dsink = dsink_rows.sum(1 if pb.varlen else (0, 2)) if has_sink else None
+    return dq, dk, dv, dsink

@@ -1,0 +1,10 @@
+"""The Triton backend's entry points, one per op: the launchers (allocate outputs, pick the route, launch).
+Same signatures as flashattn.backends.torch.entry. Importing this module imports the kernels."""
+
+from flashattn.backends.triton.attention import attention_backward, attention_forward
+from flashattn.backends.triton.block_sparse import block_sparse_backward, block_sparse_forward
+from flashattn.backends.triton.decode import kvcache_forward
+from flashattn.backends.triton.merge import merge_partials
+
+__all__ = ["attention_backward", "attention_forward", "block_sparse_backward", "block_sparse_forward",
+           "kvcache_forward", "merge_partials"]

@@ -1,0 +1,160 @@
+"""Launchers of the warp-specialised Hopper kernels: the forward (kernels/gluon/attn_fwd.py) and the backward
+(kernels/gluon/attn_bwd.py), given their route (routes.GluonForward / routes.GluonBackward).
+
+The routes send them plain calls only (routes.Spec.plain: padded layout, fp16/bf16, d = dv = 64 or 128, no
+mask but causal, TMA-ready tensors on sm90+). Both read and write every streamed tile through TMA
+descriptors, built here per call over the call's tensors with the shapes, strides and shared layouts the
+route fixes.
+
+Forward grid: persistent (one program per SM, as one fills an SM's registers); after the first, each program
+takes its next query tile from a shared counter, so under a causal mask the programs' totals even out (a
+static walk with the grid's stride left the busiest 15% over the mean); the kernel's last program zeroes the
+counter again, so one per stream serves every call (`_tile_counter`).
+
+The backward (FlashAttention-3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair
+instead of the Triton backward's 7) reads each step's LSE (base 2) and D = rowsum(dO ∘ O) from padded
+planes that the preprocess fills (`backward_stats`).
+"""
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from flashattn import _internals
+from flashattn.backends.triton import host
+from flashattn.backends.triton.launch import Bound
+from flashattn.backends.triton.merge import sm_count
+from flashattn.backends.triton.routes import HALF_M, GluonBackward, GluonForward
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_layout(rows: int, cols: int, dtype_name: str):
+    # cached: building it costs ~15 us of host time, and every launch asks for 4-7 of them
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, cols], getattr(gl, dtype_name))
+
+
+@functools.cache
+def _make_descriptor():
+    return _internals.descriptor_factory()
+
+
+def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> tuple:
+    """What a TMA descriptor over a (batch, seqlen, heads, d) tensor like t with (1, rows, 1, cols) blocks in
+    the wgmma-ready shared layout takes besides t; dtype_name: the Gluon element type (default: t's 16-bit
+    type). The same for every tensor of t's shape, strides and dtype: a prepared launch keeps it."""
+    if dtype_name is None:
+        dtype_name = "float16" if t.dtype == torch.float16 else "bfloat16"
+    return list(t.shape), list(t.stride()), [1, rows, 1, cols], _shared_layout(rows, cols, dtype_name)
+
+
+class Prepared(NamedTuple):
+    """A launch of a Gluon kernel with all but its per-call tensors derived: what `forward` and `backward`
+    return, and take back (the launchers keep it per call signature) to skip the derivations for tensors of
+    the same shapes, strides, dtypes and alignment."""
+
+    launch: Bound
+    specs: tuple  # _descriptor_spec of each descriptor argument, in order
+    args: tuple  # the arguments between the per-call tensors that follow the descriptors
+
+    def descriptors(self, *tensors) -> list:
+        make = _make_descriptor()
+        return [make(t, *spec) for t, spec in zip(tensors, self.specs, strict=True)]
+
+
+_counters: dict = {}
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """The forward's tile counter and arrival count (int32 x 2), zero between launches: the kernel's last
+    program resets them, so each stream keeps one (launches on a stream run one after another) and a call
+    launches no zeroing kernel. Under CUDA graph capture every call gets a fresh zeroed pair of its own (the
+    zeroing is captured): graphs may replay on several streams at once."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # CPU: the sm90 compile check
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else _internals.current_device()
+    key = (index, _internals.raw_stream(index))
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
+def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | None = None) -> Prepared:
+    """Fill out and lse (attention_forward's contract) with the warp-specialised kernel. prepared: what this
+    returned for an earlier call of the same signature and route, skipping the derivations; returns the
+    launch prepared."""
+    if prepared is None:
+        prepared = _prepare_forward(pb, route, q, k, v, out, lse)
+    # the tiles past the first of each program go to whichever program asks first: a zeroed counter
+    tile_counter = _tile_counter(q.device)
+    prepared.launch((*prepared.descriptors(q, k, v, out), lse, *prepared.args, tile_counter))
+    return prepared
+
+
+def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse) -> Prepared:
+    from flashattn.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
+
+    tiles = route.tiles
+    n_bh = pb.batch * pb.nheads
+    n_work = host.cdiv(pb.seqlen_q, tiles.block_m) * n_bh
+    n_programs = min(n_work, sm_count(q.device)) if route.persistent else n_work
+    specs = (_descriptor_spec(q, HALF_M, pb.d), _descriptor_spec(k, tiles.block_n, pb.d),
+             _descriptor_spec(v, tiles.block_n, pb.d), _descriptor_spec(out, HALF_M, pb.d))
+    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                  STAGES=tiles.num_stages, CAUSAL=pb.causal, DEFER_RELEASE=route.defer_release,
+                  HALF_DIAG=route.half_diag, TREES=route.trees, num_warps=4, maxnreg=route.maxnreg)
+    return Prepared(
+        Bound(attn_fwd_ws_kernel, (n_programs,), kwargs), specs,
+        (lse.stride(0), lse.stride(1), pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh,
+         route.lpt_group),
+    )
+
+
+def backward_stats(pb, device: torch.device) -> torch.Tensor:
+    """The backward kernel's per-row statistics, which the preprocess fills: (2, b·h, sq rounded up to 4)
+    float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O). The kernel's loader brings both with each (Q, dO)
+    tile through one TMA copy, so a row of a plane must be 16-byte aligned: hence the padding."""
+    return torch.empty(2, pb.batch * pb.nheads, -(-pb.seqlen_q // 4) * 4, dtype=torch.float32, device=device)
+
+
+def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale: float,
+             prepared: Prepared | None = None) -> Prepared:
+    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward; stats: as
+    `backward_stats`, filled; dq_acc: a zeroed float32 buffer shaped like q (contiguous), into which the
+    kernel adds dQ. prepared: as `forward`'s."""
+    if prepared is None:
+        prepared = _prepare_backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
+    prepared.launch((*prepared.descriptors(q, dout, k, v, dk, dv, dq_acc, stats), *prepared.args))
+    dq.copy_(dq_acc)
+    return prepared
+
+
+@functools.cache
+def _stats_layout():
+    from triton.experimental.gluon import language as gl
+
+    # unswizzled: the kernel reads each plane's row back as a plain vector
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def _prepare_backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv,
+                      softmax_scale: float) -> Prepared:
+    from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
+
+    tiles = route.tiles
+    n_bhk = pb.batch * pb.nheads_k
+    half_n = tiles.block_n // 2
+    specs = (*(_descriptor_spec(t, tiles.block_m, pb.d) for t in (q, dout)),
+             *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
+             _descriptor_spec(dq_acc, tiles.block_m, pb.d // 2, "float32"),
+             (list(stats.shape), list(stats.stride()), [2, 1, tiles.block_m], _stats_layout()))
+    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                  STAGES=tiles.num_stages, CAUSAL=pb.causal, DEFER_DQ=route.defer_dq, num_warps=4,
+                  maxnreg=route.maxnreg)
+    return Prepared(
+        Bound(attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, tiles.block_n) * n_bhk,), kwargs), specs,
+        (pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, route.kv_group),
+    )

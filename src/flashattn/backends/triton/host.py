@@ -1,0 +1,23 @@
+"""Host-side arithmetic shared by the launchers and the routes, in plain Python: triton.cdiv /
+next_power_of_2 are JIT functions, and calling one on the host costs ~20 µs, more than a small kernel's whole
+GPU time. Imports neither torch nor Triton."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << (x - 1).bit_length() if x > 1 else 1
+
+
+def block_d(d: int) -> int:
+    # tl.dot needs K >= 16; non-powers of two are padded and masked
+    return max(16, pow2(d))
+
+
+def dot_precision(dtype) -> str:
+    """The kernels' DOT_PREC for inputs of a torch dtype: fp32 inputs get true fp32 products (tf32 would be
+    a 1e-3 error that no fp32 user expects)."""
+    return "ieee" if dtype.itemsize == 4 else "tf32"

@@ -1,0 +1,308 @@
+"""Warp-specialised backward for Hopper in Gluon: FlashAttention-3's schedule, 5 matmuls per tile pair.
+
+One program per (128-key tile, batch·kv head). dV = Σ Pᵀ dO and dK = scale·Σ dSᵀ Q accumulate in registers
+over the query tiles of every query head in the GQA group; dQ = scale·dS K is added tile by tile into a
+float32 buffer with TMA reduce-adds (the tensor memory accelerator does the read-modify-write,
+asynchronously), so no second pass recomputes S and dP (the Triton backward's dQ program: 7 matmuls per tile
+pair, attn_bwd.py).
+  - a loader warp brings the program's K and V once, then streams (Q, dO) tiles of BLOCK_M query rows (64, or
+    128 for d = 64 without a mask), with the rows' LSE and D (the preprocess's stats planes), through a ring
+    of TMA stages;
+  - two consumer warpgroups own 64 keys each. Per query tile one issues Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together,
+    computes Pᵀ while dPᵀ runs, issues dV += Pᵀ dO and dK += dSᵀ Q, and writes its dSᵀ half to shared
+    memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
+    and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order, which
+    leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here.
+    DEFER_DQ (d = 64, 64-row steps): each step computes the previous step's dQ, so the dSᵀ hand-off no
+    longer holds the two warpgroups in step.
+The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
+Triton backward (as flash_attn's flag does). Only the plain case comes here (its route decides:
+backends/triton/routes.py).
+"""
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
+
+
+@builtin
+def _reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add). Triton
+    3.6's Gluon builds the op but exports no wrapper for it; the project pins triton 3.6.*."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    kind = ir.DESCRIPTOR_REDUCE_KIND.ADD
+    _semantic.builder.create_async_tma_reduce(kind, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """(batch, kv head, first key, first query row, query tiles) of this program, in common.grouped_program's
+    order: rank 0 is the first key tile, which every query sees under causal masking."""
+    n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+    per_group = lpt_group * n_tiles
+    pid = gl.program_id(0)
+    g = pid // per_group
+    r = pid - g * per_group
+    heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
+    off_bhk = g * lpt_group + r % heads
+    start_n = (r // heads) * BLOCK_N
+    if CAUSAL:
+        # query i sees key j iff j <= i + seqlen_k - seqlen_q
+        m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M) * BLOCK_M
+    else:
+        m_first = 0
+    n_m = gl.cdiv(gl.maximum(seqlen_q - m_first, 0), BLOCK_M)
+    return off_bhk // nheads_k, off_bhk % nheads_k, start_n, m_first, n_m
+
+
+@gluon.jit
+def _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+              HALF_D: gl.constexpr):
+    """Scale this warpgroup's dQ columns of one query tile and reduce-add them through its staging tile."""
+    tma.store_wait(0)  # the previous reduce-add has read the staging tile
+    dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
+    fence_async_shared()
+    _reduce_add(dq_desc, [off_b, m0, off_h, WG * HALF_D], dq_buf)
+
+
+@gluon.jit
+def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    descs, smems, bars, problem = loader_args
+    q_desc, do_desc, k_desc, v_desc, stats_desc = descs
+    q_smem, do_smem, k_smem, v_smem, stats_smem = smems
+    kv_bar, ready, empty, ds_ready, done = bars
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
+    off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
+                                                     BLOCK_N, CAUSAL)
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        row = start_n + w * HALF_N
+        tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hk, 0], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], kv_bar, v_smem.index(w))
+    c = 0
+    for g in range(GROUP):
+        off_h = off_hk * GROUP + g
+        for mi in range(n_m):
+            s = c % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + stats_desc.block_type.nbytes)
+            m0 = m_first + mi * BLOCK_M
+            tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], ready.index(s), q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [off_b, m0, off_h, 0], ready.index(s), do_smem.index(s))
+            tma.async_copy_global_to_shared(stats_desc, [0, off_b * nheads_k * GROUP + off_h, m0],
+                                            ready.index(s), stats_smem.index(s))
+            c += 1
+
+
+@gluon.jit
+def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
+    """Issue this warpgroup's dQ columns of the step whose dSᵀ halves sit in buffer b, once both are there."""
+    mbarrier.wait(ds_ready.index(b), phase)
+    dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0_cols, q_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
+
+
+@gluon.jit
+def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+              WG: gl.constexpr):
+    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars, scales,
+     problem) = args
+    kv_bar, ready, empty, ds_ready, done = bars
+    qk_scale, sm_scale = scales
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
+    off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
+                                                     BLOCK_N, CAUSAL)
+    dtype: gl.constexpr = q_smem.dtype
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, d); dQ: (queries, d / 2)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    diag = seqlen_k - seqlen_q
+    key0 = start_n + WG * HALF_N
+    offs_k = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    key_tail = key0 + HALF_N > seqlen_k
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    q_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, q_layout)
+    dk = warpgroup_mma_init(gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout))
+    dv = warpgroup_mma_init(gl.zeros([HALF_N, HEAD_DIM], gl.float32, o_layout))
+    k = k_smem.index(WG).reshape([HALF_N, HEAD_DIM])
+    v = v_smem.index(WG).reshape([HALF_N, HEAD_DIM])
+    # this warpgroup's half of dQ's columns, against each half of the keys
+    k0_cols = k_smem.index(0).reshape([HALF_N, HEAD_DIM]).slice(WG * HALF_D, HALF_D, dim=1)
+    k1_cols = k_smem.index(1).reshape([HALF_N, HEAD_DIM]).slice(WG * HALF_D, HALF_D, dim=1)
+    dq_buf = dq_smem.index(WG)
+    mbarrier.wait(kv_bar, 0)
+
+    dq = warpgroup_mma_init(q_zero)
+    NBUF: gl.constexpr = 4 if DEFER_DQ else 2
+    m0_prev = m_first
+    off_h_prev = off_hk * GROUP
+    n_steps = GROUP * n_m
+    # n_m >= 1 wherever a step runs; the clamp is what the shipped kernel was measured with (without it, ptxas
+    # allocates differently: 8 B more of spill loads in the causal build)
+    steps_per_head = gl.maximum(n_m, 1)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
+    # the stats tiles as rows: 2s is stage s's LSE, 2s + 1 its D. Indexing keeps a shared layout's rank (3
+    # for the TMA tile), and a vector load needs rank 1: hence the reinterpretation, exact because the TMA
+    # tile is unswizzled (Triton 3.6's Gluon names it _reinterpret; the project pins triton 3.6.*)
+    stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    for c in range(n_steps):
+        g = c // steps_per_head
+        off_h = off_hk * GROUP + g
+        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        s = c % STAGES
+        b = c % NBUF
+        offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse = stats_rows.index(2 * s).load(row_layout)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
+        # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the causal cut
+        if key_tail or (CAUSAL and m0 + diag < key0 + HALF_N - 1):
+            keep = offs_k[:, None] < seqlen_k
+            if CAUSAL:
+                keep = keep & (offs_q[None, :] + diag >= offs_k[:, None])
+            pt = gl.exp2(gl.where(keep, st * qk_scale, float("-inf")) - lse[None, :])
+        else:
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        delta = stats_rows.index(2 * s + 1).load(row_layout)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys.
+        # In step order the barrier makes the warpgroups march in step (their softmaxes coincide); DEFER_DQ
+        # computes the previous step's dQ instead, whose other half was written a step ago, so neither waits
+        # for the other's current step. Buffers: the other warpgroup's arrival at a step's barrier means it
+        # finished the step before; a buffer is rewritten NBUF steps later, after its last reader's dQ.
+        ds_buf = ds_smem.index(2 * b + WG)
+        ds_buf.store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(b), count=1)
+        if DEFER_DQ:
+            if c > 0:
+                pb_ = (c - 1) % NBUF
+                dq = _dq_of(ds_smem, ds_ready, pb_, ((c - 1) // NBUF) & 1, k0_cols, k1_cols, q_zero)
+        else:
+            dq = _dq_of(ds_smem, ds_ready, b, (c // NBUF) & 1, k0_cols, k1_cols, q_zero)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        # this tile's Q and dO have no reader left
+        mbarrier.arrive(empty.index(s), count=1)
+        if DEFER_DQ:
+            if c > 0:
+                _store_dq(dq, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+        else:
+            _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
+        m0_prev = m0
+        off_h_prev = off_h
+        dq = warpgroup_mma_init(dq)
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    if DEFER_DQ:
+        if n_steps > 0:
+            # the last step's dQ
+            last = n_steps - 1
+            dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
+            dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
+            _store_dq(dq_last, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+
+    # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
+    # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(done, 0)
+    k.store((dk * sm_scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 0)
+
+
+@gluon.jit
+def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+    # a worker partition: the loader's signature
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 1)
+
+
+@gluon.jit
+def attn_bwd_ws_kernel(
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
+    qk_scale, sm_scale, n_bhk, lpt_group,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
+):
+    gl.static_assert(BLOCK_N == 2 * HALF_N)
+    # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
+    NBUF: gl.constexpr = 4 if DEFER_DQ else 2
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    # dSᵀ (keys, queries): NBUF steps x two warpgroups; dQ staging for the reduce-adds: one per warpgroup
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * NBUF, HALF_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    # each (Q, dO) stage's LSE (base 2) and D rows, read from shared memory where they are used: held in
+    # registers for the whole step (prefetched a step ahead), their 32 values per thread were what spilled
+    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ds_ready.index(i), count=2)
+    bars = (kv_bar, ready, empty, ds_ready, done)
+    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group)
+    args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars,
+            (qk_scale, sm_scale), problem)
+    loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem), bars, problem)
+    # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
+    # consumer thread and 24 for the loader's
+    gl.warp_specialize([
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+    ], [4, 1], [240, 24])

@@ -1,0 +1,260 @@
+"""Routing (flashattn.backends.triton.routes): which kernel a call runs is a pure function of its spec.
+
+Pure host logic, tested on the CPU: the Gluon kernels take the plain calls and nothing else, every feature
+routes to the Triton kernels, the process environment changes nothing, the tile table's short and causal
+rows apply where they say, expert overrides replace rows, and the IO model and the launchers follow the same
+routes. The kernels on every route are compiled for sm_90 by test_sm90_compile.py and run on the GPU by
+`pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from utils import INTERPRET, LaunchRecorder, use_tiles
+
+from flashattn import flash_attn_func
+from flashattn.backends.triton import attention, configs, routes, tma
+from flashattn.backends.triton.configs import TileConfig, tile_config
+from flashattn.iomodel import AttnShape, backward_io, forward_io
+from flashattn.iomodel.tiled import ws_backward_tiles
+
+
+def _spec(**kw) -> routes.Spec:
+    """A plain d = 128 bf16 call on an H200 with TMA-ready tensors, 2K tokens, GQA 4/2; kw replaces fields."""
+    base = routes.Spec(batch=1, nheads=4, nheads_k=2, seqlen_q=2048, seqlen_k=2048, headdim=128,
+                       headdim_v=128)
+    return dataclasses.replace(base, **kw)
+
+
+CAUSAL = (-1, 0)
+
+
+# -------------------------------------------------------------- which kernel family
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(window=CAUSAL), dict(headdim=64, headdim_v=64),
+    dict(headdim=64, headdim_v=64, window=CAUSAL),
+    dict(seqlen_q=1, seqlen_k=1, dtype="float16"), dict(seqlen_q=100, seqlen_k=1100, window=CAUSAL),
+    dict(seqlen_q=16384, seqlen_k=16384), dict(nheads_k=4), dict(nheads_k=1),
+], ids=str)
+def test_plain_calls_take_the_gluon_kernels(kw):
+    spec = _spec(**kw)
+    assert isinstance(routes.forward_route(spec), routes.GluonForward)
+    assert isinstance(routes.backward_route(spec), routes.GluonBackward)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(headdim=96, headdim_v=96), dict(headdim=256, headdim_v=256), dict(headdim_v=64),
+    dict(window=(64, 0)), dict(window=(-1, 8)), dict(window=(100, 100)), dict(softcap=True), dict(alibi=True),
+    dict(dropout=True), dict(sink=True), dict(dtype="float32"), dict(varlen=True), dict(aligned=False),
+    dict(capability=(8, 0)), dict(cuda=False),
+], ids=str)
+def test_every_feature_routes_to_the_triton_kernels(kw):
+    spec = _spec(**kw)
+    assert isinstance(routes.forward_route(spec), routes.TritonForward)
+    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+
+
+def test_deterministic_backward_takes_the_triton_programs():
+    # the Gluon backward adds dQ by reduce-adds in a varying order
+    spec = _spec(deterministic=True)
+    assert isinstance(routes.forward_route(spec), routes.GluonForward)
+    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+
+
+def test_the_gluon_backward_leaves_calls_whose_dq_buffer_passes_the_cap():
+    # b * sq * h * d * 4 bytes of float32 dQ: 128K tokens at h = 16, d = 128 is 1 GiB, past the cap
+    fits = _spec(seqlen_q=65536, seqlen_k=65536, nheads=16, nheads_k=16)
+    assert routes.dq_buffer_bytes(fits) == routes.DQ_BUFFER_CAP
+    assert isinstance(routes.backward_route(fits), routes.GluonBackward)
+    over = dataclasses.replace(fits, seqlen_q=65537, seqlen_k=65537)
+    assert isinstance(routes.backward_route(over), routes.TritonBackward)
+
+
+def test_routes_ignore_the_environment(monkeypatch):
+    # the tuning switches of old are gone: a route depends on its spec alone
+    spec = _spec(window=CAUSAL)
+    before = routes.forward_route(spec), routes.backward_route(spec)
+    for name in ("FLASHATTN_WS", "FLASHATTN_WS_BWD", "FLASHATTN_TMA", "FLASHATTN_WS_GRID",
+                 "FLASHATTN_SCHEDULE", "FLASHATTN_FWD_TREES", "FLASHATTN_FWD_HALF_DIAG",
+                 "FLASHATTN_BWD_DEFER_DQ", "FLASHATTN_CONFIG"):
+        monkeypatch.setenv(name, "0")
+    assert (routes.forward_route(spec), routes.backward_route(spec)) == before
+
+
+# -------------------------------------------------------------- route options
+
+
+def test_gluon_forward_options_follow_the_mask_and_the_consumers():
+    causal = routes.forward_route(_spec(headdim=64, headdim_v=64, window=CAUSAL))
+    assert causal.half_diag and causal.persistent and causal.defer_release
+    full = routes.forward_route(_spec(headdim=64, headdim_v=64, seqlen_q=8192, seqlen_k=8192))
+    assert not full.half_diag
+    # three consumer warpgroups (192-row tiles) reduce the row statistics as chains, two as trees
+    assert full.tiles.block_m == 3 * routes.HALF_M
+    assert full.trees == 0 and full.maxnreg == routes.MAXNREG_THREE
+    two = routes.forward_route(_spec())
+    assert two.tiles.block_m == 2 * routes.HALF_M and two.trees == 3 and two.maxnreg == routes.MAXNREG_TWO
+
+
+def test_gluon_backward_defers_dq_on_64_row_steps_at_d64():
+    for window in ((-1, -1), CAUSAL):
+        route = routes.backward_route(_spec(headdim=64, headdim_v=64, window=window))
+        assert route.defer_dq == (route.tiles.block_m == 64)
+        assert not routes.backward_route(_spec(window=window)).defer_dq  # d = 128
+
+
+def test_launch_order_groups_heads_only_under_a_band():
+    assert routes.forward_route(_spec()).lpt_group == 1
+    banded = routes.forward_route(_spec(window=(256, 0), nheads=32, nheads_k=32))
+    # as many heads as keep their streamed K/V within the L2 budget
+    stream = 2048 * 256 * 2
+    assert banded.lpt_group == min(32, routes.L2_BUDGET // stream) > 1
+
+
+@pytest.mark.parametrize("kw, tma", [
+    (dict(window=(64, 0)), True),  # d = 128, 3 stages, 16-bit, aligned, sm90: descriptors
+    (dict(window=(64, 0), headdim=64, headdim_v=64), False),  # measured faster on pointers
+    (dict(window=(64, 0), headdim=256, headdim_v=256), False),  # 2-stage tiles: ptxas crashes on them
+    (dict(window=(64, 0), aligned=False), False),
+    (dict(window=(64, 0), varlen=True), False),  # a tile would read the next sequence, not zeros
+    (dict(window=(64, 0), dtype="float32"), False),
+    (dict(window=(64, 0), capability=(8, 0)), False),
+])
+def test_triton_forward_takes_descriptors_where_they_pay(kw, tma):
+    route = routes.forward_route(_spec(**kw))
+    assert isinstance(route, routes.TritonForward) and route.tma is tma
+
+
+def test_a_route_is_a_printable_value():
+    route = routes.forward_route(_spec())
+    assert route.kernel == "gluon" and "GluonForward(tiles=TileConfig(" in repr(route)
+    assert routes.forward_route(_spec(softcap=True)).kernel == "triton"
+    assert hash(route) == hash(routes.forward_route(_spec()))
+
+
+# -------------------------------------------------------------- the tile table
+
+
+@pytest.mark.parametrize("kernel, d", sorted(configs._H200))
+def test_short_rows_apply_up_to_their_limit_only(kernel, d):
+    long_row = configs._H200[(kernel, d)]
+    limit, short_row = configs._H200_SHORT.get((kernel, d), (0, long_row))
+    assert tile_config(kernel, d, True) == long_row  # no length given: the long row
+    assert tile_config(kernel, d, True, 1) == (short_row if limit else long_row)
+    assert tile_config(kernel, d, True, limit) == (short_row if limit else long_row)
+    assert tile_config(kernel, d, True, limit + 1) == long_row
+    assert tile_config(kernel, d, True, 10**6) == long_row
+
+
+@pytest.mark.parametrize("kernel, d", sorted(configs._H200_SHORT_CAUSAL))
+def test_causal_short_rows_apply_to_causal_calls_up_to_their_limit(kernel, d):
+    limit, causal_row = configs._H200_SHORT_CAUSAL[(kernel, d)]
+    assert tile_config(kernel, d, True, 1, causal=True) == causal_row
+    assert tile_config(kernel, d, True, limit, causal=True) == causal_row
+    assert tile_config(kernel, d, True, limit + 1, causal=True) == configs._H200[(kernel, d)]
+    # without the mask the plain short rows hold
+    assert tile_config(kernel, d, True, limit) != causal_row or limit == 0
+
+
+def test_the_interpreter_takes_small_unequal_tiles():
+    # CPU tests cross tile, tail and diagonal boundaries at small sizes
+    route = routes.forward_route(_spec(cuda=False, window=(64, 0)))
+    assert route.tiles.block_m != route.tiles.block_n and route.tiles.block_m <= 32
+
+
+def test_overrides_replace_rows(monkeypatch):
+    use_tiles(monkeypatch, "fwd=32,32,4,2")
+    assert tile_config("fwd", 128, True, 1024) == TileConfig(32, 32, 4, 2)
+    # a fifth number caps the registers
+    use_tiles(monkeypatch, "dkdv=32,128,8,3,128")
+    assert tile_config("dkdv", 64, True, 4096) == TileConfig(32, 128, 8, 3, 128)
+    assert tile_config("fwd", 128, True, 1024) == configs._H200_SHORT[("fwd", 128)][1]
+
+
+@pytest.mark.parametrize("text", ["fwd=1", "fwd", "fwd=a,b,c,d", "fwd=1,2,3,4,5,6"])
+def test_malformed_overrides_are_refused(text):
+    from flashattn import config
+
+    with pytest.raises(ValueError, match="expected kernel=block_m,block_n,num_warps,num_stages"):
+        config.parse_tiles(text)
+
+
+@pytest.mark.parametrize("spec", ["128,64,4,4", "192,64,4,3", "64,128,4,3", "256,128,4,3", "128,128,4,1"])
+def test_the_gluon_forward_refuses_tiles_it_cannot_run(monkeypatch, spec):
+    # its half-diagonal step assumes 128-key tiles: an override the kernel cannot run fails loudly
+    use_tiles(monkeypatch, f"fwd_ws={spec}")
+    with pytest.raises(ValueError, match=f"fwd_ws={spec} is not a config of the Gluon forward"):
+        routes.forward_route(_spec(headdim=64, headdim_v=64))
+
+
+@pytest.mark.parametrize("spec", ["128,128,4,3", "192,128,4,3", "128,128,4,2"])
+def test_the_gluon_forward_takes_tiles_it_can_run(monkeypatch, spec):
+    use_tiles(monkeypatch, f"fwd_ws={spec}")
+    assert routes.forward_route(_spec()).tiles == TileConfig.parse(spec)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
+def test_launches_carry_the_register_cap(monkeypatch):
+    calls = []
+    for name in ("attn_fwd_kernel", "attn_bwd_kernel"):
+        kernel = getattr(attention, name)
+        monkeypatch.setattr(attention, name, LaunchRecorder(kernel, calls, options=("num_warps", "maxnreg")))
+    use_tiles(monkeypatch, "fwd=32,16,4,1,96;dkdv=16,32,4,1,80")
+    q, k, v = (torch.randn(1, 40, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    # forward, then the backward's dK/dV role and its dQ role (no override: no cap)
+    assert [opts["maxnreg"] for _, opts in calls] == [96, 80, None]
+
+
+# -------------------------------------------------------------- who else follows the routes
+
+
+@pytest.mark.parametrize("shape", [
+    AttnShape(16, 16, 1024, 128), AttnShape(16, 16, 1024, 128, causal=True), AttnShape(4, 16, 4096, 64),
+    AttnShape(4, 16, 4096, 64, causal=True), AttnShape(16, 16, 1024, 128, window=(256, 0)),
+    AttnShape(1, 16, 8192, 256, causal=True),
+], ids=str)
+def test_the_io_model_follows_the_routes(shape):
+    from flashattn.iomodel.tiled import route_spec
+
+    spec = route_spec(shape)
+    fwd = routes.forward_route(spec)
+    assert forward_io(shape).detail["block_m"] == fwd.tiles.block_m
+    bwd = routes.backward_route(spec)
+    gluon = isinstance(bwd, routes.GluonBackward)
+    assert (ws_backward_tiles(shape) is not None) == gluon
+    leaves = [leaf.name for leaf in backward_io(shape).parts]
+    assert ("bwd.ws" in leaves) == gluon
+
+
+def test_specs_from_tensors(monkeypatch):
+    # what the launcher derives: alignment from the tensors, capability from the device
+    q, k, v = (torch.randn(1, 130, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    pb = attention._problem(q, k, v, 0.1, True, (-1, -1), 0.0, None, 0.0, 0, 0, None, None, None, None)
+    assert pb.spec == _spec(seqlen_q=130, seqlen_k=130, nheads_k=4, window=CAUSAL, cuda=False,
+                            capability=(0, 0), aligned=False)
+    assert tma.aligned(q, k, v)
+    flat = torch.randn(k.numel() + 1, dtype=torch.bfloat16)
+    assert not tma.aligned(q, flat[1:].view(k.shape), v)  # base not 16-byte aligned
+    wide = torch.randn(*k.shape[:-1], 129, dtype=torch.bfloat16)[..., :128]
+    assert not tma.aligned(q, wide, v)  # a row stride of 258 bytes
+    assert tma.aligned(k.transpose(1, 2).contiguous().transpose(1, 2))  # heads-major
+
+
+def test_decode_routes():
+    spec = routes.DecodeSpec(batch=1, nheads=32, nheads_k=8, seqlen_q=1, headdim=128, element_size=2,
+                             paged=False, capacity=65536)
+    route = routes.decode_route(spec)
+    # batch 1 fills one wave with splits: floor(SMs / programs)
+    assert route.num_splits == spec.sms // 8 and route.block_m == 16
+    many = dataclasses.replace(spec, batch=64)
+    assert routes.decode_route(many).num_splits == 1  # 512 programs already fill two waves
+    assert routes.decode_route(dataclasses.replace(spec, num_splits=3)).num_splits == 3
+    # a window shortens the key span a split may cover
+    narrow = routes.decode_route(dataclasses.replace(spec, window=(127, 0)))
+    assert narrow.num_splits <= -(-(128 + 16) // narrow.tiles.block_n) + 1

@@ -1,0 +1,312 @@
+"""The launchers' per-signature cache (backends/triton/attention.py, gluon.py) and check_qkv's: a call that
+hits gives the launch the uncached path gives, anything the derivations read makes a miss, an explicit route
+bypasses it, and the caches stay bounded and hold no tensor.
+
+On the CPU, with an H200 faked (the device facts routing reads, the SM count, the CUDA stream) and every
+kernel replaced by a recorder whose compiled kernel's launcher records instead of launching: the whole path
+down to `compiled.run` runs, the cached and the uncached one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import types
+
+import pytest
+import torch
+from utils import use_tiles
+
+import flashattn.kernels.gluon.attn_bwd as bwd_ws_kernels
+import flashattn.kernels.gluon.attn_fwd as fwd_ws_kernels
+from flashattn import _internals, _validate, backends, config, flash_attn_func
+from flashattn.backends.triton import attention, gluon, routes, tma
+from flashattn.backends.triton import launch as launch_mod
+
+
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def run(self, *args):
+        self.log.append(("run", self.name, args))
+
+
+class _Kernel:
+    """Stands for a JITFunction: kernel[grid](...) is recorded and returns a compiled kernel (one per call,
+    so that a launch through a plan shows which JIT call made it)."""
+
+    def __init__(self, real, log):
+        self.arg_names, self.name, self.log = real.arg_names, real.__name__, log
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.log.append(("jit", self.name, (grid, args, kwargs)))
+            return _Compiled(self.log, self.name)
+
+        return call
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """The launch log: ("jit", kernel, (grid, args, kwargs)) or ("run", kernel, compiled.run's args)."""
+    log = []
+    monkeypatch.setattr(config, "INTERPRET", False)
+    monkeypatch.setattr(config, "tile_overrides", {})
+    monkeypatch.setattr(backends, "backend_name", lambda t: "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_internals, "current_device", lambda: 0)
+    monkeypatch.setattr(_internals, "raw_stream", lambda device: 1234)
+    # CPU tensors stand for CUDA ones on an H200: the gate as launch.direct, less its is_cuda
+    monkeypatch.setattr(launch_mod, "direct", lambda t: not _internals.launch_hooks_installed())
+    monkeypatch.setattr(tma, "device_facts", lambda device: (True, (9, 0)))
+    monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
+    for module, name in ((fwd_ws_kernels, "attn_fwd_ws_kernel"), (bwd_ws_kernels, "attn_bwd_ws_kernel"),
+                         (attention, "attn_bwd_preprocess_kernel"), (attention, "attn_fwd_kernel"),
+                         (attention, "attn_bwd_kernel")):
+        monkeypatch.setattr(module, name, _Kernel(getattr(module, name), log))
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    monkeypatch.setattr(launch_mod, "_plans", {})
+    monkeypatch.setattr(_validate, "_passed", set())
+    return log
+
+
+def _launches(log, names) -> list:
+    """The log's launches as (kernel, grid, every parameter's value in order): a JIT call and a launch through
+    a plan compare equal when they hand the kernel the same things. A tensor shows as the input it is (by
+    address) or "new", with its dtype, shape and strides; a descriptor as its fields."""
+    kernels = {"attn_fwd_ws_kernel": fwd_ws_kernels, "attn_bwd_ws_kernel": bwd_ws_kernels}
+
+    def show(a):
+        if isinstance(a, torch.Tensor):
+            return names.get(a.data_ptr(), "new"), a.dtype, tuple(a.shape), a.stride()
+        if hasattr(a, "block_shape"):
+            layout = getattr(a, "layout", None)  # Triton's own descriptors (the Triton kernels') have none
+            return ("desc", show(a.base), a.shape, a.strides, a.block_shape, layout, a.padding)
+        return a
+
+    out = []
+    for kind, name, call in log:
+        if kind == "jit":
+            grid, args, kwargs = call
+            arg_names = getattr(kernels.get(name, attention), name).arg_names
+            params = (*args, *(kwargs[n] for n in arg_names[len(args):]))
+            out.append((name, (*grid, 1, 1)[:3], tuple(map(show, params))))
+        else:
+            assert call[3:9] == (1234, "function", "metadata", None, None, None)
+            out.append((name, call[:3], tuple(map(show, call[9:]))))
+    return out
+
+
+def _qkv(d=128, dtype=torch.bfloat16, s=256, h=2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, s, h, d, generator=g).to(dtype) for _ in range(3)]
+
+
+def _fwd(q, k, v, **kw):
+    return attention.attention_forward(q, k, v, softmax_scale=kw.pop("softmax_scale", 0.125),
+                                       causal=kw.pop("causal", True), **kw)
+
+
+def _bwd(q, k, v, out, lse, dout, **kw):
+    return attention.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.125,
+                                        causal=kw.pop("causal", True), **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_hit_launches_as_the_uncached_path(h200, monkeypatch, d, causal):
+    q, k, v = _qkv(d)
+    dout = torch.randn_like(q)
+    names = {t.data_ptr(): n for n, t in dict(q=q, k=k, v=v, dout=dout).items()}
+    runs = []
+    for cached in (True, True, False):  # a miss, a hit, then the uncached path through launch's plans
+        monkeypatch.setattr(attention, "_cacheable", attention._cacheable if cached else lambda *a: False)
+        h200.clear()
+        out, lse = _fwd(q, k, v, causal=causal)
+        names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
+        _bwd(q, k, v, out, lse, dout, causal=causal)
+        runs.append(_launches(h200, names))
+        del names[out.data_ptr()], names[lse.data_ptr()]
+    miss, hit, uncached = runs
+    assert [name for name, *_ in hit] == ["attn_fwd_ws_kernel", "attn_bwd_preprocess_kernel",
+                                          "attn_bwd_ws_kernel"]
+    assert hit == miss == uncached
+    assert [kind for kind, *_ in h200] == ["run"] * 3  # the plans that the miss's JIT calls returned
+
+
+@pytest.mark.parametrize("causal, block_m, defer", [(False, 128, False), (True, 64, True)])
+def test_d64_backward_steps(h200, causal, block_m, defer):
+    # 128-row steps, dQ in step order, without the mask; 64-row steps and the deferred dQ with it
+    q, k, v = _qkv(64)
+    out, lse = _fwd(q, k, v, causal=causal)
+    h200.clear()
+    _bwd(q, k, v, out, lse, torch.randn_like(q), causal=causal)
+    ((_, _, params),) = [c for c in _launches(h200, {}) if c[0] == "attn_bwd_ws_kernel"]
+    names = bwd_ws_kernels.attn_bwd_ws_kernel.arg_names
+    assert params[names.index("BLOCK_M")] == block_m
+    assert params[names.index("DEFER_DQ")] is defer
+    # the stats planes come with each stage: one row of each per query row
+    stats = params[names.index("stats_desc")]
+    assert stats[4] == [2, 1, block_m]
+
+
+def test_the_public_call_hits_forward_and_backward(h200):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    for _ in range(3):
+        h200.clear()
+        out = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [kind for kind, *_ in h200] == ["run"] * 3
+    assert len(attention._forward_cache) == len(attention._backward_cache) == 1
+
+
+def _hits(call) -> bool:
+    """Whether call() took the cache: a Gluon launcher ran without preparing its launch."""
+    ran, prepared = [], []
+
+    def spy(log, real):
+        def wrapper(*args):
+            log.append(real)
+            return real(*args)
+
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("forward", "backward"):
+            mp.setattr(gluon, name, spy(ran, getattr(gluon, name)))
+            prepare = f"_prepare_{name}"
+            mp.setattr(gluon, prepare, spy(prepared, getattr(gluon, prepare)))
+        call()
+    return bool(ran) and not prepared
+
+
+def _variants():
+    """(name, a change of one thing the derivations read) as (tile overrides, qkv, call options)."""
+    def strided(d=128):  # another head count's tensors, a head sliced out: other strides
+        return [t[:, :, :2] for t in _qkv(d, h=3)]
+
+    def misaligned():  # 8 bytes past an aligned address (the pointer path's Triton forward takes it)
+        return [torch.cat([t.flatten()[:4], t.flatten()])[4:].view(t.shape) for t in _qkv()]
+
+    return [
+        ("strides", {}, strided, {}),
+        ("alignment", {}, misaligned, {}),
+        ("dtype", {}, lambda: _qkv(dtype=torch.float16), {}),
+        ("length", {}, lambda: _qkv(s=320), {}),
+        ("causal", {}, _qkv, dict(causal=False)),
+        ("scale", {}, _qkv, dict(softmax_scale=0.25)),
+        ("tile override", "fwd_ws=128,128,4,3", _qkv, {}),
+        ("window", None, _qkv, dict(window_size=(64, 0))),
+    ]
+
+
+@pytest.mark.parametrize("name, tiles, qkv, options", _variants(), ids=[v[0] for v in _variants()])
+def test_any_change_the_forward_reads_misses(h200, monkeypatch, name, tiles, qkv, options):
+    q, k, v = _qkv()
+    _fwd(q, k, v)
+    assert _hits(lambda: _fwd(q, k, v))
+    if tiles:
+        use_tiles(monkeypatch, tiles)
+    tensors = qkv()
+    assert not _hits(lambda: _fwd(*tensors, **options))
+    # and the next call of the new signature, a hit where it takes the Gluon forward, launches as uncached
+    h200.clear()
+    _fwd(*tensors, **options)
+    cached = _launches(h200, {})
+    with monkeypatch.context() as mp:
+        mp.setattr(attention, "_cacheable", lambda *a: False)
+        h200.clear()
+        _fwd(*tensors, **options)
+        uncached = _launches(h200, {})
+    assert cached == uncached
+
+
+@pytest.mark.parametrize("tiles, d, deterministic", [
+    ("bwd_ws=128,128,4,2", 64, False),
+    (None, 128, True),
+])
+def test_any_change_the_backward_reads_misses(h200, monkeypatch, tiles, d, deterministic):
+    q, k, v = _qkv(d)
+    dout = torch.randn_like(q)
+    out, lse = _fwd(q, k, v)
+    _bwd(q, k, v, out, lse, dout)
+    assert _hits(lambda: _bwd(q, k, v, out, lse, dout))
+    if tiles:
+        use_tiles(monkeypatch, tiles)
+    assert not _hits(lambda: _bwd(q, k, v, out, lse, dout, deterministic=deterministic))
+    h200.clear()
+    _bwd(q, k, v, out, lse, dout, deterministic=deterministic)
+    cached = _launches(h200, {})
+    monkeypatch.setattr(attention, "_cacheable", lambda *a: False)
+    h200.clear()
+    _bwd(q, k, v, out, lse, dout, deterministic=deterministic)
+    assert cached == _launches(h200, {})
+    if tiles:  # 128-row steps at d = 64 under the causal mask: no deferred dQ
+        ((_, _, params),) = [c for c in cached if c[0] == "attn_bwd_ws_kernel"]
+        assert params[bwd_ws_kernels.attn_bwd_ws_kernel.arg_names.index("DEFER_DQ")] is False
+
+
+def test_an_explicit_route_bypasses_the_cache_and_runs_as_given(h200):
+    q, k, v = _qkv(64, s=8192, h=8)
+    _fwd(q, k, v)
+    spec = attention._problem(q, k, v, 0.125, True, (-1, -1), 0.0, None, 0.0, 0, 0, None, None, None,
+                              None).spec
+    route = dataclasses.replace(routes.forward_route(spec), half_diag=False, persistent=False)
+    assert not _hits(lambda: _fwd(q, k, v, route=route))
+    h200.clear()
+    _fwd(q, k, v, route=route)
+    ((name, grid, params),) = _launches(h200, {})
+    names = fwd_ws_kernels.attn_fwd_ws_kernel.arg_names
+    assert name == "attn_fwd_ws_kernel" and params[names.index("HALF_DIAG")] is False
+    assert grid[0] == 8 * -(-8192 // route.tiles.block_m) > 132  # one program per tile, not per SM
+    triton = routes.forward_route(dataclasses.replace(spec, softcap=True))
+    h200.clear()
+    _fwd(q, k, v, route=triton)
+    assert [c[0] for c in _launches(h200, {})] == ["attn_fwd_kernel"]
+
+
+def test_an_installed_hook_bypasses_the_cache(h200):
+    from triton import knobs
+
+    q, k, v = _qkv()
+    _fwd(q, k, v)
+
+    def hook(metadata):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not _hits(lambda: _fwd(q, k, v))
+        h200.clear()
+        _fwd(q, k, v)
+        assert [kind for kind, *_ in h200] == ["jit"]  # launch's JIT path, which calls the hooks
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert _hits(lambda: _fwd(q, k, v))
+
+
+def test_the_caches_stay_bounded_and_hold_no_tensor(h200, monkeypatch):
+    monkeypatch.setattr(attention, "_CACHED_SIGNATURES", 3)
+    monkeypatch.setattr(_validate, "_PASSED_SIGNATURES", 3)
+    for s in range(200, 208):
+        q, k, v = (t.requires_grad_() for t in _qkv(s=s))
+        out = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert len(attention._forward_cache) <= 3 and len(attention._backward_cache) <= 3
+        assert len(_validate._passed) <= 3
+    # everything the caches reach, short of code (kernels, classes, modules, functions) and this file's
+    # fakes, whose log keeps the launched tensors
+    skip = (_Kernel, _Compiled, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+    seen, stack = set(), [attention._forward_cache, attention._backward_cache, _validate._passed]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        assert not isinstance(obj, torch.Tensor), "a cache holds a tensor"
+        stack.extend(gc.get_referents(obj))
+    assert len(seen) > 50  # it did walk the entries
