@@ -127,24 +127,30 @@ def ring_backward(dout, q, k, v, out, lse, sched: Schedule, ring: Ring, opts: Op
         kv_pending = ring.exchange([(held[i], shift, _TAG_KV + i) for i, (shift, n, _) in enumerate(legs)
                                     if u < n])
         if u >= 1:
+            # compute first: the accumulators arriving from the previous round are only needed for the adds,
+            # so their transfer runs underneath this round's kernels like the K/V transfer does
+            parts = {}
+            for i, (_, n, step) in enumerate(legs):
+                if u <= n:
+                    tasks = sched.tasks(step(u))
+                    parts[i] = [run_backward(task, dout, q, held[i][0], held[i][1], out, lse, dq, opts, stats)
+                                for task in tasks]
+                    _count(stats, "backward", tasks)
             incoming = dict(zip(posted, dkv_pending.wait(), strict=True)) if dkv_pending is not None else {}
             for i in posted:
                 if legs[i][1] == u - 1:  # that relay's last round was the previous one: own block's sum
                     own[0].add_(incoming[i][0])
                     own[1].add_(incoming[i][1])
             post, posted = [], []
-            for i, (shift, n, step) in enumerate(legs):
+            for i, (shift, n, _) in enumerate(legs):
                 if u > n:
                     continue
-                # block r ∓ u: the sum of the ranks before this one on its way (the first starts from 0)
+                # block r ∓ u: the sum of the ranks before this one on its way (the first starts from 0),
+                # then this rank's contribution
                 acc = incoming[i] if u >= 2 else _zeros32(held[i])
-                tasks = sched.tasks(step(u))
-                for task in tasks:
-                    add_k, add_v = run_backward(task, dout, q, held[i][0], held[i][1], out, lse, dq, opts,
-                                                stats)
+                for add_k, add_v in parts[i]:
                     add_k(acc[0])
                     add_v(acc[1])
-                _count(stats, "backward", tasks)
                 # on with the block; after the relay's last round, straight back to the block's owner
                 post.append((acc, shift if u < n else -shift * n, _TAG_DKV + i))
                 posted.append(i)
