@@ -7,6 +7,7 @@ collectives), so no rank is left waiting.
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -225,3 +226,28 @@ def _(rank, world):
     assert torch.allclose(out, ref, atol=1e-6)
     for a, b in zip(compiled, leaves, strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+# -- the bench suite, measured ------------------------------------------------------------------------------
+@special("bench-cp-measured", (2,))
+def _(rank, world):
+    import tempfile
+    from pathlib import Path
+
+    from flashattn.bench.suites import cp
+
+    use_backend("torch")
+    cfg = cp.CPConfig(dtype="fp32", nheads=2, nheads_k=1, headdim=16, causal=(True,), weak_local=(16,),
+                      strong_global=(64,), warmup=1, iters=2)
+    with tempfile.TemporaryDirectory() as out:
+        assert cp.run_suite(cfg, torch.device("cpu"), Path(out), quiet=True) == 0
+        if rank == 0:
+            rows = json.loads((Path(out) / "cp.json").read_text())["rows"]
+            assert {(r["method"], r["mode"], r["scaling"]) for r in rows} == {
+                (m, mode, s) for m in ("ring", "ulysses") for mode in ("fwd", "fwd+bwd")
+                for s in ("weak", "strong")}
+            for r in rows:
+                assert r["kind"] == "measured" and r["world"] == 2
+                assert r["ms"] > 0 and r["comm_ms"] > 0 and r["compute_ms"] > 0 and r["single_ms"] > 0
+                assert 0.0 <= r["hidden"] <= 1.0
+            assert "Weak scaling" in (Path(out) / "cp.md").read_text()

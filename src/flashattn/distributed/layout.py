@@ -22,7 +22,7 @@ from flashattn.distributed._geometry import (
 def _gather(x, dim: int, pg):
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=pg)
+    return funcol.wait_tensor(funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=pg))
 
 
 def shard(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:

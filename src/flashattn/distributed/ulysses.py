@@ -23,7 +23,9 @@ from flashattn.distributed._geometry import positions
 def _a2a(x, pg):
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_to_all_single_autograd(x.contiguous(), None, None, pg)
+    # waited here: the next step needs the data anyway, and an output that is never waited on explicitly
+    # (a view, say) would leave its work registered until process exit
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, pg))
 
 
 def seq_to_heads(x, pg, world: int):
