@@ -96,28 +96,18 @@ def band(q_pos, k_pos, stride: int, offset, left: int, right: int):
     return lo, hi, e
 
 
-def blocks(q_pos, m, k_pos, n, stride: int, offset, left: int, right: int) -> dict[str, torch.Tensor]:
-    """The work of (query piece, key piece) pairs, elementwise over broadcast int64 tensors.
+def rect(lo, hi, m, n) -> dict[str, torch.Tensor]:
+    """The band ``lo <= j − i <= hi`` on an ``m × n`` block as a single-device call needs it (elementwise).
 
-    Args:
-        q_pos, m: global position of the first query and the number of queries of each query piece.
-        k_pos, n: the same for the key pieces.
-        stride: the pieces' common position stride (1, or the world size for ``striped``).
-        offset: ``seqlen_k − seqlen_q`` of the full problem (0 in varlen: documents attend to themselves).
-        left, right: the window, UNBOUNDED for an unbounded side, right = 0 under causal.
-
-    Returns tensors (broadcast shape):
-        visible: some query sees some key.
-        a0, a1, b0, b1: the tight rectangle: rows ``[a0, a1)`` and keys ``[b0, b1)`` of the pieces that see
-            anything. Rows outside it see no key of this piece; keys outside it are seen by no row.
-        causal, left, right: what a single-device call on that rectangle needs (bottom-right aligned,
-            ``−1`` = unbounded): ``causal`` when the right bound is 0. Both bounds are >= 0 on the tight
-            rectangle, so no negative window (which the kernels cannot express) is ever needed.
-        alibi_ok: the kernel's ALiBi distance ``|i + n' − m' − j|`` on the rectangle equals the global
-            ``|pq + G − pk| / stride`` (so ALiBi is exact with slopes·stride); false where it needs a shifted
-            diagonal the kernels do not take.
+    Returns:
+        visible: some row sees some key.
+        a0, a1, b0, b1: the tight rectangle: rows ``[a0, a1)`` and keys ``[b0, b1)`` that see anything. Rows
+            outside it see no key of the block; keys outside it are seen by no row.
+        causal, left, right: the call on that rectangle (bottom-right aligned, ``−1`` = unbounded):
+            ``causal`` when the right bound is 0. Both bounds are >= 0 on the tight rectangle, so no negative
+            window (which the kernels cannot express) is ever needed.
+        c: the rectangle's own diagonal offset (keys − rows), which its ALiBi distance is aligned with.
     """
-    lo, hi, e = band(q_pos, k_pos, stride, offset, left, right)
     zero = torch.zeros_like(lo)
     a0 = torch.maximum(zero, -hi)
     a1 = torch.minimum(m + zero, n - lo)
@@ -133,10 +123,30 @@ def blocks(q_pos, m, k_pos, n, stride: int, offset, left: int, right: int) -> di
     win_l = torch.where(win_l >= keys - 1, torch.full_like(win_l, -1), win_l)
     win_r = torch.where(win_r >= rows - 1, torch.full_like(win_r, -1), win_r)
     causal = win_r == 0
-    e_div = _floor_div(e, stride)
-    alibi_ok = (e_div * stride == e) & (c == a0 - b0 - e_div)
     return dict(visible=visible, a0=a0, a1=a1, b0=b0, b1=b1, causal=causal, left=win_l,
-                right=torch.where(causal, torch.full_like(win_r, -1), win_r), alibi_ok=alibi_ok)
+                right=torch.where(causal, torch.full_like(win_r, -1), win_r), c=c)
+
+
+def blocks(q_pos, m, k_pos, n, stride: int, offset, left: int, right: int) -> dict[str, torch.Tensor]:
+    """The work of (query piece, key piece) pairs, elementwise over broadcast int64 tensors.
+
+    Args:
+        q_pos, m: global position of the first query and the number of queries of each query piece.
+        k_pos, n: the same for the key pieces.
+        stride: the pieces' common position stride (1, or the world size for ``striped``).
+        offset: ``seqlen_k − seqlen_q`` of the full problem (0 in varlen: documents attend to themselves).
+        left, right: the window, UNBOUNDED for an unbounded side, right = 0 under causal.
+
+    Returns :func:`rect`'s tensors for the band of each pair, and
+        alibi_ok: the kernel's ALiBi distance ``|i + n' − m' − j|`` on the rectangle equals the global
+            ``|pq + G − pk| / stride`` (so ALiBi is exact with slopes·stride); false where it needs a shifted
+            diagonal the kernels do not take.
+    """
+    lo, hi, e = band(q_pos, k_pos, stride, offset, left, right)
+    r = rect(lo, hi, m, n)
+    e_div = _floor_div(e, stride)
+    r["alibi_ok"] = (e_div * stride == e) & (r["c"] == r["a0"] - r["b0"] - e_div)
+    return r
 
 
 def window_bounds(causal: bool, window_size) -> tuple[int, int]:

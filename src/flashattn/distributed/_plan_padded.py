@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from flashattn.distributed._geometry import blocks
+from flashattn.distributed._geometry import UNBOUNDED, band, blocks, rect
 from flashattn.distributed._tasks import Exact, Task
 
 
@@ -54,6 +54,52 @@ def _coalesce(specs: list[dict]) -> list[dict]:
     return sorted(specs, key=lambda s: (s["rows"], s["keys"]))
 
 
+def _canonical(r: dict) -> tuple:
+    """What a :func:`rect` result selects (two equal tuples select the same (row, key) pairs)."""
+    if not bool(r["visible"]):
+        return (False,)
+    return tuple(int(r[k]) for k in ("a0", "a1", "b0", "b1", "causal", "left", "right"))
+
+
+def _one_call(pairs: list[tuple], rows: int, keys: int, specs: list[dict]) -> dict | None:
+    """One call over all local rows and all of the block's keys that does the work of the step's several,
+    when a single bottom-right-aligned band on the concatenated tokens selects, on every (query piece, key
+    piece) pair, exactly the pairs the true band does: zigzag's step 0 is one causal call (its two pieces
+    are in increasing position order), as in ring-flash-attn.
+
+    pairs: ``(q_off, m, k_off, n, lo, hi)`` of every piece pair (true band ``lo <= j − i <= hi``).
+    """
+    c = keys - rows
+    candidates = [(-1, 0), (-1, -1)]
+    for s in specs:  # each task's own band, in the coordinates of the whole block
+        (r0, r1), (k0, k1) = s["rows"], s["keys"]
+        ct = (k1 - k0) - (r1 - r0)
+        left, right = s["window"][0], 0 if s["causal"] else s["window"][1]
+        lo = ct - left + k0 - r0 if left >= 0 else None
+        hi = ct + right + k0 - r0 if right >= 0 else None
+        # a negative bound reads as unbounded, like the kernels read it; the check below decides either way
+        candidates.append((-1 if lo is None else max(-1, c - lo), -1 if hi is None else max(-1, hi - c)))
+    for left, right in candidates:
+        same = True
+        for q_off, m, k_off, n, lo, hi in pairs:
+            shift = k_off - q_off  # j − i in the block = (j'' − i'') + shift
+            c_lo = torch.tensor(-UNBOUNDED if left < 0 else c - left - shift)
+            c_hi = torch.tensor(UNBOUNDED if right < 0 else c + right - shift)
+            if _canonical(rect(c_lo, c_hi, torch.tensor(m), torch.tensor(n))) != _canonical(
+                    rect(torch.tensor(lo), torch.tensor(hi), torch.tensor(m), torch.tensor(n))):
+                same = False
+                break
+        if same:
+            whole = rect(torch.tensor(-UNBOUNDED if left < 0 else c - left),
+                         torch.tensor(UNBOUNDED if right < 0 else c + right), torch.tensor(rows),
+                         torch.tensor(keys))
+            x = {k: int(v) for k, v in whole.items()}
+            return dict(rows=(x["a0"], x["a1"]), keys=(x["b0"], x["b1"]), causal=bool(x["causal"]),
+                        window=(x["left"], x["right"]), stride=specs[0]["stride"], exact=False, q_pos=0,
+                        k_pos=0, full=False)
+    return None
+
+
 @functools.lru_cache(maxsize=256)
 def plan(layout: str, seqlen_q: int, seqlen_k: int, world: int, rank: int, left: int, right: int,
          alibi: bool) -> tuple[tuple[bool, ...], tuple[tuple[dict, ...], ...]]:
@@ -66,11 +112,13 @@ def plan(layout: str, seqlen_q: int, seqlen_k: int, world: int, rank: int, left:
     for t in range(world):
         needed.append(False)
         src = (ranks - t) % world
-        mine = []
+        mine, pairs = [], []
         for q_pos, m, stride, q_off in q_tab:
             for k_pos, n, _, k_off in k_tab:
                 b = blocks(q_pos, m, k_pos[src], n, stride, offset, left, right)
                 needed[t] |= bool(b["visible"].any())
+                lo, hi, _ = band(q_pos[rank], k_pos[src[rank]], stride, offset, left, right)
+                pairs.append((q_off, m, k_off, n, int(lo), int(hi)))
                 if not bool(b["visible"][rank]):
                     continue
                 x = {name: int(val[rank]) for name, val in b.items()}
@@ -81,7 +129,11 @@ def plan(layout: str, seqlen_q: int, seqlen_k: int, world: int, rank: int, left:
                     q_pos=int(q_pos[rank]) + stride * x["a0"], k_pos=int(k_pos[src[rank]]) + stride * x["b0"],
                     full=not alibi and not x["causal"] and x["left"] == -1 and x["right"] == -1,
                 ))
-        steps.append(tuple(_coalesce(mine)))
+        mine = _coalesce(mine)
+        if len(mine) > 1 and not alibi:
+            one = _one_call(pairs, q_tab[-1][3] + q_tab[-1][1], k_tab[-1][3] + k_tab[-1][1], mine)
+            mine = [one] if one is not None else mine
+        steps.append(tuple(mine))
     return tuple(needed), tuple(steps)
 
 

@@ -56,6 +56,7 @@ class Schedule:
         self.down, self.up = split(needed, world)
         self.rounds = max(self.down, self.up)
         self._tasks_of = tasks_of
+        self._memo: dict = {}  # the backward runs the forward's tasks again: plan them once per call
 
     def legs(self):
         """(shift, length, step at round u) of each relay in use, down first."""
@@ -64,7 +65,9 @@ class Schedule:
         return [leg for leg in legs if leg[1] > 0]
 
     def tasks(self, t: int):
-        return self._tasks_of(t)
+        if t not in self._memo:
+            self._memo[t] = self._tasks_of(t)
+        return self._memo[t]
 
 
 def _lse_shape(q) -> tuple[int, ...]:
