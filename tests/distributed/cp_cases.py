@@ -170,5 +170,32 @@ for name, (worlds, fn) in SPECIAL.items():
         _add(f"{name}-w{w}", (w,), fn)
 
 
+# -- on GPUs through NCCL (test_cp_gpu.py runs them by name; no CPU world picks them) ------------------------
+BF16 = torch.bfloat16
+
+
+def _gpu(name: str, make: Callable[[int], Problem | VarlenProblem]) -> None:
+    def fn(rank, world, make=make):
+        p = make(world)
+        (check_varlen if isinstance(p, VarlenProblem) else check_padded)(p, rank, world)
+    _add(name, (), fn)
+    GPU_CASES.append(name)
+
+
+GPU_CASES: list[str] = []
+_gpu_big = Problem(b=2, h=8, hk=2, d=128, backend="triton", device="cuda", dtype=BF16)
+_gpu("gpu-ring-zigzag-causal", lambda w: replace(_gpu_big, causal=True, sq=512 * w))
+_gpu("gpu-ring-contiguous-window", lambda w: replace(_gpu_big, layout="contiguous", causal=True,
+                                                     window=(100, -1), sq=512 * w, dtype=FP16))
+_gpu("gpu-ring-everything", lambda w: replace(_gpu_big, causal=True, window=(300, -1), softcap=5.0, alibi="h",
+                                              sink=True, d=96, sq=256 * w))
+_gpu("gpu-ulysses-zigzag", lambda w: replace(_gpu_big, method="ulysses", causal=True, sq=512 * w))
+_gpu("gpu-varlen-causal", lambda w: VarlenProblem((300, 1, 0, 1000, 77), causal=True, h=8, hk=2, d=64,
+                                                  dtype=BF16, backend="triton", device="cuda"))
+for name in ("gpu-deterministic", "gpu-overlap-transfer"):
+    _add(name, (), SPECIAL[name][1])
+    GPU_CASES.append(name)
+
+
 def names_for(world: int) -> list[str]:
     return [c.name for c in CASES.values() if world in c.worlds]

@@ -45,16 +45,18 @@ class Problem:
     alibi: str | None = None  # None, "h" (nheads,) or "bh" (batch, nheads)
     sink: bool = False
     backend: str = "torch"
+    device: str = "cpu"
     hybrid: tuple[int, int] | None = None  # (ring, ulysses) mesh shape for method="hybrid"
     expect: Callable | None = None  # (rank, world, RingStats) -> None: assertions on the schedule
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
 
-def use_backend(name: str) -> None:
-    """Route this worker's single-device calls to the ``torch`` backend or the interpreted ``triton`` one."""
+def use_backend(name: str, device: str = "cpu") -> None:
+    """Route this worker's single-device calls to the ``torch`` backend or the ``triton`` one (interpreted on
+    the CPU)."""
     os.environ["FLASHATTN_BACKEND"] = name
-    assert backend_name(torch.empty(1)) == name, "the worker did not start with TRITON_INTERPRET=1"
+    assert backend_name(torch.empty(1, device=device)) == name, "no TRITON_INTERPRET=1 in the worker"
 
 
 def _rand(gen, *shape, dtype, scale=1.0):
@@ -75,7 +77,7 @@ def inputs(p: Problem):
     elif p.alibi == "bh":
         slopes = torch.rand(p.b, p.h, generator=gen) * 0.5
     sink = _rand(gen, p.h, dtype=torch.float32) if p.sink else None
-    return q, k, v, g, slopes, sink
+    return tuple(None if x is None else x.to(p.device) for x in (q, k, v, g, slopes, sink))
 
 
 def _leaves(*xs, dtype=None):
@@ -121,7 +123,7 @@ def make_sharder(p: Problem, world: int):
         return (lambda x, dim=1: shard(x, group, layout=p.layout, dim=dim)), {"group": group}
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", p.hybrid, mesh_dim_names=("ring", "ulysses"))
+    mesh = init_device_mesh(p.device.split(":")[0], p.hybrid, mesh_dim_names=("ring", "ulysses"))
     ring, uly = (mesh, "ring"), mesh["ulysses"]  # both spellings of a mesh dimension
 
     def sharder(x, dim=1):
@@ -132,7 +134,7 @@ def make_sharder(p: Problem, world: int):
 
 def run_padded(p: Problem, rank: int, world: int, *, deterministic: bool = False):
     """Our forward/backward on this rank's shards; returns (dict of ours, stats, sharder)."""
-    use_backend(p.backend)
+    use_backend(p.backend, p.device)
     q, k, v, g, slopes, sink = inputs(p)
     sharder, groups = make_sharder(p, world)
     ql, kl, vl = _leaves(sharder(q), sharder(k), sharder(v))
@@ -180,6 +182,7 @@ class VarlenProblem:
     alibi: str | None = None  # None, "h" or "bh" (ndocs, nheads)
     sink: bool = False
     backend: str = "torch"
+    device: str = "cpu"
     expect: Callable | None = None
     seed: int = 0
 
@@ -198,11 +201,11 @@ def varlen_inputs(p: VarlenProblem):
     elif p.alibi == "bh":
         slopes = torch.rand(ndocs, p.h, generator=gen) * 0.5
     sink = _rand(gen, p.h, dtype=torch.float32) if p.sink else None
-    return cu, q, k, v, g, slopes, sink
+    return tuple(None if x is None else x.to(p.device) for x in (cu, q, k, v, g, slopes, sink))
 
 
 def run_varlen(p: VarlenProblem, deterministic: bool = False):
-    use_backend(p.backend)
+    use_backend(p.backend, p.device)
     cu, q, k, v, g, slopes, sink = varlen_inputs(p)
     ql, kl, vl = _leaves(*(shard_varlen(x, cu)[0] for x in (q, k, v)))
     (sl,) = _leaves(sink)

@@ -34,15 +34,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
-    # the kernels are interpreted on the CPU only if this is set before triton is first imported; the torch
-    # backend ignores it, and each case picks its backend through FLASHATTN_BACKEND
-    os.environ["TRITON_INTERPRET"] = "1"
+def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str], backend: str) -> None:
+    if backend == "gloo":
+        # the kernels are interpreted on the CPU only if this is set before triton is first imported; the
+        # torch backend ignores it, and each case picks its backend through FLASHATTN_BACKEND
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # a few processes share two cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     import cp_cases
 
@@ -62,10 +65,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
     dist.destroy_process_group()
 
 
-def run_world(world: int, names: list[str]) -> dict[str, str | None]:
-    """Every case's outcome at this world size: None (passed on every rank) or the failures."""
+def run_world(world: int, names: list[str], backend: str = "gloo") -> dict[str, str | None]:
+    """Every case's outcome at this world size: None (passed on every rank) or the failures. ``backend``:
+    gloo (CPU tensors) or nccl (one GPU a rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir, names), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir, names, backend), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + DEADLINE_S
         crashed = None

@@ -251,3 +251,30 @@ def _(rank, world):
                 assert r["ms"] > 0 and r["comm_ms"] > 0 and r["compute_ms"] > 0 and r["single_ms"] > 0
                 assert 0.0 <= r["hidden"] <= 1.0
             assert "Weak scaling" in (Path(out) / "cp.md").read_text()
+
+
+# -- GPU only (test_cp_gpu.py) ----------------------------------------------------------------------------
+@special("gpu-deterministic", ())
+def _(rank, world):
+    p = Problem(causal=True, sink=True, hk=2, h=8, d=128, sq=512 * world, dtype=torch.bfloat16,
+                backend="triton", device="cuda")
+    runs = [run_padded(p, rank, world, deterministic=True)[0] for _ in range(2)]
+    _same_grads(*runs)
+
+
+@special("gpu-overlap-transfer", ())
+def _(rank, world):
+    """A transfer posted through NCCL while the compute stream is busy arrives intact, and what the current
+    stream queues after wait() sees it (with one GPU there is no one to send to: nothing to check)."""
+    from flashattn.distributed._comm import Ring
+
+    if world == 1:
+        return
+    ring = Ring(dist.group.WORLD)
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + rank
+    a = torch.randn(4096, 4096, device="cuda")
+    pending = ring.exchange([([x], 1, 0)])  # to rank + 1, from rank − 1
+    busy = a @ a  # runs on the compute stream while the transfer is in flight
+    (got,) = pending.wait()[0]
+    want = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + (rank - 1) % world
+    assert torch.equal(got, want) and bool(busy.isfinite().all())

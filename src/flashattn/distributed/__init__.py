@@ -30,12 +30,13 @@ Example (``torchrun --nproc-per-node 4 example.py``)::
     x_l = shard(shard(q, (mesh, "ring")), (mesh, "ulysses"), layout="contiguous")
 
 Methods:
-  * ring: K/V blocks go around the group (``batch_isend_irecv``, overlapped with the local attention; NCCL
-    runs it on its own stream). Partials merge through their LSE in float32; the sink enters once at the
-    end. The backward circulates K/V again, recomputes each block against the final LSE and output, and
-    sends float32 dK/dV around with their block. Blocks no query can see (causal, or outside a window) are
-    skipped, and the ring stops early when no rank needs farther blocks (a window narrower than a shard
-    talks to neighbours only in the ``contiguous`` layout).
+  * ring: K/V blocks go around the group in two relays, one each way (``batch_isend_irecv``, overlapped
+    with the local attention; NCCL runs it on its own stream). Partials merge through their LSE in float32;
+    the sink enters once at the end. The backward circulates K/V again, recomputes each block against the
+    final LSE and output, and sends float32 dK/dV around with their block. Blocks no query can see (causal,
+    or outside a window) are skipped without computing (``RingStats`` counts them), and each relay stops as
+    soon as no rank needs farther blocks: a window narrower than a shard exchanges blocks with the two
+    neighbouring ranks only (one with causal and the ``contiguous`` layout), for any world size.
   * ulysses: all-to-all to head shards, full-sequence attention, all-to-all back; nheads must be a multiple
     of the group size, K/V heads are replicated when there are fewer than ranks.
   * hybrid: Ulysses within ``ulysses_group``, ring across ``ring_group``.

@@ -72,7 +72,8 @@ def context_parallel_attn(q, k, v, group=None, *, method: str = "ring", layout: 
             (all-to-all to head shards; nheads must be a multiple of the group size) or ``"hybrid"``
             (Ulysses within ``ulysses_group``, ring across ``ring_group``).
         layout: ``"zigzag"`` (default), ``"contiguous"`` or ``"striped"``: how the shards were cut (see
-            :func:`shard`). Zigzag balances causal work; a narrow window skips the most steps contiguous.
+            :func:`shard`). Zigzag balances causal work; with a window narrower than a shard, contiguous
+            and zigzag exchange blocks with neighbouring ranks only, striped with every rank.
         causal: bool, default False. Bottom-right aligned: query i sees key j iff
             ``j <= i + seqlen_k − seqlen_q``.
         softmax_scale: float > 0, default ``1 / sqrt(headdim)``.
