@@ -119,6 +119,9 @@ _padded("cross-lengths-window", (2, 3), lambda w: Problem(layout="contiguous", c
                                                           sq=16 * w, sk=8 * w, dtype=FP16))
 _padded("cross-lengths-ulysses", (2, 4), lambda w: Problem(method="ulysses", causal=True, sq=8 * w,
                                                            sk=16 * w))
+_padded("bf16-ring-zigzag-causal", WORLDS, lambda w: Problem(causal=True, sq=8 * w, dtype=torch.bfloat16))
+_padded("bf16-ulysses-striped", (2, 4), lambda w: Problem(method="ulysses", layout="striped", sq=8 * w,
+                                                          dtype=torch.bfloat16))
 _padded("everything-ring", WORLDS, lambda w: Problem(causal=True, window=(10, -1), softcap=4.0, alibi="h",
                                                      sink=True, hk=1, d=24, sq=8 * w, dtype=FP16))
 _padded("everything-hybrid", (4,), lambda w: Problem(method="hybrid", hybrid=(2, 2), causal=True,
