@@ -12,6 +12,8 @@ Documents attend only to themselves (seqlen_q = seqlen_k per document): position
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashattn.distributed._geometry import blocks, doc_chunks, ranges_index
@@ -101,7 +103,18 @@ def _pair_tasks(qp, kp, q_region, k_region, b, alibi: bool, device) -> list[Task
 def plan(cu: torch.Tensor, world: int, rank: int, left: int, right: int, alibi: bool, device):
     """``(needed, tasks_of)``: per step ``t < world`` whether any rank has work with the block of its rank
     ``r − t``, and a function of the step giving this rank's tasks. ``cu``: int64 CPU ``(ndocs + 1,)``
-    global document boundaries."""
+    global document boundaries.
+
+    Memoised on the boundaries and options (a pure function of them; its tasks are never modified): every
+    layer of a model attends over the same documents, so only the first call of a batch plans (a few ms
+    of host time for tens of documents)."""
+    needed, steps = _plan(tuple(cu.tolist()), world, rank, left, right, alibi, str(torch.device(device)))
+    return needed, steps.__getitem__
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(cu_list: tuple[int, ...], world: int, rank: int, left: int, right: int, alibi: bool, device: str):
+    cu = torch.tensor(cu_list, dtype=torch.int64)
     bounds = doc_chunks(cu[1:] - cu[:-1], world)  # (ndocs, 2·world + 1)
     ranks = torch.arange(world)
     # every rank's pieces as (ndocs, world) tensors, for the steps any rank needs
@@ -117,15 +130,14 @@ def plan(cu: torch.Tensor, world: int, rank: int, left: int, right: int, alibi: 
                 b = blocks(q_pos, m, k_pos[:, src], n[:, src], 1, 0, left, right)
                 needed[t] |= bool((b["visible"] & (m > 0) & (n[:, src] > 0)).any())
     me = VarlenLayout(bounds, world, rank)
-
-    def tasks_of(t: int) -> list[Task]:
+    steps = []
+    for t in range(world):
         src = (rank - t) % world
         them = me if src == rank else VarlenLayout(bounds, world, src)
-        out = []
+        tasks = []
         for qi, qp in enumerate(me.pieces):
             for ki, kp in enumerate(them.pieces):
                 b = blocks(qp[0], qp[1], kp[0], kp[1], 1, 0, left, right)
-                out += _pair_tasks(qp, kp, me.region(qi), them.region(ki), b, alibi, device)
-        return out
-
-    return tuple(needed), tasks_of
+                tasks += _pair_tasks(qp, kp, me.region(qi), them.region(ki), b, alibi, device)
+        steps.append(tuple(tasks))
+    return tuple(needed), tuple(steps)
