@@ -8,7 +8,8 @@
 Results equal ``flashattn.flash_attn_func`` (``flash_attn_varlen_func``) on the unsharded tensors: causal
 aligned bottom-right, sliding windows, softcap, ALiBi on global positions, learnable sinks, GQA/MQA, any
 head dim. A group is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair or None (the
-default group); nothing is kept between calls.
+default group). No state passes from call to call: the ring schedules are memoised, but they are pure
+functions of the shapes, options and document boundaries.
 
 Example (``torchrun --nproc-per-node 4 example.py``)::
 
@@ -25,9 +26,13 @@ Example (``torchrun --nproc-per-node 4 example.py``)::
     out_l.sum().backward()                    # q_l.grad, k_l.grad, v_l.grad: this rank's shards
     out = unshard(out_l, layout="zigzag")     # (1, 32768, 16, 128) on every rank
 
-    # hybrid: Ulysses over 2 ranks inside, ring over 2 across
-    mesh = dist.device_mesh.init_device_mesh("cuda", (2, 2), mesh_dim_names=("ring", "ulysses"))
-    x_l = shard(shard(q, (mesh, "ring")), (mesh, "ulysses"), layout="contiguous")
+    # hybrid: Ulysses over 2 ranks inside, ring over 2 across (a 2-D mesh of the 4 ranks)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    q_l, k_l, v_l = (shard(shard(x, (mesh, "ring")), (mesh, "ulysses"), layout="contiguous")
+                     for x in (q, k, v))
+    out_l = context_parallel_attn(q_l, k_l, v_l, method="hybrid", ring_group=(mesh, "ring"),
+                                  ulysses_group=(mesh, "ulysses"), causal=True)
 
 Methods:
   * ring: K/V blocks go around the group in two relays, one each way (``batch_isend_irecv``, overlapped
