@@ -6,7 +6,6 @@ plain PyTorch in the same precision, plus a tiny floor).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 from utils import assert_close_to_ref
 
-from flashattn.backend import backend_name
+from flashattn import config
+from flashattn.backends import backend_name
 from flashattn.distributed import (
     RingStats,
     context_parallel_attn,
@@ -55,7 +55,7 @@ class Problem:
 def use_backend(name: str, device: str = "cpu") -> None:
     """Route this worker's single-device calls to the ``torch`` backend or the ``triton`` one (interpreted on
     the CPU)."""
-    os.environ["FLASHATTN_BACKEND"] = name
+    config.set_backend(name)
     assert backend_name(torch.empty(1, device=device)) == name, "no TRITON_INTERPRET=1 in the worker"
 
 

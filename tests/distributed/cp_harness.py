@@ -37,7 +37,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str], backend: str) -> None:
     if backend == "gloo":
         # the kernels are interpreted on the CPU only if this is set before triton is first imported; the
-        # torch backend ignores it, and each case picks its backend through FLASHATTN_BACKEND
+        # torch backend ignores it, and each case picks its backend (flashattn.config.set_backend)
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import torch.distributed as dist

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from flashattn import config
 from flashattn.bench import cli
 from flashattn.bench.suites import cp
 
@@ -33,7 +34,7 @@ def test_ring_model_slowest_rank_sets_each_round():
 
 
 def test_predicted_on_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHATTN_BACKEND", "torch")
+    monkeypatch.setattr(config, "backend", "torch")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

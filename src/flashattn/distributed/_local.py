@@ -5,7 +5,7 @@ move, only this file changes. Three entry points:
 
 * :func:`forward` / :func:`backward`: the launcher-level pure functions (tensors in, tensors out, no
   autograd) of whichever backend serves the tensors (Triton kernels on CUDA or under TRITON_INTERPRET=1, the
-  chunked PyTorch backend otherwise, ``FLASHATTN_BACKEND`` forcing one). The ring's autograd.Function
+  chunked PyTorch backend otherwise, ``flashattn.config``'s backend forcing one). The ring's autograd.Function
   calls them once per (query block, key block).
 * :func:`attention`: the public, differentiable ``flash_attn_func`` (with its torch.compile-traceable
   custom op), for Ulysses, which runs whole sequences locally and needs no custom backward.
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from flashattn.backend import backend_module
+from flashattn.backends import entry
 
 
 def _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
@@ -51,7 +51,7 @@ def forward(q, k, v, *, softmax_scale: float, causal: bool, window_size: tuple[i
         out: like q with v's head dim, q's dtype.
         lse: float32 ``(b, h, m)`` (varlen ``(h, total_q)``), natural log; ``−inf`` where the row sees no key.
     """
-    out, lse = backend_module(q).attention_forward(
+    out, lse = entry(q).attention_forward(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
         **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -81,7 +81,7 @@ def backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, win
     # the Triton launcher sizes a scratch buffer like lse but indexes it with lse's strides: give it a
     # contiguous one
     lse = lse.contiguous()
-    dq, dk, dv, _ = backend_module(q).attention_backward(
+    dq, dk, dv, _ = entry(q).attention_backward(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=0.0, rng_seed=0, rng_offset=0,
         learnable_sink=None, deterministic=deterministic,
