@@ -288,3 +288,16 @@ def test_kvpacked_gqa_not_divisible(backend):
     q = _t(B, S, 16, D)
     kv = _t(B, S, 2, 6, D)
     _raises(lambda: flash_attn_kvpacked_func(q, kv), r"\bkv\b|\bk\b", r"\b6\b")
+
+
+def test_every_bad_argument_raises_the_one_error_class():
+    # code written against flash_attn catches RuntimeError; Python code catches ValueError or TypeError
+    from flashattn.errors import FlashAttnError
+
+    q, k, v = _qkv()
+    for call in (lambda: flash_attn_func(q, k.half() if q.dtype != torch.float16 else k.float(), v),
+                 lambda: flash_attn_func(q, k, v, window_size=(-5, 0)),
+                 lambda: flash_attn_func(q, k, v, softmax_scale="x")):
+        with pytest.raises(FlashAttnError) as info:
+            call()
+        assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)

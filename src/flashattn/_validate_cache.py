@@ -7,26 +7,27 @@ import torch
 from torch import Tensor
 
 from flashattn import _validate, config
+from flashattn.errors import FlashAttnError
 
 
 def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(batch,)") -> None:
     if not isinstance(t, Tensor):
-        raise TypeError(
+        raise FlashAttnError(
             f"{name} must be a torch.Tensor {shape_text} of dtype torch.int32, got {type(t).__name__}"
         )
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with .to(torch.int32))")
+        raise FlashAttnError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with .to(torch.int32))")
     if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+        raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if shape_text == "(batch,)" and tuple(t.shape) != (b,):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
+        raise FlashAttnError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
 
 
 def check_block_table(block_table, b: int, q: Tensor) -> None:
     """(batch, max_pages) int32 on q's device (flash_attn_with_kvcache, and varlen with paged KV)."""
     _check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
     if block_table.dim() != 2 or block_table.shape[0] != b:
-        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
+        raise FlashAttnError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
                          f"(batch, max_pages)")
 
 
@@ -41,19 +42,19 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
     b, sq, h, d = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
+            raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+            raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; "
+        raise FlashAttnError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; "
                          f"they must match")
     hk = k_cache.shape[2]
     if k_cache.shape[3] != d:
-        raise ValueError(f"k_cache has headdim {k_cache.shape[3]} but q has {d}; they must match")
+        raise FlashAttnError(f"k_cache has headdim {k_cache.shape[3]} but q has {d}; they must match")
     if d > _validate.MAX_HEADDIM:
-        raise ValueError(f"q has headdim {d}; headdim must be at most {_validate.MAX_HEADDIM}")
+        raise FlashAttnError(f"q has headdim {d}; headdim must be at most {_validate.MAX_HEADDIM}")
     if h % hk != 0:
-        raise ValueError(
+        raise FlashAttnError(
             f"k_cache has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)"
         )
 
@@ -61,38 +62,38 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         check_block_table(block_table, b, q)
         page_size = k_cache.shape[1]
         if page_size % 16 != 0:
-            raise ValueError(
+            raise FlashAttnError(
                 f"k_cache has page_size {page_size} (dim 1 of a paged cache); expected a multiple of 16"
             )
         if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx is not supported with a paged cache (block_table): map batch "
+            raise FlashAttnError("cache_batch_idx is not supported with a paged cache (block_table): map batch "
                              "entries to pages through block_table instead")
     elif cache_batch_idx is None and k_cache.shape[0] < b:
-        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {b}; expected "
+        raise FlashAttnError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {b}; expected "
                          f"batch_cache >= batch, or a cache_batch_idx")
 
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (both new keys and values, or neither)")
+        raise FlashAttnError("k and v must be given together (both new keys and values, or neither)")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             _validate.check_tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
             if t.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
+                raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
             if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
             if (t.shape[0], t.shape[2], t.shape[3]) != (b, hk, d):
-                raise ValueError(
+                raise FlashAttnError(
                     f"{name} has shape {tuple(t.shape)}; expected ({b}, seqlen_new, {hk}, {d}) = "
                     f"(batch, seqlen_new, nheads_k, headdim)"
                 )
         if v.shape[1] != k.shape[1]:
-            raise ValueError(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; they must match")
+            raise FlashAttnError(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; they must match")
 
     if isinstance(cache_seqlens, Tensor):
         _check_index_tensor("cache_seqlens", cache_seqlens, b, q)
     elif cache_seqlens is not None and (isinstance(cache_seqlens, bool)
                                         or not isinstance(cache_seqlens, numbers.Integral)):
-        raise TypeError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
+        raise FlashAttnError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
                         f"{type(cache_seqlens).__name__}")
     if cache_batch_idx is not None:
         _check_index_tensor("cache_batch_idx", cache_batch_idx, b, q)
@@ -100,38 +101,38 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         _check_index_tensor("cache_leftpad", cache_leftpad, b, q)
 
     if (cos is None) != (sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+        raise FlashAttnError("rotary_cos and rotary_sin must be given together")
     if cos is not None:
         if k is None:
-            raise ValueError(
+            raise FlashAttnError(
                 "rotary_cos/rotary_sin are given without k/v: rotary is applied to q and the new keys "
                 "together; pass the new k and v, or rotate q yourself"
             )
         for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
             _validate.check_tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
             if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
         if sin.shape != cos.shape:
-            raise ValueError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos {tuple(cos.shape)}; "
+            raise FlashAttnError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos {tuple(cos.shape)}; "
                              f"they must match")
         if 2 * cos.shape[1] > d:
-            raise ValueError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim {2 * cos.shape[1]}; "
+            raise FlashAttnError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim {2 * cos.shape[1]}; "
                              f"expected rotary_dim <= headdim = {d}")
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
         if cos.shape[0] < capacity:
-            raise ValueError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the cache "
+            raise FlashAttnError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the cache "
                              f"capacity {capacity}, the last position a key can take")
 
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype != torch.float32:
             got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
-            raise TypeError(f"alibi_slopes must be a float32 tensor of shape ({h},) or ({b}, {h}), got {got}")
+            raise FlashAttnError(f"alibi_slopes must be a float32 tensor of shape ({h},) or ({b}, {h}), got {got}")
         if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
-            raise ValueError(
+            raise FlashAttnError(
                 f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({b}, {h})"
             )
         if alibi_slopes.device != q.device or alibi_slopes.stride(-1) != 1:
-            raise ValueError(f"alibi_slopes must be on {q.device} with a contiguous last dim, got "
+            raise FlashAttnError(f"alibi_slopes must be on {q.device} with a contiguous last dim, got "
                              f"{alibi_slopes.device}, strides {tuple(alibi_slopes.stride())}")
     return b, sq, h, d, paged
 
@@ -176,22 +177,22 @@ def check_indices(q, k_cache, k, cache_seqlens, cache_len, cache_batch_idx, cach
     # the error path: precise messages, more copies are fine here
     if bad[0]:
         i = int(((starts < 0) | (ends > capacity)).nonzero()[0, 0])
-        raise ValueError(
+        raise FlashAttnError(
             f"cache_seqlens[{i}] = {int(starts[i])} with {s_new} new keys needs {int(ends[i])} cache "
             f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {capacity} "
             f"(the cache capacity)"
         )
     if bad[1]:
         i = int(((lo < 0) | (lo > starts)).nonzero()[0, 0])
-        raise ValueError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= cache_seqlens "
+        raise FlashAttnError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= cache_seqlens "
                          f"= {int(starts[i])}")
     if cache_batch_idx is not None and bad[2]:
         i = int(flags[2].nonzero()[0, 0])
-        raise ValueError(f"cache_batch_idx[{i}] = {int(cache_batch_idx[i])}; expected a cache row in "
+        raise FlashAttnError(f"cache_batch_idx[{i}] = {int(cache_batch_idx[i])}; expected a cache row in "
                          f"[0, {k_cache.shape[0]})")
     if paged and bad[-1]:
         i, j = (int(x) for x in bad_pages.nonzero()[0])
-        raise ValueError(
+        raise FlashAttnError(
             f"block_table[{i}, {j}] = {int(block_table[i, j])} but the cache has {k_cache.shape[0]} pages; "
             f"expected entries in [0, {k_cache.shape[0]}) for every page sequence {i} uses "
             f"(positions [{int(lo[i])}, {int(ends[i])}), page_size {k_cache.shape[1]})"

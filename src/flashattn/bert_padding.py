@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 __all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input"]
 
 
@@ -76,7 +78,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
         the count of ``attention_mask`` tokens per sequence.
     """
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
-        raise ValueError(
+        raise FlashAttnError(
             f"attention_mask has shape {tuple(attention_mask.shape)}; expected (batch, seqlen) = "
             f"{tuple(hidden_states.shape[:2])} of hidden_states"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flashattn import _validate
 from flashattn.dropout import dropout_keep_mask
+from flashattn.errors import FlashAttnError
 from flashattn.masks import BlockMask, MaskRule
 from flashattn.ops.attention import default_scale
 from flashattn.ops.block_sparse import block_sparse_attention
@@ -14,20 +15,20 @@ __all__ = ["block_sparse_attn_func", "check_block_mask"]
 def check_block_mask(block_mask, q, k) -> None:
     """The mask must describe this call: its seqlens, and batch / heads of 1 or the call's."""
     if not isinstance(block_mask, BlockMask):
-        raise TypeError(
+        raise FlashAttnError(
             f"block_mask must be a flashattn.BlockMask (see BlockMask.causal, .from_mask_mod, ...), got "
             f"{type(block_mask).__name__}")
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     if (block_mask.seqlen_q, block_mask.seqlen_k) != (sq, sk):
-        raise ValueError(
+        raise FlashAttnError(
             f"block_mask is for (seqlen_q, seqlen_k) = {(block_mask.seqlen_q, block_mask.seqlen_k)} but q "
             f"and k have {(sq, sk)}; build the mask for the call's lengths")
     mb, mh = block_mask.shape[:2]
     if mb not in (1, b):
-        raise ValueError(f"block_mask has batch {mb} but q has batch {b}; expected 1 (shared) or {b}")
+        raise FlashAttnError(f"block_mask has batch {mb} but q has batch {b}; expected 1 (shared) or {b}")
     if mh not in (1, h):
-        raise ValueError(
+        raise FlashAttnError(
             f"block_mask has {mh} heads but q has {h} query heads; expected 1 (shared) or {h} (masks are per "
             f"query head, also with GQA)")
 

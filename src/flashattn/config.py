@@ -24,6 +24,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from flashattn.errors import FlashAttnError
+
 BACKENDS = ("triton", "torch")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -41,7 +43,7 @@ def set_backend(name: str | None) -> None:
     if name is not None:
         name = name.strip().lower() or None
     if name is not None and name not in BACKENDS:
-        raise ValueError(f"the backend (FLASHATTN_BACKEND, flashattn.config.set_backend) is {name!r}; "
+        raise FlashAttnError(f"the backend (FLASHATTN_BACKEND, flashattn.config.set_backend) is {name!r}; "
                          f"expected one of {', '.join(BACKENDS)}, or None for the automatic choice")
     backend = name
 
@@ -69,7 +71,7 @@ def parse_tiles(text: str) -> dict:
                 raise ValueError
             out[name.strip()] = TileConfig.parse(spec)
         except (TypeError, ValueError):
-            raise ValueError(
+            raise FlashAttnError(
                 f"tile override {part!r}: expected kernel=block_m,block_n,num_warps,num_stages[,maxnreg]"
             ) from None
     return out

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 __all__ = [
     "philox",
     "randint",
@@ -111,7 +113,7 @@ def rand_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
 
 def _check_p(dropout_p: float) -> None:
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
+        raise FlashAttnError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
 
 
 def dropout_offsets(
@@ -182,7 +184,7 @@ def dropout_keep_mask(
     mq = seqlen_q if max_seqlen_q is None else max_seqlen_q
     mk = seqlen_k if max_seqlen_k is None else max_seqlen_k
     if seqlen_q > mq or seqlen_k > mk:
-        raise ValueError(
+        raise FlashAttnError(
             f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k} exceed max_seqlen_q={mq}, max_seqlen_k={mk}; "
             f"the counters of neighbouring rows would overlap"
         )

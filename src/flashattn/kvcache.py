@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from flashattn import _validate, _validate_cache
+from flashattn.errors import FlashAttnError
 from flashattn.ops.attention import default_scale
 from flashattn.ops.kvcache import kvcache_fwd
 
@@ -101,7 +102,7 @@ def flash_attn_with_kvcache(
     left, right = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
+        raise FlashAttnError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
 
     capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
@@ -112,13 +113,13 @@ def flash_attn_with_kvcache(
     elif cache_seqlens is not None:
         cache_len = int(cache_seqlens)
         if cache_len < 0 or cache_len + s_new > capacity:
-            raise ValueError(
+            raise FlashAttnError(
                 f"cache_seqlens={cache_len} with {s_new} new keys needs {cache_len + s_new} cache "
                 f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {capacity} "
                 f"(the cache capacity)"
             )
     elif k is not None:
-        raise ValueError(
+        raise FlashAttnError(
             "k/v are given but cache_seqlens is None (a full cache): pass cache_seqlens, the number of keys "
             "already in each cache, so that the new keys have somewhere to go"
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from flashattn.bert_padding import pad_input, unpad_input
+from flashattn.errors import FlashAttnError
 from flashattn.interface import flash_attn_func
 from flashattn.interface_varlen import flash_attn_varlen_func
 from flashattn.rotary import RotaryEmbedding
@@ -48,14 +49,14 @@ def padded_attention(
     b, sq = q.shape[:2]
     sk = k.shape[1]
     if key_padding_mask.shape != (b, sk):
-        raise ValueError(
+        raise FlashAttnError(
             f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected (batch, seqlen_k) = "
             f"{(b, sk)}"
         )
     key_padding_mask = key_padding_mask.bool()
     if query_padding_mask is None:
         if sq > sk:
-            raise ValueError(
+            raise FlashAttnError(
                 f"seqlen_q {sq} > seqlen_k {sk}: pass query_padding_mask, the queries are not the last keys"
             )
         query_padding_mask = key_padding_mask[:, sk - sq :]
@@ -136,7 +137,7 @@ class CrossAttention(SelfAttention):
         k, v = kv.unbind(-3)
         if cu_seqlens is not None:
             if cu_seqlens_k is None:
-                raise ValueError("cu_seqlens was given without cu_seqlens_k; varlen needs both")
+                raise FlashAttnError("cu_seqlens was given without cu_seqlens_k; varlen needs both")
             return flash_attn_varlen_func(
                 q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **self._kwargs(causal)
             )
@@ -181,16 +182,16 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not a multiple of num_heads={num_heads}")
+            raise FlashAttnError(f"embed_dim={embed_dim} is not a multiple of num_heads={num_heads}")
         if num_heads_kv < 1 or num_heads % num_heads_kv:
-            raise ValueError(
+            raise FlashAttnError(
                 f"num_heads_kv={num_heads_kv} does not divide num_heads={num_heads}; "
                 "num_heads must be a multiple of num_heads_kv (GQA)"
             )
         self.embed_dim, self.num_heads, self.num_heads_kv = embed_dim, num_heads, num_heads_kv
         self.head_dim = embed_dim // num_heads
         if rotary_dim > self.head_dim:
-            raise ValueError(f"rotary_dim={rotary_dim} is larger than head_dim={self.head_dim}")
+            raise FlashAttnError(f"rotary_dim={rotary_dim} is larger than head_dim={self.head_dim}")
         self.rotary_emb = RotaryEmbedding(rotary_dim, rotary_base, rotary_interleaved) if rotary_dim else None
         factory = {"device": device, "dtype": dtype}
         qkv_dim = (num_heads + 2 * num_heads_kv) * self.head_dim
@@ -239,7 +240,7 @@ class MultiHeadAttention(nn.Module):
         unsupported = [k for k in state_dict if k in ("bias_k", "bias_v") or k.endswith("_proj_weight")]
         unsupported = [k for k in unsupported if k != "in_proj_weight"]
         if unsupported:
-            raise ValueError(
+            raise FlashAttnError(
                 f"state dict keys {unsupported} have no counterpart in MultiHeadAttention: add_bias_kv and "
                 "kdim/vdim != embed_dim are not supported"
             )
@@ -255,7 +256,7 @@ class MultiHeadAttention(nn.Module):
 
     def _check_torch_compatible(self) -> None:
         if self.num_heads_kv != self.num_heads:
-            raise ValueError(
+            raise FlashAttnError(
                 f"num_heads_kv={self.num_heads_kv} != num_heads={self.num_heads}: nn.MultiheadAttention has "
                 "no grouped-query attention, its in_proj packs as many k/v heads as q heads"
             )
@@ -270,11 +271,11 @@ class MultiHeadAttention(nn.Module):
         ``x.transpose(0, 1)`` here and transpose the output back.
         """
         if getattr(mha, "add_zero_attn", False):
-            raise ValueError(
+            raise FlashAttnError(
                 "nn.MultiheadAttention(add_zero_attn=True) has no counterpart in MultiHeadAttention"
             )
         if mha.bias_k is not None or not mha._qkv_same_embed_dim:
-            raise ValueError(
+            raise FlashAttnError(
                 "nn.MultiheadAttention with add_bias_kv=True or kdim/vdim != embed_dim has no counterpart in "
                 "MultiHeadAttention"
             )

@@ -15,33 +15,35 @@ import math
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 __all__ = ["attention_ref", "attention_ref_varlen", "blockwise_attention_ref", "masked_attention_ref"]
 
 
 def _check_inputs(q, k, v, alibi_slopes, learnable_sink):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
+        raise FlashAttnError(
             f"q, k, v must be 4-D (batch, seqlen, nheads, headdim); got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     b, _, h, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+        raise FlashAttnError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in seqlen_k and nheads_k")
+        raise FlashAttnError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in seqlen_k and nheads_k")
     if k.shape[3] != d:
-        raise ValueError(f"k has headdim {k.shape[3]} but q has {d}; q and k must share the head dimension")
+        raise FlashAttnError(f"k has headdim {k.shape[3]} but q has {d}; q and k must share the head dimension")
     hk = k.shape[2]
     if hk == 0 or h % hk != 0:
-        raise ValueError(
+        raise FlashAttnError(
             f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA)"
         )
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((h,), (b, h)):
-        raise ValueError(
+        raise FlashAttnError(
             f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({b}, {h})"
         )
     if learnable_sink is not None and tuple(learnable_sink.shape) != (h,):
-        raise ValueError(f"learnable_sink has shape {tuple(learnable_sink.shape)}; expected ({h},)")
+        raise FlashAttnError(f"learnable_sink has shape {tuple(learnable_sink.shape)}; expected ({h},)")
     return b, h, hk, d
 
 
@@ -116,9 +118,9 @@ def _sink_view(learnable_sink, h, dtype):
 
 def _dropout_scale(dropout_p, dropout_mask):
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
+        raise FlashAttnError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
     if dropout_p > 0.0 and dropout_mask is None:
-        raise ValueError(
+        raise FlashAttnError(
             "dropout_p > 0 needs dropout_mask, a bool keep-mask of shape (b, h, seqlen_q, seqlen_k)"
         )
     return 1.0 / (1.0 - dropout_p)
@@ -243,13 +245,13 @@ def attention_ref_varlen(
         layout).  Tokens past ``cu_seqlens_q[-1]`` get out 0 and lse ``+inf``.  Differentiable.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
+        raise FlashAttnError(
             f"q, k, v must be 3-D (total, nheads, headdim); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}; both are batch + 1")
+        raise FlashAttnError(f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}; both are batch + 1")
     outs, lses = [], []
     for bi in range(len(cq) - 1):
         slopes = alibi_slopes
@@ -306,7 +308,7 @@ def blockwise_attention_ref(
     """
     b, h, _, d = _check_inputs(q, k, v, alibi_slopes, learnable_sink)
     if block_n < 1:
-        raise ValueError(f"block_n={block_n}; expected a positive block size")
+        raise FlashAttnError(f"block_n={block_n}; expected a positive block size")
     sq, sk, dv = q.shape[1], k.shape[1], v.shape[3]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     drop_scale = _dropout_scale(dropout_p, dropout_mask)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from flashattn.errors import FlashAttnError
+
 __all__ = ["RotaryEmbedding", "apply_rotary_emb", "rotary_cos_sin"]
 
 
 def _inv_freq(rotary_dim: int, base: float, device=None) -> Tensor:
     if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+        raise FlashAttnError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
@@ -55,7 +57,7 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
     half = cos.shape[-1]
     rd = 2 * half
     if rd > x.shape[-1]:
-        raise ValueError(f"rotary_dim {rd} is larger than the head dimension {x.shape[-1]}")
+        raise FlashAttnError(f"rotary_dim {rd} is larger than the head dimension {x.shape[-1]}")
     # broadcast over heads: (..., seqlen, 1, rotary_dim / 2)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     xr = x[..., :rd].float()
@@ -84,7 +86,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, seqlen_offset: int = 0) -> tuple[Tensor, Tensor]:
         if k.shape[1] != q.shape[1]:
-            raise ValueError(
+            raise FlashAttnError(
                 f"q has seqlen {q.shape[1]} but k has {k.shape[1]}; self-attention rotates both alike"
             )
         cos, sin = rotary_cos_sin(q.shape[1], self.dim, self.base, offset=seqlen_offset, device=q.device)

@@ -16,6 +16,7 @@ import importlib
 import torch
 
 from flashattn import config
+from flashattn.errors import FlashAttnError
 
 BACKENDS = config.BACKENDS
 _modules: dict = {}
@@ -26,7 +27,7 @@ def backend_name(t: torch.Tensor) -> str:
     forced = config.backend
     if forced is not None:
         if forced == "triton" and not t.is_cuda and not config.INTERPRET:
-            raise ValueError(
+            raise FlashAttnError(
                 f"the backend is forced to triton but the tensors are on {t.device}: the Triton kernels need "
                 f"a CUDA device, or TRITON_INTERPRET=1 set before the process starts to interpret them on "
                 f"the CPU"

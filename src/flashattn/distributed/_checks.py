@@ -11,6 +11,8 @@ import struct
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
 METHODS = ("ring", "ulysses", "hybrid")
@@ -22,13 +24,13 @@ def _describe(t) -> str:
 
 def tensor(name: str, t, ndim: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        raise FlashAttnError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {t.dim()} ({_describe(t)})")
+        raise FlashAttnError(f"{name} must have {ndim} dimensions {layout}, got {t.dim()} ({_describe(t)})")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected float16, bfloat16 or float32")
+        raise FlashAttnError(f"{name} has dtype {t.dtype}; expected float16, bfloat16 or float32")
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+        raise FlashAttnError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
 
 
 def qkv(q, k, v, varlen: bool = False) -> None:
@@ -38,32 +40,32 @@ def qkv(q, k, v, varlen: bool = False) -> None:
     tensor("v", v, 3 if varlen else 4, f"({tok}, nheads_k, headdim_v)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; they must "
+            raise FlashAttnError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; they must "
                              f"match")
     if not varlen and not (k.shape[0] == v.shape[0] == q.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+        raise FlashAttnError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match in all but the head dim")
+        raise FlashAttnError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match in all but the head dim")
     if varlen and k.shape[0] != q.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} local tokens but k has {k.shape[0]}; varlen self-attention "
+        raise FlashAttnError(f"q has {q.shape[0]} local tokens but k has {k.shape[0]}; varlen self-attention "
                          f"shards q, k and v alike")
     if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has headdim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
+        raise FlashAttnError(f"k has headdim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
     h, hk = q.shape[-2], k.shape[-2]
     if hk == 0 or h % hk != 0:
-        raise ValueError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)")
+        raise FlashAttnError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)")
     for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if not 1 <= d <= MAX_HEADDIM:
-            raise ValueError(f"{name} has headdim {d}; expected 1..{MAX_HEADDIM}")
+            raise FlashAttnError(f"{name} has headdim {d}; expected 1..{MAX_HEADDIM}")
 
 
 def scale(softmax_scale, headdim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        raise FlashAttnError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+        raise FlashAttnError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
     return float(softmax_scale)
 
 
@@ -72,18 +74,18 @@ def window(window_size) -> tuple[int, int]:
     if isinstance(window_size, torch.Tensor):
         window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+        raise FlashAttnError(f"window_size must be a pair (left, right), got {window_size!r}")
     out = []
     for side, w in zip(("left", "right"), window_size, strict=True):
         if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-            raise ValueError(f"window_size {side} must be an int (-1: unbounded), got {w!r}")
+            raise FlashAttnError(f"window_size {side} must be an int (-1: unbounded), got {w!r}")
         out.append(max(int(w), -1))
     return out[0], out[1]
 
 
 def softcap(value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-        raise ValueError(f"softcap must be a float >= 0 (0 = off), got {value!r}")
+        raise FlashAttnError(f"softcap must be a float >= 0 (0 = off), got {value!r}")
     return float(value)
 
 
@@ -93,17 +95,17 @@ def per_head(name: str, t, nheads: int, batch: int | None, device) -> None:
         return
     shapes = f"({nheads},)" + (f" or ({batch}, {nheads})" if batch is not None else "")
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a float32 tensor of shape {shapes}, got {type(t).__name__}")
+        raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {type(t).__name__}")
     ok = tuple(t.shape) == (nheads,) or (batch is not None and tuple(t.shape) == (batch, nheads))
     if t.dtype != torch.float32 or not ok:
-        raise ValueError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} {tuple(t.shape)}")
+        raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; they must share a device")
+        raise FlashAttnError(f"{name} is on {t.device} but q is on {device}; they must share a device")
 
 
 def method(value) -> str:
     if value not in METHODS:
-        raise ValueError(f"method={value!r}; expected one of {', '.join(repr(m) for m in METHODS)}")
+        raise FlashAttnError(f"method={value!r}; expected one of {', '.join(repr(m) for m in METHODS)}")
     return value
 
 

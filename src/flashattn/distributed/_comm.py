@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashattn.errors import FlashAttnError
+
 
 def resolve(group, name: str = "group"):
     """The ProcessGroup ``group`` stands for."""
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
+        raise FlashAttnError(
             f"{name}: torch.distributed is not initialised; call torch.distributed.init_process_group first "
             f"(torchrun sets up its environment)"
         )
@@ -23,7 +25,7 @@ def resolve(group, name: str = "group"):
 
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(
+            raise FlashAttnError(
                 f"{name} is a {group.ndim}-D DeviceMesh; pass one dimension: mesh['<dim name>'] or "
                 f"(mesh, '<dim name>')"
             )
@@ -32,7 +34,7 @@ def resolve(group, name: str = "group"):
         return group[0].get_group(group[1])
     if isinstance(group, dist.ProcessGroup):
         return group
-    raise TypeError(
+    raise FlashAttnError(
         f"{name} must be a torch.distributed ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, dim) pair or "
         f"None, got {type(group).__name__}"
     )
@@ -59,7 +61,7 @@ def check_same(pg, fields: dict[str, int], device) -> None:
         values = [row[col] for row in rows]
         if len(set(values)) > 1:
             per_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
-            raise ValueError(
+            raise FlashAttnError(
                 f"the ranks of the group disagree on {key} ({per_rank}); every rank must pass shards of the "
                 f"same shapes and the same options"
             )

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 LAYOUTS = ("contiguous", "zigzag", "striped")
 # an unbounded window side; large enough that no sum of lengths reaches it, small enough for int64 sums
 UNBOUNDED = 1 << 40
@@ -28,7 +30,7 @@ UNBOUNDED = 1 << 40
 
 def check_layout(layout) -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}; expected one of {', '.join(repr(x) for x in LAYOUTS)}")
+        raise FlashAttnError(f"layout={layout!r}; expected one of {', '.join(repr(x) for x in LAYOUTS)}")
     return layout
 
 
@@ -41,7 +43,7 @@ def check_divisible(name: str, seqlen: int, layout: str, world: int) -> None:
     k = n_chunks(layout, world)
     if seqlen % k != 0:
         what = "2 * world size" if layout == "zigzag" else "the world size"
-        raise ValueError(
+        raise FlashAttnError(
             f"{name} has global length {seqlen}, which layout={layout!r} cannot cut over {world} ranks: it "
             f"must be a multiple of {what} = {k} (pad the sequence, or use the varlen functions)"
         )

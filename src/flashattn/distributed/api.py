@@ -11,6 +11,7 @@ from flashattn.distributed._tasks import Options, RingStats
 from flashattn.distributed.layout import _host_cu
 from flashattn.distributed.ring import RingAttention, Schedule
 from flashattn.distributed.ulysses import ulysses
+from flashattn.errors import FlashAttnError
 
 
 def _fields(q, k, v, **options) -> dict[str, int]:
@@ -36,7 +37,7 @@ def _ring(q, k, v, pg, *, layout, causal, scale, window, softcap, alibi_slopes, 
     if layout == "zigzag":
         for name, x in (("q", q), ("k", k)):
             if x.shape[1] % 2:
-                raise ValueError(
+                raise FlashAttnError(
                     f"{name} has {x.shape[1]} tokens per rank; layout='zigzag' holds two equal chunks per "
                     f"rank, so the local length must be even (the global length a multiple of "
                     f"2 * world size = {2 * world})"
@@ -114,9 +115,9 @@ def context_parallel_attn(q, k, v, group=None, *, method: str = "ring", layout: 
     _checks.per_head("alibi_slopes", alibi_slopes, h, q.shape[0], q.device)
     _checks.per_head("learnable_sink", learnable_sink, h, None, q.device)
     if method != "hybrid" and (ulysses_group is not None or ring_group is not None):
-        raise ValueError(f"ulysses_group / ring_group are for method='hybrid', not method={method!r}")
+        raise FlashAttnError(f"ulysses_group / ring_group are for method='hybrid', not method={method!r}")
     if method == "hybrid" and (ulysses_group is None or ring_group is None):
-        raise ValueError("method='hybrid' needs both ulysses_group and ring_group (e.g. the two dimensions "
+        raise FlashAttnError("method='hybrid' needs both ulysses_group and ring_group (e.g. the two dimensions "
                          "of a 2-D DeviceMesh: (mesh, 'ulysses') and (mesh, 'ring'))")
     if method == "hybrid":
         upg, rpg = _comm.resolve(ulysses_group, "ulysses_group"), _comm.resolve(ring_group, "ring_group")
@@ -124,7 +125,7 @@ def context_parallel_attn(q, k, v, group=None, *, method: str = "ring", layout: 
         upg = rpg = _comm.resolve(group)
     _, u_world = _comm.rank_world(upg)
     if method in ("ulysses", "hybrid") and h % u_world:
-        raise ValueError(
+        raise FlashAttnError(
             f"q has {h} heads; method={method!r} scatters heads over the {u_world} ranks of the "
             f"{'ulysses_group' if method == 'hybrid' else 'group'}, so nheads must be a multiple of {u_world}"
         )
@@ -195,12 +196,12 @@ def context_parallel_attn_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=Non
     _checks.per_head("learnable_sink", learnable_sink, h, None, q.device)
     longest = int((cu[1:] - cu[:-1]).max())
     if int(max_seqlen) < longest:
-        raise ValueError(
+        raise FlashAttnError(
             f"max_seqlen={max_seqlen} but the longest document of cu_seqlens has {longest} tokens"
         )
     perm = _plan_varlen.piece_major_index(cu, world, rank)
     if perm.numel() != q.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} tokens but this rank's shard of cu_seqlens holds "
+        raise FlashAttnError(f"q has {q.shape[0]} tokens but this rank's shard of cu_seqlens holds "
                          f"{perm.numel()}; pass the global cu_seqlens and the tokens shard_varlen returned")
     if check_shards:
         digest = int((cu * torch.arange(1, cu.numel() + 1)).sum() % (1 << 61))

@@ -17,6 +17,7 @@ from flashattn.distributed._geometry import (
     varlen_local_index,
     varlen_pieces,
 )
+from flashattn.errors import FlashAttnError
 
 
 def _gather(x, dim: int, pg):
@@ -76,14 +77,14 @@ def _host_cu(cu_seqlens, total: int | None = None, name: str = "cu_seqlens") -> 
     """cu_seqlens as an int64 CPU tensor, checked: 1-D, starts at 0, non-decreasing, ends at ``total``."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
-        raise ValueError(f"{name} must be an int tensor of shape (ndocs + 1,), ndocs >= 1; got {got}")
+        raise FlashAttnError(f"{name} must be an int tensor of shape (ndocs + 1,), ndocs >= 1; got {got}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} has dtype {cu_seqlens.dtype}; expected int32 (or int64)")
+        raise FlashAttnError(f"{name} has dtype {cu_seqlens.dtype}; expected int32 (or int64)")
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{name}={cu.tolist()} must start at 0 and be non-decreasing")
+        raise FlashAttnError(f"{name}={cu.tolist()} must start at 0 and be non-decreasing")
     if total is not None and int(cu[-1]) != total:
-        raise ValueError(f"{name} ends at {int(cu[-1])} but the tensor has {total} tokens; the last entry "
+        raise FlashAttnError(f"{name} ends at {int(cu[-1])} but the tensor has {total} tokens; the last entry "
                          f"must be the total number of tokens")
     return cu
 
@@ -135,7 +136,7 @@ def unshard_varlen(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group=None) 
     cu = _host_cu(cu_seqlens)
     indices = [varlen_local_index(cu, world, r) for r in range(world)]
     if x_local.shape[0] != indices[rank].numel():
-        raise ValueError(f"x_local has {x_local.shape[0]} tokens but this rank's shard of cu_seqlens holds "
+        raise FlashAttnError(f"x_local has {x_local.shape[0]} tokens but this rank's shard of cu_seqlens holds "
                          f"{indices[rank].numel()}; pass the global cu_seqlens that shard_varlen got")
     # an all-gather needs equal sizes: pad every shard to the longest
     longest = max(i.numel() for i in indices)

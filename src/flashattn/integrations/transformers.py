@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from flashattn import modules
+from flashattn.errors import FlashAttnError
 from flashattn.interface import flash_attn_func
 from flashattn.interface_varlen import flash_attn_varlen_func
 
@@ -173,7 +174,7 @@ def register(name: str = DEFAULT_NAME) -> str:
     own flash-attn loader and never call this function).
     """
     if "flash" in name.lower():
-        raise ValueError(
+        raise FlashAttnError(
             f"name={name!r} contains 'flash': transformers sends every such attn_implementation to its own "
             f"flash-attn loader. Use a name without it, e.g. {DEFAULT_NAME!r}"
         )

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 # bit j % 8 of byte j // 8 is key j of a block: the weights that pack 8 keys into one byte
@@ -201,28 +203,28 @@ def _check_lists(name_num: str, num: torch.Tensor, name_idx: str, idx: torch.Ten
     """Validates one (num, idx) pair; returns the bool (…, rows, limit) grid of the listed blocks."""
     for name, t, nd in ((name_num, num, len(lead) + 1), (name_idx, idx, len(lead) + 2)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an integer tensor, got {type(t).__name__}")
+            raise FlashAttnError(f"{name} must be an integer tensor, got {type(t).__name__}")
         if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != nd:
-            raise ValueError(
+            raise FlashAttnError(
                 f"{name} must be an integer tensor with {nd} dims, got {t.dtype} {tuple(t.shape)}")
     if tuple(num.shape) != (*lead, rows):
-        raise ValueError(
+        raise FlashAttnError(
             f"{name_num} has shape {tuple(num.shape)}; expected {(*lead, rows)}: {rows} = ceil(seqlen / "
             f"block size) blocks (does the block size match the one the lists were made for?)"
         )
     if tuple(idx.shape[:-1]) != (*lead, rows):
-        raise ValueError(f"{name_idx} has shape {tuple(idx.shape)}; expected {(*lead, rows)} + (max blocks,)")
+        raise FlashAttnError(f"{name_idx} has shape {tuple(idx.shape)}; expected {(*lead, rows)} + (max blocks,)")
     num = num.long()
     idx = idx.long()
     if num.numel() and (int(num.min()) < 0 or int(num.max()) > idx.shape[-1]):
-        raise ValueError(
+        raise FlashAttnError(
             f"{name_num} has values in [{int(num.min())}, {int(num.max())}]; expected 0 <= num <= "
             f"{idx.shape[-1]} (the slots of {name_idx})"
         )
     used = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
     vals = idx[used]
     if vals.numel() and (int(vals.min()) < 0 or int(vals.max()) >= limit):
-        raise ValueError(
+        raise FlashAttnError(
             f"{name_idx} holds block indices in [{int(vals.min())}, {int(vals.max())}]; expected "
             f"0 <= index < {limit} (the number of key blocks)"
         )
@@ -230,7 +232,7 @@ def _check_lists(name_num: str, num: torch.Tensor, name_idx: str, idx: torch.Ten
     bad = (steps <= 0) & used[..., 1:]
     if bad.any():
         where = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(
+        raise FlashAttnError(
             f"{name_idx} is not sorted strictly ascending within its first num entries (first at index "
             f"{where}, values {idx[where].item()} then {idx[where[:-1] + (where[-1] + 1,)].item()}); "
             f"sort each row's block indices and drop duplicates"

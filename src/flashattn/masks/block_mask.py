@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from flashattn.errors import FlashAttnError
+
 from . import _patterns as P
 from ._kernel import (
     EMPTY,
@@ -26,11 +28,11 @@ _MIN_BLOCK, _MAX_BLOCK = 16, 256
 def _block_size(block_size) -> tuple[int, int]:
     pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else tuple(block_size)
     if len(pair) != 2:
-        raise ValueError(f"block_size must be an int or a pair (block_m, block_n), got {block_size!r}")
+        raise FlashAttnError(f"block_size must be an int or a pair (block_m, block_n), got {block_size!r}")
     for name, x in zip(("block_m", "block_n"), pair, strict=True):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < _MIN_BLOCK or x > _MAX_BLOCK \
                 or x & (x - 1):
-            raise ValueError(
+            raise FlashAttnError(
                 f"block_size {name} is {x!r} in {block_size!r}; expected a power of two in "
                 f"[{_MIN_BLOCK}, {_MAX_BLOCK}] (64, 128 and 256 are the kernels' tile sizes)"
             )
@@ -39,13 +41,13 @@ def _block_size(block_size) -> tuple[int, int]:
 
 def _length(name: str, n) -> int:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        raise FlashAttnError(f"{name} must be an int >= 1, got {n!r}")
     return int(n)
 
 
 def _window_side(name: str, w) -> int | None:
     if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
-        raise ValueError(f"{name} must be an int >= -1 (-1 means unbounded), got {w!r}")
+        raise FlashAttnError(f"{name} must be an int >= -1 (-1 means unbounded), got {w!r}")
     return None if w < 0 else int(w)
 
 
@@ -164,7 +166,7 @@ class BlockMask:
         """Query i sees keys [i + sk - sq - left, i + sk - sq + right] (window = (left, right), -1 means
         unbounded on that side), intersected with the causal mask when causal=True (right becomes 0)."""
         if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"window must be a pair (left, right), got {window!r}")
+            raise FlashAttnError(f"window must be a pair (left, right), got {window!r}")
         left, right = _window_side("window left", window[0]), _window_side("window right", window[1])
         if causal:
             right = 0 if right is None else min(right, 0)
@@ -182,11 +184,11 @@ class BlockMask:
         if isinstance(window, numbers.Integral) and not isinstance(window, bool):
             window = (window, window)
         if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
+            raise FlashAttnError(f"window must be an int or a pair (left, right), got {window!r}")
         left, right = _window_side("window left", window[0]), _window_side("window right", window[1])
         g = global_tokens
         if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
-            raise ValueError(f"global_tokens must be an int >= 0, got {global_tokens!r}")
+            raise FlashAttnError(f"global_tokens must be an int >= 0, got {global_tokens!r}")
         pattern = P.band(0, left, right) | P.key_prefix(g) | P.query_prefix(g)
         if causal:
             pattern = pattern & P.band(0, None, 0)
@@ -202,7 +204,7 @@ class BlockMask:
         i sees the keys j with |i - j| < stride and those with i - j a multiple of stride; causal keeps
         j <= i."""
         if isinstance(stride, bool) or not isinstance(stride, numbers.Integral) or stride < 1:
-            raise ValueError(f"stride must be an int >= 1, got {stride!r}")
+            raise FlashAttnError(f"stride must be an int >= 1, got {stride!r}")
         local = P.band(0, stride - 1, 0 if causal else stride - 1)
         pattern = local | P.diagonals(stride)
         if causal:
@@ -219,24 +221,24 @@ class BlockMask:
         order). causal=True keeps only keys j <= i (inside a document that is causal attention).
         """
         if (cu_seqlens is None) == (document_ids is None):
-            raise ValueError("document() takes exactly one of cu_seqlens and document_ids")
+            raise FlashAttnError("document() takes exactly one of cu_seqlens and document_ids")
         if cu_seqlens is not None:
             cu = torch.as_tensor(cu_seqlens)
             if cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-                raise ValueError(
+                raise FlashAttnError(
                     f"cu_seqlens must be a 1-D integer tensor (n_docs + 1,) with n_docs >= 1, got "
                     f"{cu.dtype} {tuple(cu.shape)}")
             cu = cu.long()
             lengths = cu[1:] - cu[:-1]
             if int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) < 1:
-                raise ValueError(
+                raise FlashAttnError(
                     f"cu_seqlens must start at 0, be non-decreasing and end at the total length >= 1, got "
                     f"{cu.tolist() if cu.numel() <= 16 else cu}")
             ids = torch.repeat_interleave(torch.arange(lengths.shape[0], device=cu.device), lengths)
         else:
             ids = torch.as_tensor(document_ids)
             if ids.dim() != 1 or ids.shape[0] < 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-                raise ValueError(
+                raise FlashAttnError(
                     f"document_ids must be a 1-D integer tensor (seqlen,), got {ids.dtype} "
                     f"{tuple(ids.shape)}")
             ids = ids.long()
@@ -259,17 +261,17 @@ class BlockMask:
         """
         par = torch.as_tensor(parents)
         if par.dim() != 1 or par.shape[0] < 1 or par.dtype.is_floating_point or par.dtype == torch.bool:
-            raise ValueError(f"parents must be a 1-D integer sequence of length >= 1, got {tuple(par.shape)}")
+            raise FlashAttnError(f"parents must be a 1-D integer sequence of length >= 1, got {tuple(par.shape)}")
         par = par.long()
         t = par.shape[0]
         bad = (par < -1) | (par >= torch.arange(t, device=par.device))
         if bad.any():
             i = int(bad.nonzero()[0])
-            raise ValueError(
+            raise FlashAttnError(
                 f"parents[{i}] is {int(par[i])}; expected -1 (a root) or a parent index in [0, {i}) "
                 f"(tokens in topological order)")
         if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral) or prefix_len < 0:
-            raise ValueError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
+            raise FlashAttnError(f"prefix_len must be an int >= 0, got {prefix_len!r}")
         dev = _device(device, par)
         par = par.to(dev)
         rows = torch.arange(t, device=dev)
@@ -292,7 +294,7 @@ class BlockMask:
         / head (mask_mod then sees b = 0 / h = 0).
         """
         if not callable(mask_mod):
-            raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
+            raise FlashAttnError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool, got {mask_mod!r}")
         b = 1 if B is None else _length("B", B)
         h = 1 if H is None else _length("H", H)
         return cls._build(P.opaque(mask_mod), Q_LEN, KV_LEN, block_size, _device(device), b, h)
@@ -302,11 +304,11 @@ class BlockMask:
         """From a bool mask (seqlen_q, seqlen_k) or (B, H, seqlen_q, seqlen_k), True = visible; B and H may
         be 1 (broadcast). On the mask's device."""
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+            raise FlashAttnError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
         if mask.dim() == 2:
             mask = mask[None, None]
         if mask.dim() != 4:
-            raise ValueError(
+            raise FlashAttnError(
                 f"mask must be (seqlen_q, seqlen_k) or (B, H, seqlen_q, seqlen_k), got shape "
                 f"{tuple(mask.shape)}; add the missing dim with mask[None] or mask[:, None]")
         nb, nh, sq, sk = mask.shape
@@ -322,13 +324,13 @@ class BlockMask:
         block m sees every key of block n where blocks[..., m, n] (keys past seqlen_k excepted)."""
         bm, bn = _block_size(block_size)
         if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool:
-            raise TypeError("blocks must be a bool tensor (n_qblocks, n_kblocks) or (B, H, n_qblocks, "
+            raise FlashAttnError("blocks must be a bool tensor (n_qblocks, n_kblocks) or (B, H, n_qblocks, "
                             "n_kblocks)")
         if blocks.dim() == 2:
             blocks = blocks[None, None]
         mq, nk = -(-_length("seqlen_q", seqlen_q) // bm), -(-_length("seqlen_k", seqlen_k) // bn)
         if blocks.dim() != 4 or tuple(blocks.shape[2:]) != (mq, nk):
-            raise ValueError(
+            raise FlashAttnError(
                 f"blocks has shape {tuple(blocks.shape)}; expected (..., {mq}, {nk}) = (ceil(seqlen_q / "
                 f"block_m), ceil(seqlen_k / block_n)) for seqlens ({seqlen_q}, {seqlen_k}) and block_size "
                 f"{(bm, bn)}")
@@ -346,18 +348,18 @@ class BlockMask:
         mq, nk = -(-_length("seqlen_q", seqlen_q) // bm), -(-_length("seqlen_k", seqlen_k) // bn)
         lead = tuple(kv_num.shape[:-1]) if isinstance(kv_num, torch.Tensor) and kv_num.dim() == 3 else None
         if lead is None:
-            raise ValueError(
+            raise FlashAttnError(
                 f"kv_num must be a (B, H, n_qblocks) integer tensor, got {getattr(kv_num, 'shape', kv_num)}")
         part = _check_lists("kv_num", kv_num, "kv_idx", kv_idx, mq, nk, lead)
         full = torch.zeros_like(part)
         if (full_kv_num is None) != (full_kv_idx is None):
-            raise ValueError("give both full_kv_num and full_kv_idx, or neither")
+            raise FlashAttnError("give both full_kv_num and full_kv_idx, or neither")
         if full_kv_num is not None:
             full = _check_lists("full_kv_num", full_kv_num, "full_kv_idx", full_kv_idx, mq, nk, lead)
             both = full & part
             if both.any():
                 where = tuple(both.nonzero()[0].tolist())
-                raise ValueError(
+                raise FlashAttnError(
                     f"block (b, h, m, n) = {where} is listed both in kv_idx (partial) and full_kv_idx; a "
                     f"block is either full or partial")
         pred = mask_mod if mask_mod is not None else (lambda b, h, i, j: torch.ones((), dtype=torch.bool))
@@ -407,7 +409,7 @@ class BlockMask:
             return NotImplemented
         mine = (self.seqlen_q, self.seqlen_k, self.block_size)
         if mine != (other.seqlen_q, other.seqlen_k, other.block_size):
-            raise ValueError(
+            raise FlashAttnError(
                 f"cannot combine block masks of (seqlen_q, seqlen_k, block_size) = "
                 f"{(self.seqlen_q, self.seqlen_k, self.block_size)} and "
                 f"{(other.seqlen_q, other.seqlen_k, other.block_size)}; they must agree "
@@ -446,7 +448,7 @@ class BlockMask:
         [r0, r1) (B, H, r1 - r0, seqlen_k), to inspect or check a slice of a long mask."""
         r0, r1 = (0, self.seqlen_q) if rows is None else rows
         if not 0 <= r0 < r1 <= self.seqlen_q:
-            raise ValueError(f"rows must be (r0, r1) with 0 <= r0 < r1 <= {self.seqlen_q}, got {rows!r}")
+            raise FlashAttnError(f"rows must be (r0, r1) with 0 <= r0 < r1 <= {self.seqlen_q}, got {rows!r}")
         bm, bn = self.block_size
         m0, m1 = r0 // bm, -(-r1 // bm)
         state = self._state[:, :, m0:m1]
@@ -465,7 +467,7 @@ class BlockMask:
         if level == "block":
             return float((self._state != EMPTY).float().mean())
         if level != "element":
-            raise ValueError(f"level must be 'block' or 'element', got {level!r}")
+            raise FlashAttnError(f"level must be 'block' or 'element', got {level!r}")
         bm, bn = self.block_size
         rows = (torch.arange(self.n_qblocks, device=self.device) * bm).view(-1, 1)
         rows = (rows + bm).clamp(max=self.seqlen_q) - rows  # in-range rows per query block

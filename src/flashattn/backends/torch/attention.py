@@ -14,6 +14,7 @@ import torch
 from flashattn.backends.torch.backward import backward_group
 from flashattn.backends.torch.forward import forward_group
 from flashattn.backends.torch.tiles import Spec, Tiles, compute_dtype
+from flashattn.errors import FlashAttnError
 
 __all__ = ["attention_forward", "attention_backward"]
 
@@ -22,40 +23,40 @@ def _check_common(q, k, v, alibi_slopes, learnable_sink, dropout_p, nbatch):
     h, d = q.shape[-2], q.shape[-1]
     hk = k.shape[-2]
     if k.shape[-1] != d:
-        raise ValueError(f"k has headdim {k.shape[-1]} but q has {d}; q and k must share the head dimension")
+        raise FlashAttnError(f"k has headdim {k.shape[-1]} but q has {d}; q and k must share the head dimension")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in all but the head dim")
+        raise FlashAttnError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in all but the head dim")
     if hk == 0 or h % hk != 0:
-        raise ValueError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA)")
+        raise FlashAttnError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA)")
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((h,), (nbatch, h)):
-        raise ValueError(
+        raise FlashAttnError(
             f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({nbatch}, {h})"
         )
     if learnable_sink is not None and tuple(learnable_sink.shape) != (h,):
-        raise ValueError(f"learnable_sink has shape {tuple(learnable_sink.shape)}; expected ({h},)")
+        raise FlashAttnError(f"learnable_sink has shape {tuple(learnable_sink.shape)}; expected ({h},)")
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
+        raise FlashAttnError(f"dropout_p={dropout_p}; expected 0 <= dropout_p < 1")
 
 
 def _seq_bounds(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
     """Per-sequence (q start, q end, k start, k end) and the dropout strides (max_seqlen_q, max_seqlen_k)."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
-        raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k (int32, shape (batch + 1,))")
+        raise FlashAttnError("varlen needs both cu_seqlens_q and cu_seqlens_k (int32, shape (batch + 1,))")
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if cu_seqlens_q.dim() != 1 or len(cq) < 1 or len(cq) != len(ck):
-        raise ValueError(
+        raise FlashAttnError(
             f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} must "
             f"both have shape (batch + 1,)"
         )
     for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
         if cu[0] < 0 or any(b < a for a, b in zip(cu, cu[1:], strict=False)) or cu[-1] > total:
-            raise ValueError(f"{name}={cu} must be non-decreasing within [0, {total}] (the packed length)")
+            raise FlashAttnError(f"{name}={cu} must be non-decreasing within [0, {total}] (the packed length)")
     lens_q = [b - a for a, b in zip(cq, cq[1:], strict=False)]
     lens_k = [b - a for a, b in zip(ck, ck[1:], strict=False)]
     mq = max(lens_q, default=0) if max_seqlen_q is None else int(max_seqlen_q)
     mk = max(lens_k, default=0) if max_seqlen_k is None else int(max_seqlen_k)
     if lens_q and (max(lens_q) > mq or max(lens_k) > mk):
-        raise ValueError(
+        raise FlashAttnError(
             f"max_seqlen_q={mq}, max_seqlen_k={mk} are below the longest sequences ({max(lens_q)}, "
             f"{max(lens_k)}); the dropout counters of neighbouring sequences would overlap"
         )
@@ -87,7 +88,7 @@ def _prepare(q, k, v, kw):
     want = 3 if varlen else 4
     if q.dim() != want or k.dim() != want or v.dim() != want:
         layout = "(total, nheads, headdim) with cu_seqlens" if varlen else "(batch, seqlen, nheads, headdim)"
-        raise ValueError(
+        raise FlashAttnError(
             f"q, k, v must be {want}-D {layout}; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
@@ -97,7 +98,7 @@ def _prepare(q, k, v, kw):
     else:
         nbatch = q.shape[0]
         if k.shape[0] != nbatch or v.shape[0] != nbatch:
-            raise ValueError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+            raise FlashAttnError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     _check_common(q, k, v, kw["alibi_slopes"], kw["learnable_sink"], kw["dropout_p"], nbatch)
     left, right = kw["window_size"]
     spec = Spec(

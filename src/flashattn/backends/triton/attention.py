@@ -26,6 +26,7 @@ from flashattn import config
 from flashattn.backends.triton import gluon, host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.launch import Bound, launch
+from flashattn.errors import FlashAttnError
 from flashattn.kernels.triton.attn_bwd import attn_bwd_kernel, attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_fwd import attn_fwd_kernel
 
@@ -88,7 +89,7 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch/head/start ones 64-bit
         row_stride = t.stride(0) if varlen else t.stride(1)
         if n * row_stride > _INT32_MAX:
-            raise ValueError(
+            raise FlashAttnError(
                 f"{name} has seqlen {n} with row stride {row_stride}: in-sequence offsets exceed 2^31 "
                 f"elements; split the sequence or use a layout with a smaller row stride"
             )

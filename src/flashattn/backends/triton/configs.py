@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 
 from flashattn import config
+from flashattn.errors import FlashAttnError
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class TileConfig:
         """"128,64,8,3" or "128,64,8,3,128" (with maxnreg)."""
         values = [int(x) for x in text.split(",")]
         if not 2 <= len(values) <= 5:
-            raise ValueError(f"a tile config has 2 to 5 numbers, got {text!r}")
+            raise FlashAttnError(f"a tile config has 2 to 5 numbers, got {text!r}")
         return cls(*values)
 
 

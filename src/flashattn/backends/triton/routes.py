@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from flashattn.backends.triton.configs import TileConfig, decode_tiles, tile_config
 from flashattn.backends.triton.host import block_d
+from flashattn.errors import FlashAttnError
 
 HALF_M = 64  # query rows per consumer warpgroup of the Gluon kernels
 # registers per thread for the Gluon forward's 12 warps (two consumer warpgroups, the loader's): 168 x 384
@@ -180,7 +181,7 @@ def gluon_forward_tiles(spec: Spec) -> TileConfig:
     assumes them), two or three consumer warpgroups of 64 rows, a K/V ring of 2+ slots."""
     tiles = tile_config("fwd_ws", spec.headdim, spec.cuda, spec.longest, spec.causal)
     if tiles.block_n != 128 or tiles.block_m not in (2 * HALF_M, 3 * HALF_M) or tiles.num_stages < 2:
-        raise ValueError(
+        raise FlashAttnError(
             f"tile override fwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} is "
             f"not a config of the Gluon forward, which takes block_m 128 or 192 (two or three consumer "
             f"warpgroups of 64 rows), block_n 128 and 2 or more stages"
