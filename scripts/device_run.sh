@@ -6,7 +6,7 @@
 #
 # Stages, each named for what it measures:
 #   fa4-libs      unpack FlashAttention-4's libraries (call carrying .fa4a; see ../shared/tools/fa4-wheels.sh)
-#   gpu-tests     pytest -m gpu: every GPU test, its summary
+#   gpu-tests     pytest -m gpu: every GPU test (or GPU_TESTS="paths"), its summary
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #   features      the features suite (packed documents, windows, softcap, sinks, GQA, d=256) beside cuDNN/FA4
@@ -42,7 +42,8 @@ for stage in "$@"; do
     fa4-libs)
       mkdir -p /tmp/fa4 && tar -C /tmp/fa4 -xJf .fa4a/libs.tar.xz && echo "FA4 libraries unpacked" ;;
     gpu-tests)
-      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests 2>&1 \
+      # GPU_TESTS: the test paths (default: all of tests/)
+      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 \
         | tee "$RES/pytest_gpu.log" | tail -25 ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
@@ -71,8 +72,9 @@ for stage in "$@"; do
       for tree in baseline current; do
         src=$PWD/src; scripts=scripts
         [ $tree = baseline ] && src=$PWD/.baseline/src && scripts=.baseline/scripts
+        providers=flashattn; [ $tree = current ] && providers=flashattn,sdpa-cudnn
         PYTHONPATH=$src timeout 200 python3 -m flashattn bench --quiet --out "$RES/$tree-train" --suite train \
-          --headdims 64,128 --modes fwd,bwd --providers flashattn 2>&1 | tail -25
+          --headdims 64,128 --modes fwd,bwd --providers $providers 2>&1 | tail -25
         PYTHONPATH=$src timeout 150 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" --suite decode \
           2>&1 | tail -20
         PYTHONPATH=$src timeout 120 python3 $scripts/host_profile.py "$RES/$tree-host_time.json" 2>&1 \
