@@ -13,8 +13,9 @@
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
 #   sparse        the sparse suite at 16K beside flex
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
-#   baseline      the train table, the decode suite and the host time of the tree carried in .baseline/
-#                 (`git archive REV src scripts | tar -x -C .baseline`), then this tree's, in the same call
+#   baseline-train, baseline-decode, baseline-host
+#                 the train table, the decode suite, the host time of the tree carried in .baseline/
+#                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call
 # Time limits per stage: STAGE_S (seconds, default per stage below).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -67,18 +68,25 @@ for stage in "$@"; do
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd ;;
     host-time)
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
-    baseline)
-      # the same measurements of the baseline tree and of this one, one process each, baseline first
+    baseline-train|baseline-decode|baseline-host)
+      # the same measurement of the baseline tree, then of this one: one process each, in this call
+      what=${stage#baseline-}
       for tree in baseline current; do
-        src=$PWD/src; scripts=scripts
-        [ $tree = baseline ] && src=$PWD/.baseline/src && scripts=.baseline/scripts
-        providers=flashattn; [ $tree = current ] && providers=flashattn,sdpa-cudnn
-        PYTHONPATH=$src timeout 200 python3 -m flashattn bench --quiet --out "$RES/$tree-train" --suite train \
-          --headdims 64,128 --modes fwd,bwd --providers $providers 2>&1 | tail -25
-        PYTHONPATH=$src timeout 150 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" --suite decode \
-          2>&1 | tail -20
-        PYTHONPATH=$src timeout 120 python3 $scripts/host_profile.py "$RES/$tree-host_time.json" 2>&1 \
-          | grep "us/call"
+        src=$PWD/src; scripts=scripts; extra=
+        if [ $tree = baseline ]; then src=$PWD/.baseline/src; scripts=.baseline/scripts; fi
+        case $what in
+          train)
+            [ $tree = current ] && extra=,sdpa-cudnn
+            PYTHONPATH=$src timeout 170 python3 -m flashattn bench --quiet --out "$RES/$tree-train" \
+              --suite train --headdims 64,128 --modes fwd,bwd --providers "flashattn$extra" 2>&1 | tail -25 ;;
+          decode)
+            [ $tree = current ] && extra=,sdpa-cudnn
+            PYTHONPATH=$src timeout 120 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" \
+              --suite decode --providers "flashattn-kvcache,flashattn-kvcache-graph$extra" 2>&1 | tail -25 ;;
+          host)
+            PYTHONPATH=$src timeout 90 python3 $scripts/host_profile.py "$RES/$tree-host_time.json" 2>&1 \
+              | grep "us/call" ;;
+        esac
       done ;;
     *)
       echo "unknown stage $stage"; exit 2 ;;
