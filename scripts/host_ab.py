@@ -38,7 +38,8 @@ def _per_call_us(fn, calls=100):
 def _sdpa(backend, q, k, v, causal):
     def call():
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+            gqa = q.shape[1] != k.shape[1]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return call
 
 
@@ -112,14 +113,14 @@ def main():
         row = {impl: statistics.median(ts) for impl, ts in per_impl.items()}
         for impl in per_impl:
             if impl != "cudnn":
-                row[f"{impl}/cudnn"] = statistics.median(a / c for a, c in zip(per_impl[impl], per_impl["cudnn"],
-                                                                                  strict=True))
+                pairs = zip(per_impl[impl], per_impl["cudnn"], strict=True)
+                row[f"{impl}/cudnn"] = statistics.median(a / c for a, c in pairs)
         if "baseline" in per_impl:
             row["current/baseline"] = statistics.median(
                 a / b for a, b in zip(per_impl["current"], per_impl["baseline"], strict=True))
         report[case] = row
-        print(f"{case:22}", "  ".join(f"{k} {v:.3f}" if "/" in k else f"{k} {v:.1f} us" for k, v in row.items()),
-              flush=True)
+        shown = (f"{k} {v:.3f}" if "/" in k else f"{k} {v:.1f} us" for k, v in row.items())
+        print(f"{case:22}", "  ".join(shown), flush=True)
     with open(args.out, "w") as f:
         json.dump({"us_per_call_medians_and_ratios": report, "rounds": args.rounds}, f, indent=1)
 

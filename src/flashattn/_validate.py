@@ -67,11 +67,14 @@ def _check_qkv(q, k, v, varlen: bool) -> None:
     check_tensor("v", v, ndim, f"({b}{'total_k' if varlen else 'seqlen_k'}, nheads_k, headdim_v)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype")
+            raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share "
+                                 "a dtype")
         if t.device != q.device:
-            raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; q, k, v must share a device")
+            raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; q, k, v must share a "
+                                 "device")
         if not varlen and t.shape[0] != q.shape[0]:
-            raise FlashAttnError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}; they must match")
+            raise FlashAttnError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}; they must "
+                                 "match")
     if k.shape[-1] != q.shape[-1]:
         raise FlashAttnError(f"k has headdim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
     if v.shape[:-1] != k.shape[:-1]:
@@ -81,7 +84,8 @@ def _check_qkv(q, k, v, varlen: bool) -> None:
         )
     h, hk = q.shape[-2], k.shape[-2]
     if h % hk != 0:
-        raise FlashAttnError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)")
+        raise FlashAttnError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k "
+                             "(GQA/MQA)")
     for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if d > MAX_HEADDIM:
             raise FlashAttnError(f"{name} has headdim {d}; headdim must be at most {MAX_HEADDIM}")
@@ -90,7 +94,8 @@ def _check_qkv(q, k, v, varlen: bool) -> None:
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q) -> None:
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
-            raise FlashAttnError(f"{name} must be an int32 tensor of shape (batch + 1,), got {type(cu).__name__}")
+            raise FlashAttnError(f"{name} must be an int32 tensor of shape (batch + 1,), got "
+                                 f"{type(cu).__name__}")
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
             raise FlashAttnError(
                 f"{name} must be an int32 tensor of shape (batch + 1,) with batch >= 1, got dtype {cu.dtype} "
@@ -117,7 +122,8 @@ def check_per_head(name: str, t, nheads: int, batch: int | None, device, allow_b
         raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {type(t).__name__}")
     ok_shape = tuple(t.shape) == (nheads,) or (allow_batch and tuple(t.shape) == (batch, nheads))
     if t.dtype != torch.float32 or not ok_shape:
-        raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} {tuple(t.shape)}")
+        raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     if t.device != device:
         raise FlashAttnError(f"{name} is on {t.device} but q is on {device}; they must share a device")
     if t.stride(-1) != 1:

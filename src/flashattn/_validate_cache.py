@@ -16,7 +16,8 @@ def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(bat
             f"{name} must be a torch.Tensor {shape_text} of dtype torch.int32, got {type(t).__name__}"
         )
     if t.dtype != torch.int32:
-        raise FlashAttnError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with .to(torch.int32))")
+        raise FlashAttnError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with "
+                             ".to(torch.int32))")
     if t.device != q.device:
         raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if shape_text == "(batch,)" and tuple(t.shape) != (b,):
@@ -28,7 +29,7 @@ def check_block_table(block_table, b: int, q: Tensor) -> None:
     _check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise FlashAttnError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
-                         f"(batch, max_pages)")
+                             f"(batch, max_pages)")
 
 
 def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -47,7 +48,7 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
             raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if v_cache.shape != k_cache.shape:
         raise FlashAttnError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; "
-                         f"they must match")
+                             f"they must match")
     hk = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise FlashAttnError(f"k_cache has headdim {k_cache.shape[3]} but q has {d}; they must match")
@@ -66,11 +67,11 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
                 f"k_cache has page_size {page_size} (dim 1 of a paged cache); expected a multiple of 16"
             )
         if cache_batch_idx is not None:
-            raise FlashAttnError("cache_batch_idx is not supported with a paged cache (block_table): map batch "
-                             "entries to pages through block_table instead")
+            raise FlashAttnError("cache_batch_idx is not supported with a paged cache (block_table): map "
+                                 "batch entries to pages through block_table instead")
     elif cache_batch_idx is None and k_cache.shape[0] < b:
         raise FlashAttnError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {b}; expected "
-                         f"batch_cache >= batch, or a cache_batch_idx")
+                             f"batch_cache >= batch, or a cache_batch_idx")
 
     if (k is None) != (v is None):
         raise FlashAttnError("k and v must be given together (both new keys and values, or neither)")
@@ -78,9 +79,11 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         for name, t in (("k", k), ("v", v)):
             _validate.check_tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
             if t.dtype != q.dtype:
-                raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
+                raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a "
+                                     "dtype")
             if t.device != q.device:
-                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a "
+                                     "device")
             if (t.shape[0], t.shape[2], t.shape[3]) != (b, hk, d):
                 raise FlashAttnError(
                     f"{name} has shape {tuple(t.shape)}; expected ({b}, seqlen_new, {hk}, {d}) = "
@@ -94,7 +97,7 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
     elif cache_seqlens is not None and (isinstance(cache_seqlens, bool)
                                         or not isinstance(cache_seqlens, numbers.Integral)):
         raise FlashAttnError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
-                        f"{type(cache_seqlens).__name__}")
+                             f"{type(cache_seqlens).__name__}")
     if cache_batch_idx is not None:
         _check_index_tensor("cache_batch_idx", cache_batch_idx, b, q)
     if cache_leftpad is not None:
@@ -111,29 +114,34 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
             _validate.check_tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
             if t.device != q.device:
-                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a "
+                                     "device")
         if sin.shape != cos.shape:
-            raise FlashAttnError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos {tuple(cos.shape)}; "
-                             f"they must match")
+            raise FlashAttnError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos "
+                                 f"{tuple(cos.shape)}; "
+                                 f"they must match")
         if 2 * cos.shape[1] > d:
-            raise FlashAttnError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim {2 * cos.shape[1]}; "
-                             f"expected rotary_dim <= headdim = {d}")
+            raise FlashAttnError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim "
+                                 f"{2 * cos.shape[1]}; "
+                                 f"expected rotary_dim <= headdim = {d}")
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
         if cos.shape[0] < capacity:
-            raise FlashAttnError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the cache "
-                             f"capacity {capacity}, the last position a key can take")
+            raise FlashAttnError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the "
+                                 "cache "
+                                 f"capacity {capacity}, the last position a key can take")
 
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype != torch.float32:
             got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
-            raise FlashAttnError(f"alibi_slopes must be a float32 tensor of shape ({h},) or ({b}, {h}), got {got}")
+            raise FlashAttnError(f"alibi_slopes must be a float32 tensor of shape ({h},) or ({b}, {h}), "
+                                 f"got {got}")
         if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
             raise FlashAttnError(
                 f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({b}, {h})"
             )
         if alibi_slopes.device != q.device or alibi_slopes.stride(-1) != 1:
             raise FlashAttnError(f"alibi_slopes must be on {q.device} with a contiguous last dim, got "
-                             f"{alibi_slopes.device}, strides {tuple(alibi_slopes.stride())}")
+                                 f"{alibi_slopes.device}, strides {tuple(alibi_slopes.stride())}")
     return b, sq, h, d, paged
 
 
@@ -184,12 +192,13 @@ def check_indices(q, k_cache, k, cache_seqlens, cache_len, cache_batch_idx, cach
         )
     if bad[1]:
         i = int(((lo < 0) | (lo > starts)).nonzero()[0, 0])
-        raise FlashAttnError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= cache_seqlens "
-                         f"= {int(starts[i])}")
+        raise FlashAttnError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= "
+                             "cache_seqlens "
+                             f"= {int(starts[i])}")
     if cache_batch_idx is not None and bad[2]:
         i = int(flags[2].nonzero()[0, 0])
         raise FlashAttnError(f"cache_batch_idx[{i}] = {int(cache_batch_idx[i])}; expected a cache row in "
-                         f"[0, {k_cache.shape[0]})")
+                             f"[0, {k_cache.shape[0]})")
     if paged and bad[-1]:
         i, j = (int(x) for x in bad_pages.nonzero()[0])
         raise FlashAttnError(

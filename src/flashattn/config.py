@@ -44,7 +44,7 @@ def set_backend(name: str | None) -> None:
         name = name.strip().lower() or None
     if name is not None and name not in BACKENDS:
         raise FlashAttnError(f"the backend (FLASHATTN_BACKEND, flashattn.config.set_backend) is {name!r}; "
-                         f"expected one of {', '.join(BACKENDS)}, or None for the automatic choice")
+                             f"expected one of {', '.join(BACKENDS)}, or None for the automatic choice")
     backend = name
 
 

@@ -28,7 +28,7 @@ def _check_parts(outs: Sequence, lses: Sequence) -> bool:
     """Validates the parts; returns True for the varlen layout (out (total, h, d), lse (h, total))."""
     if len(outs) == 0 or len(outs) != len(lses):
         raise FlashAttnError(f"merge_attention_states needs as many outputs as LSEs, at least one; got "
-                         f"{len(outs)} outputs and {len(lses)} LSEs")
+                             f"{len(outs)} outputs and {len(lses)} LSEs")
     ref = outs[0]
     for i, (o, lse) in enumerate(zip(outs, lses, strict=True)):
         for name, t in ((f"out[{i}]", o), (f"lse[{i}]", lse)):
@@ -36,10 +36,10 @@ def _check_parts(outs: Sequence, lses: Sequence) -> bool:
                 raise FlashAttnError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if o.dim() not in (3, 4):
             raise FlashAttnError(f"out[{i}] has shape {tuple(o.shape)}; expected (batch, seqlen_q, nheads, "
-                             f"headdim) or, varlen, (total_q, nheads, headdim)")
+                                 f"headdim) or, varlen, (total_q, nheads, headdim)")
         if o.shape != ref.shape or o.dtype != ref.dtype or o.device != ref.device:
             raise FlashAttnError(f"out[{i}] is {tuple(o.shape)} {o.dtype} on {o.device} but out[0] is "
-                             f"{tuple(ref.shape)} {ref.dtype} on {ref.device}; the parts must match")
+                                 f"{tuple(ref.shape)} {ref.dtype} on {ref.device}; the parts must match")
         if o.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise FlashAttnError(f"out[{i}] has dtype {o.dtype}; expected float16, bfloat16 or float32")
         if o.stride(-1) != 1:
@@ -58,7 +58,7 @@ def _check_parts(outs: Sequence, lses: Sequence) -> bool:
         if tuple(lse.shape) != want:
             layout = "(batch, nheads, seqlen_q)" if o.dim() == 4 else "(nheads, total_q)"
             raise FlashAttnError(f"lse[{i}] has shape {tuple(lse.shape)}; expected {want} = {layout} for out "
-                             f"of shape {tuple(o.shape)}")
+                                 f"of shape {tuple(o.shape)}")
     return ref.dim() == 3
 
 
@@ -88,7 +88,8 @@ def merge_attention_states(out_a, lse_a, out_b=None, lse_b=None):
     """
     if isinstance(out_a, (list, tuple)):
         if out_b is not None or lse_b is not None:
-            raise FlashAttnError("merge_attention_states(outs, lses) takes two lists; out_b/lse_b must be None")
+            raise FlashAttnError("merge_attention_states(outs, lses) takes two lists; out_b/lse_b must be "
+                                 "None")
         outs, lses = list(out_a), list(lse_a)
     else:
         if out_b is None or lse_b is None:

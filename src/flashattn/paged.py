@@ -29,12 +29,15 @@ def check_paged(q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, batch: int
         if t.device != q.device:
             raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if v.shape[:3] != k.shape[:3]:
-        raise FlashAttnError(f"v has shape {tuple(v.shape)} but k {tuple(k.shape)}; their page pools must match "
-                         f"in (num_pages, page_size, nheads_k)")
+        raise FlashAttnError(f"v has shape {tuple(v.shape)} but k {tuple(k.shape)}; their page pools must "
+                             "match "
+                             f"in (num_pages, page_size, nheads_k)")
     capacity = block_table.shape[1] * k.shape[1]
     if max_seqlen_k > capacity:
-        raise FlashAttnError(f"max_seqlen_k is {max_seqlen_k} but block_table holds {block_table.shape[1]} pages "
-                         f"of {k.shape[1]} keys = {capacity}; expected max_seqlen_k <= max_pages * page_size")
+        raise FlashAttnError(f"max_seqlen_k is {max_seqlen_k} but block_table holds "
+                             f"{block_table.shape[1]} pages "
+                             f"of {k.shape[1]} keys = {capacity}; expected max_seqlen_k <= max_pages * "
+                             "page_size")
 
 
 def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor,
@@ -50,8 +53,9 @@ def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor,
         bad = used & ((block_table < 0) | (block_table >= num_pages))
         if bool(bad.any()):
             b, col = (int(x) for x in bad.nonzero()[0])
-            raise FlashAttnError(f"block_table[{b}, {col}] = {int(block_table[b, col])}; expected a page of the "
-                             f"pool in [0, {num_pages})")
+            raise FlashAttnError(f"block_table[{b}, {col}] = {int(block_table[b, col])}; expected a page "
+                                 "of the "
+                                 f"pool in [0, {num_pages})")
     total_k = int(cu_seqlens_k[-1])
     token = torch.arange(total_k, device=k.device)
     seq = torch.searchsorted(cu_seqlens_k[1:].long(), token, right=True)

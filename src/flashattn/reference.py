@@ -32,7 +32,8 @@ def _check_inputs(q, k, v, alibi_slopes, learnable_sink):
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise FlashAttnError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in seqlen_k and nheads_k")
     if k.shape[3] != d:
-        raise FlashAttnError(f"k has headdim {k.shape[3]} but q has {d}; q and k must share the head dimension")
+        raise FlashAttnError(f"k has headdim {k.shape[3]} but q has {d}; q and k must share the head "
+                             "dimension")
     hk = k.shape[2]
     if hk == 0 or h % hk != 0:
         raise FlashAttnError(
@@ -251,7 +252,8 @@ def attention_ref_varlen(
         )
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if len(cq) != len(ck):
-        raise FlashAttnError(f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}; both are batch + 1")
+        raise FlashAttnError(f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}; both are "
+                             "batch + 1")
     outs, lses = [], []
     for bi in range(len(cq) - 1):
         slopes = alibi_slopes

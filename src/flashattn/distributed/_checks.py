@@ -40,20 +40,22 @@ def qkv(q, k, v, varlen: bool = False) -> None:
     tensor("v", v, 3 if varlen else 4, f"({tok}, nheads_k, headdim_v)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
-            raise FlashAttnError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; they must "
-                             f"match")
+            raise FlashAttnError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; "
+                                 "they must "
+                                 f"match")
     if not varlen and not (k.shape[0] == v.shape[0] == q.shape[0]):
         raise FlashAttnError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[:-1] != v.shape[:-1]:
         raise FlashAttnError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match in all but the head dim")
     if varlen and k.shape[0] != q.shape[0]:
         raise FlashAttnError(f"q has {q.shape[0]} local tokens but k has {k.shape[0]}; varlen self-attention "
-                         f"shards q, k and v alike")
+                             f"shards q, k and v alike")
     if k.shape[-1] != q.shape[-1]:
         raise FlashAttnError(f"k has headdim {k.shape[-1]} but q has {q.shape[-1]}; they must match")
     h, hk = q.shape[-2], k.shape[-2]
     if hk == 0 or h % hk != 0:
-        raise FlashAttnError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k (GQA/MQA)")
+        raise FlashAttnError(f"k has {hk} heads but q has {h}; nheads must be a multiple of nheads_k "
+                             "(GQA/MQA)")
     for name, d in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if not 1 <= d <= MAX_HEADDIM:
             raise FlashAttnError(f"{name} has headdim {d}; expected 1..{MAX_HEADDIM}")
@@ -98,7 +100,8 @@ def per_head(name: str, t, nheads: int, batch: int | None, device) -> None:
         raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {type(t).__name__}")
     ok = tuple(t.shape) == (nheads,) or (batch is not None and tuple(t.shape) == (batch, nheads))
     if t.dtype != torch.float32 or not ok:
-        raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} {tuple(t.shape)}")
+        raise FlashAttnError(f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     if t.device != device:
         raise FlashAttnError(f"{name} is on {t.device} but q is on {device}; they must share a device")
 

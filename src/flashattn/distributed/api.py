@@ -117,8 +117,8 @@ def context_parallel_attn(q, k, v, group=None, *, method: str = "ring", layout: 
     if method != "hybrid" and (ulysses_group is not None or ring_group is not None):
         raise FlashAttnError(f"ulysses_group / ring_group are for method='hybrid', not method={method!r}")
     if method == "hybrid" and (ulysses_group is None or ring_group is None):
-        raise FlashAttnError("method='hybrid' needs both ulysses_group and ring_group (e.g. the two dimensions "
-                         "of a 2-D DeviceMesh: (mesh, 'ulysses') and (mesh, 'ring'))")
+        raise FlashAttnError("method='hybrid' needs both ulysses_group and ring_group (e.g. the two "
+                             "dimensions of a 2-D DeviceMesh: (mesh, 'ulysses') and (mesh, 'ring'))")
     if method == "hybrid":
         upg, rpg = _comm.resolve(ulysses_group, "ulysses_group"), _comm.resolve(ring_group, "ring_group")
     else:
@@ -202,7 +202,8 @@ def context_parallel_attn_varlen(q, k, v, cu_seqlens, max_seqlen: int, group=Non
     perm = _plan_varlen.piece_major_index(cu, world, rank)
     if perm.numel() != q.shape[0]:
         raise FlashAttnError(f"q has {q.shape[0]} tokens but this rank's shard of cu_seqlens holds "
-                         f"{perm.numel()}; pass the global cu_seqlens and the tokens shard_varlen returned")
+                             f"{perm.numel()}; pass the global cu_seqlens and the tokens shard_varlen "
+                             "returned")
     if check_shards:
         digest = int((cu * torch.arange(1, cu.numel() + 1)).sum() % (1 << 61))
         fields = _fields(q, k, v, ndocs=ndocs, cu_seqlens_digest=digest, causal=causal, window_left=window[0],

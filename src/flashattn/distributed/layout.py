@@ -84,8 +84,9 @@ def _host_cu(cu_seqlens, total: int | None = None, name: str = "cu_seqlens") -> 
     if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
         raise FlashAttnError(f"{name}={cu.tolist()} must start at 0 and be non-decreasing")
     if total is not None and int(cu[-1]) != total:
-        raise FlashAttnError(f"{name} ends at {int(cu[-1])} but the tensor has {total} tokens; the last entry "
-                         f"must be the total number of tokens")
+        raise FlashAttnError(f"{name} ends at {int(cu[-1])} but the tensor has {total} tokens; the last "
+                             "entry "
+                             f"must be the total number of tokens")
     return cu
 
 
@@ -136,8 +137,9 @@ def unshard_varlen(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group=None) 
     cu = _host_cu(cu_seqlens)
     indices = [varlen_local_index(cu, world, r) for r in range(world)]
     if x_local.shape[0] != indices[rank].numel():
-        raise FlashAttnError(f"x_local has {x_local.shape[0]} tokens but this rank's shard of cu_seqlens holds "
-                         f"{indices[rank].numel()}; pass the global cu_seqlens that shard_varlen got")
+        raise FlashAttnError(f"x_local has {x_local.shape[0]} tokens but this rank's shard of cu_seqlens "
+                             "holds "
+                             f"{indices[rank].numel()}; pass the global cu_seqlens that shard_varlen got")
     # an all-gather needs equal sizes: pad every shard to the longest
     longest = max(i.numel() for i in indices)
     pad = x_local.new_zeros((longest - x_local.shape[0], *x_local.shape[1:]))

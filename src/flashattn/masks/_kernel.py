@@ -213,7 +213,8 @@ def _check_lists(name_num: str, num: torch.Tensor, name_idx: str, idx: torch.Ten
             f"block size) blocks (does the block size match the one the lists were made for?)"
         )
     if tuple(idx.shape[:-1]) != (*lead, rows):
-        raise FlashAttnError(f"{name_idx} has shape {tuple(idx.shape)}; expected {(*lead, rows)} + (max blocks,)")
+        raise FlashAttnError(f"{name_idx} has shape {tuple(idx.shape)}; expected {(*lead, rows)} + (max "
+                             "blocks,)")
     num = num.long()
     idx = idx.long()
     if num.numel() and (int(num.min()) < 0 or int(num.max()) > idx.shape[-1]):

@@ -261,7 +261,8 @@ class BlockMask:
         """
         par = torch.as_tensor(parents)
         if par.dim() != 1 or par.shape[0] < 1 or par.dtype.is_floating_point or par.dtype == torch.bool:
-            raise FlashAttnError(f"parents must be a 1-D integer sequence of length >= 1, got {tuple(par.shape)}")
+            raise FlashAttnError(f"parents must be a 1-D integer sequence of length >= 1, got "
+                                 f"{tuple(par.shape)}")
         par = par.long()
         t = par.shape[0]
         bad = (par < -1) | (par >= torch.arange(t, device=par.device))
@@ -304,7 +305,8 @@ class BlockMask:
         """From a bool mask (seqlen_q, seqlen_k) or (B, H, seqlen_q, seqlen_k), True = visible; B and H may
         be 1 (broadcast). On the mask's device."""
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise FlashAttnError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+            raise FlashAttnError(f"mask must be a bool tensor, got "
+                                 f"{getattr(mask, 'dtype', type(mask).__name__)}")
         if mask.dim() == 2:
             mask = mask[None, None]
         if mask.dim() != 4:
@@ -325,7 +327,7 @@ class BlockMask:
         bm, bn = _block_size(block_size)
         if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool:
             raise FlashAttnError("blocks must be a bool tensor (n_qblocks, n_kblocks) or (B, H, n_qblocks, "
-                            "n_kblocks)")
+                                 "n_kblocks)")
         if blocks.dim() == 2:
             blocks = blocks[None, None]
         mq, nk = -(-_length("seqlen_q", seqlen_q) // bm), -(-_length("seqlen_k", seqlen_k) // bn)

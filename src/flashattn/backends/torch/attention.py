@@ -23,7 +23,8 @@ def _check_common(q, k, v, alibi_slopes, learnable_sink, dropout_p, nbatch):
     h, d = q.shape[-2], q.shape[-1]
     hk = k.shape[-2]
     if k.shape[-1] != d:
-        raise FlashAttnError(f"k has headdim {k.shape[-1]} but q has {d}; q and k must share the head dimension")
+        raise FlashAttnError(f"k has headdim {k.shape[-1]} but q has {d}; q and k must share the head "
+                             "dimension")
     if k.shape[:-1] != v.shape[:-1]:
         raise FlashAttnError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in all but the head dim")
     if hk == 0 or h % hk != 0:
@@ -50,7 +51,8 @@ def _seq_bounds(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_
         )
     for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
         if cu[0] < 0 or any(b < a for a, b in zip(cu, cu[1:], strict=False)) or cu[-1] > total:
-            raise FlashAttnError(f"{name}={cu} must be non-decreasing within [0, {total}] (the packed length)")
+            raise FlashAttnError(f"{name}={cu} must be non-decreasing within [0, {total}] (the packed "
+                                 "length)")
     lens_q = [b - a for a, b in zip(cq, cq[1:], strict=False)]
     lens_k = [b - a for a, b in zip(ck, ck[1:], strict=False)]
     mq = max(lens_q, default=0) if max_seqlen_q is None else int(max_seqlen_q)
