@@ -1,6 +1,8 @@
 """flashattn._internals: each private shortcut is used on the tested versions, gives what the public path
 gives, and steps aside for the public path elsewhere."""
 
+import types
+
 import pytest
 import torch
 
@@ -73,3 +75,48 @@ def test_prechecked_descriptors_have_the_constructors_fields():
     args = (list(t.shape), list(t.stride()), [1, 64, 1, 32], _layout())
     made = _internals.descriptor_factory()(t, *args)
     assert type(made) is TensorDescriptor and vars(made) == vars(TensorDescriptor(t, *args))
+
+
+def test_direct_launch_passes_what_tritons_wrapper_passes(monkeypatch):
+    # Triton 3.6's launcher wrapper around a fake C entry point: the direct launch must hand that entry point
+    # the same arguments the wrapper builds from TensorDescriptor objects
+    from triton.backends.nvidia import driver
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    calls = []
+    signature = {"a_desc": "tensordesc<bf16[64, 32]>", "b_desc": "tensordesc<bf16[64, 32]>", "x": "*fp32",
+                 "n": "i32", "BLOCK": "constexpr"}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[1, 64, 1, 32], fp4_padded=False)] * 2
+    inner = driver.wrap_handle_tensordesc(lambda *args: calls.append(args), signature, metas)
+    fills = []
+
+    def fill(ptr, *rest):
+        fills.append((ptr, rest))
+        return f"map@{ptr}"
+
+    class FakeDriver:  # what the wrapper asks of the active driver: the descriptor fill
+        utils = types.SimpleNamespace(fill_tma_descriptor=fill)
+
+    monkeypatch.setattr(driver.triton.runtime.driver, "_active", FakeDriver())
+    monkeypatch.setattr(_internals, "_fill_tma_descriptor", lambda: fill)
+
+    class Runner:
+        launch, global_scratch_size, profile_scratch_size = staticmethod(inner), 0, 0
+        launch_cooperative_grid, launch_pdl = False, False
+
+    class Compiled:
+        run, function, packed_metadata = Runner(), "fn", "meta"
+
+    a, b = (torch.zeros(2, 64, 3, 32, dtype=torch.bfloat16) for _ in range(2))
+    x = torch.zeros(4)
+    specs = [(list(t.shape), list(t.stride())) for t in (a, b)]
+    direct = _internals.direct_launch(Compiled(), tuple(specs))
+    assert direct is not None
+    direct((5, 1, 1), 1234, (a, b), (x, 7, 64))
+    descs = [TensorDescriptor(t, *spec, [1, 64, 1, 32], _layout()) for t, spec in zip((a, b), specs, strict=True)]
+    inner(5, 1, 1, 1234, "fn", False, False, None, None, "meta", None, None, None, *descs, x, 7, 64)
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert fills[0] == fills[2] and fills[1] == fills[3]
+    # a launcher of another shape (no descriptor handling, scratch memory): no direct launch
+    Runner.global_scratch_size = 128
+    assert _internals.direct_launch(Compiled(), tuple(specs)) is None

@@ -119,3 +119,54 @@ def descriptor_factory():
         return d
 
     return make
+
+
+def _fill_tma_descriptor():
+    import triton
+
+    return triton.runtime.driver.active.utils.fill_tma_descriptor
+
+
+def direct_launch(compiled, descriptors: tuple):
+    """A launch function for a compiled kernel whose first len(descriptors) parameters are TMA tensor
+    descriptors, or None where this Triton's launcher is not the one it was written for.
+
+    descriptors: one (shape, strides) per descriptor parameter (block shape and layout are fixed by the
+    kernel's constexprs, which the compiled kernel's metadata carries). The returned launch(grid3, stream,
+    bases, rest) takes the descriptors' base tensors and every later parameter (constexprs included), fills
+    each descriptor itself and calls the launcher's C entry point: the per-launch Python of Triton 3.6's
+    wrapper (re-reading each descriptor's metadata, building its argument list, the scratch allocators) costs
+    ~1.5-2 us a descriptor, and the Gluon backward takes eight."""
+    if not triton_fast():
+        return None
+    runner = compiled.run
+    inner = getattr(runner, "launch", None)
+    free = getattr(getattr(inner, "__code__", None), "co_freevars", ())
+    if (getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1)
+            or not {"launcher", "tensordesc_meta", "tensordesc_indices"} <= set(free)):
+        return None
+    cells = {name: cell.cell_contents for name, cell in zip(free, inner.__closure__, strict=True)}
+    metas, indices = cells["tensordesc_meta"], cells["tensordesc_indices"]
+    if sorted(indices) != list(range(len(descriptors))) or len(metas) != len(descriptors):
+        return None
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    fixed = []  # per descriptor: the fill arguments after the base pointer, then shape and strides again
+    for meta, (shape, strides) in zip(metas, descriptors, strict=True):
+        if meta is None or meta.get("fp4_padded"):
+            return None
+        shape, strides = list(shape), list(strides)
+        fixed.append(((meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                       meta["block_size"], shape, strides, 0), (*shape, *strides)))
+    c_launch, fill = cells["launcher"], _fill_tma_descriptor()
+    head = (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None)
+
+    def launch(grid, stream, bases, rest):
+        args = []
+        for base, (fill_args, extra) in zip(bases, fixed, strict=True):
+            args.append(fill(base.data_ptr(), *fill_args))
+            args.extend(extra)
+        c_launch(grid[0], grid[1], grid[2], stream, *head, *args, *rest)
+
+    return launch

@@ -17,7 +17,6 @@ planes that the preprocess fills (`backward_stats`).
 """
 
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -50,18 +49,41 @@ def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> 
     return list(t.shape), list(t.stride()), [1, rows, 1, cols], _shared_layout(rows, cols, dtype_name)
 
 
-class Prepared(NamedTuple):
+class Prepared:
     """A launch of a Gluon kernel with all but its per-call tensors derived: what `forward` and `backward`
     return, and take back (the launchers keep it per call signature) to skip the derivations for tensors of
-    the same shapes, strides, dtypes and alignment."""
+    the same shapes, strides, dtypes and alignment. Its first launch goes through `launch` (a Bound: the JIT,
+    then a plan); after that, where this Triton allows it (flashattn._internals.direct_launch), straight to
+    the compiled kernel's launcher with the descriptors filled from their base tensors."""
 
-    launch: Bound
-    specs: tuple  # _descriptor_spec of each descriptor argument, in order
-    args: tuple  # the arguments between the per-call tensors that follow the descriptors
+    __slots__ = ("launch", "specs", "args", "direct", "direct_plan")
+
+    def __init__(self, launch: Bound, specs: tuple, args: tuple):
+        self.launch = launch
+        self.specs = specs  # _descriptor_spec of each descriptor parameter, in order (they come first)
+        self.args = args  # the arguments between the per-call tensors that follow the descriptors
+        self.direct = None  # the direct launch of direct_plan's compiled kernel, where this Triton allows one
+        self.direct_plan = None
 
     def descriptors(self, *tensors) -> list:
         make = _make_descriptor()
         return [make(t, *spec) for t, spec in zip(tensors, self.specs, strict=True)]
+
+    def __call__(self, bases: tuple, rest: tuple) -> None:
+        """Launch with descriptors over `bases` and the runtime arguments `rest` that follow them."""
+        plan = self.direct_plan
+        if self.direct is not None and _internals.current_device() == plan.device:
+            for i, aligned in plan.pointers:  # the tensors among rest: their alignment is specialised on
+                if (rest[i - len(bases)].data_ptr() % 16 == 0) is not aligned:
+                    break
+            else:
+                self.direct(self.launch.grid3, _internals.raw_stream(plan.device), bases, (*rest, *plan.tail))
+                return
+        self.launch((*self.descriptors(*bases), *rest))
+        plan = self.launch.plan
+        if plan is not None and plan is not self.direct_plan:
+            self.direct_plan = plan
+            self.direct = _internals.direct_launch(plan.compiled, tuple(spec[:2] for spec in self.specs))
 
 
 _counters: dict = {}
@@ -89,8 +111,7 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     if prepared is None:
         prepared = _prepare_forward(pb, route, q, k, v, out, lse)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
-    tile_counter = _tile_counter(q.device)
-    prepared.launch((*prepared.descriptors(q, k, v, out), lse, *prepared.args, tile_counter))
+    prepared((q, k, v, out), (lse, *prepared.args, _tile_counter(q.device)))
     return prepared
 
 
@@ -127,7 +148,7 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dq, dk, dv,
     kernel adds dQ. prepared: as `forward`'s."""
     if prepared is None:
         prepared = _prepare_backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
-    prepared.launch((*prepared.descriptors(q, dout, k, v, dk, dv, dq_acc, stats), *prepared.args))
+    prepared((q, dout, k, v, dk, dv, dq_acc, stats), prepared.args)
     dq.copy_(dq_acc)
     return prepared
 

@@ -95,11 +95,11 @@ class Bound:
     keeps one must key it on everything else the arguments' specialisation depends on, and call it again
     only where `direct` holds (a plan never calls the launch hooks)."""
 
-    __slots__ = ("kernel", "grid", "kwargs", "plan", "_grid3")
+    __slots__ = ("kernel", "grid", "kwargs", "plan", "grid3")
 
     def __init__(self, kernel, grid: tuple, kwargs: dict):
         self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
-        self._grid3 = (*grid, 1, 1)
+        self.grid3 = (*grid, 1, 1)
         self.plan = None
 
     def __call__(self, args: tuple) -> None:
@@ -109,6 +109,6 @@ class Bound:
                 if (args[i].data_ptr() % 16 == 0) is not aligned:
                     break
             else:
-                _run(plan, self._grid3, args)
+                _run(plan, self.grid3, args)
                 return
         self.plan = launch(self.kernel, self.grid, *args, **self.kwargs)
