@@ -27,7 +27,7 @@ def test_the_ci_torch_and_triton_are_tested_versions():
 
 
 def test_fast_apply_equals_function_apply():
-    fast = _internals.function_apply(_Double)
+    fast = _internals.function_apply(_Double, 1)
     assert fast is not _Double.apply
     x = torch.randn(5, requires_grad=True)
     y = fast(x, 3.0)
@@ -37,14 +37,14 @@ def test_fast_apply_equals_function_apply():
 
 def test_fast_apply_takes_the_public_path_under_functorch_transforms():
     # Function.apply's own path: under vmap it needs a setup_context, which this Function has not
-    fast = _internals.function_apply(_Double)
+    fast = _internals.function_apply(_Double, 1)
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.vmap(lambda x: fast(x, 2.0))(torch.randn(3, 4))
 
 
 def test_untested_versions_get_the_public_paths(monkeypatch):
     monkeypatch.setattr(_internals, "TORCH_FAST", False)
-    assert _internals.function_apply(_Double) == _Double.apply
+    assert _internals.function_apply(_Double, 1) == _Double.apply
     monkeypatch.setattr(_internals, "TESTED_TORCH", ((1, 0), (1, 1)))
     assert not _internals._torch_fast()
     _internals.triton_fast.cache_clear()
@@ -113,7 +113,8 @@ def test_direct_launch_passes_what_tritons_wrapper_passes(monkeypatch):
     direct = _internals.direct_launch(Compiled(), tuple(specs))
     assert direct is not None
     direct((5, 1, 1), 1234, (a, b), (x, 7, 64))
-    descs = [TensorDescriptor(t, *spec, [1, 64, 1, 32], _layout()) for t, spec in zip((a, b), specs, strict=True)]
+    descs = [TensorDescriptor(t, *spec, [1, 64, 1, 32], _layout())
+             for t, spec in zip((a, b), specs, strict=True)]
     inner(5, 1, 1, 1234, "fn", False, False, None, None, "meta", None, None, None, *descs, x, 7, 64)
     assert len(calls) == 2 and calls[0] == calls[1]
     assert fills[0] == fills[2] and fills[1] == fills[3]

@@ -33,11 +33,12 @@ def _torch_fast() -> bool:
 TORCH_FAST = _torch_fast()
 
 
-def function_apply(cls: type[torch.autograd.Function]):
+def function_apply(cls: type[torch.autograd.Function], n_tensors: int):
     """`cls.apply` without its generic Python steps: Function.apply checks for a setup_context and unwraps
     dead functorch wrappers through a generator over every argument (~1-2 us); the returned callable unwraps
-    the tensor arguments it is told about and calls the C++ apply directly. Falls back to cls.apply when
-    functorch transforms are active or torch is not a tested version."""
+    the first n_tensors arguments (tensors or None) and passes the rest on as they are, calling the C++ apply
+    directly. Falls back to cls.apply when functorch transforms are active or torch is not a tested
+    version."""
     if not TORCH_FAST:
         return cls.apply
     from torch._C._functorch import unwrap_if_dead
@@ -49,7 +50,8 @@ def function_apply(cls: type[torch.autograd.Function]):
     def apply(*args):
         if active():
             return public(*args)
-        return c_apply(*[unwrap_if_dead(a) if type(a) is torch.Tensor else a for a in args])
+        head = [a if a is None else unwrap_if_dead(a) for a in args[:n_tensors]]
+        return c_apply(*head, *args[n_tensors:])
 
     return apply
 

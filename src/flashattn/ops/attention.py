@@ -12,7 +12,7 @@ from torch import Tensor
 
 from flashattn.backends import entry
 from flashattn.ops.registry import Op
-from flashattn.ops.rng import draw_rng_state, unpack
+from flashattn.ops.rng import NO_RNG, draw_rng_state, unpack
 
 
 def default_scale(head_dim: int) -> float:
@@ -26,7 +26,7 @@ def _fwd_impl(
     learnable_sink: Tensor | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # deterministic only concerns the backward; it is an input here so that autograd can hand it on
-    rng_state = torch.zeros(2, dtype=torch.int64)
+    rng_state = NO_RNG
     if dropout_p > 0:
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         rng_state = draw_rng_state(q.device, batch * q.shape[-2] * max_seqlen_q * max_seqlen_k)

@@ -12,7 +12,7 @@ from torch import Tensor
 from flashattn.backends import entry
 from flashattn.masks import BlockMaskKernelTensors, MaskRule
 from flashattn.ops.registry import Op
-from flashattn.ops.rng import draw_rng_state, unpack
+from flashattn.ops.rng import NO_RNG, draw_rng_state, unpack
 
 
 def _kernel_tensors(q, k, mask, block_m, block_n, rule) -> BlockMaskKernelTensors:
@@ -24,7 +24,7 @@ def _fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, mask: list[Tensor], block_m: int, block_n: int, rule: list[int],
     softmax_scale: float, softcap: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    rng_state = torch.zeros(2, dtype=torch.int64)
+    rng_state = NO_RNG
     if dropout_p > 0:
         b, sq, h, _ = q.shape
         rng_state = draw_rng_state(q.device, b * h * sq * k.shape[1])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -53,6 +54,7 @@ class Op:
         self.library_op.register_fake(fake)
         self._apply = None  # the eager autograd.Function's apply, once register_autograd made one
         self._differentiable: tuple[int, ...] = ()
+        self._pick = None  # args -> the differentiable ones, as a tuple
 
     def register_autograd(self, backward: Callable, setup_context: Callable, *,
                           differentiable: Sequence[str], non_differentiable_outputs: Sequence[int] = (),
@@ -64,10 +66,12 @@ class Op:
         autograd.Function does not track) takes the registered op in eager calls that need gradients."""
         self.library_op.register_autograd(backward, setup_context=setup_context)
         self._differentiable = tuple(self.params.index(n) for n in differentiable)
+        pick = operator.itemgetter(*self._differentiable)
+        self._pick = pick if len(self._differentiable) > 1 else (lambda args: (pick(args),))
         if eager_function:
             self._apply = _internals.function_apply(
                 _eager_function(self.name, self.impl, backward, setup_context, self._differentiable,
-                                tuple(non_differentiable_outputs)))
+                                tuple(non_differentiable_outputs)), len(self._differentiable))
         else:
             self._apply = self.library_op
 
@@ -79,7 +83,7 @@ class Op:
                 return self.library_op(*args)
             # the differentiable tensors as the Function's own inputs (autograd tracks those), then every
             # argument in one tuple: apply's host time grows with its argument count (~0.5 us each)
-            return self._apply(*(args[i] for i in self._differentiable), args)
+            return self._apply(*self._pick(args), args)
         return self.impl(*args)
 
     def _needs_grad(self, args) -> bool:
