@@ -229,20 +229,17 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         hit = _backward_cache.get(key)
         if hit is not None:
             pb, route, preprocess, pre_args, prepared = hit
-            dq = torch.empty(*q.shape, dtype=q.dtype, device=q.device)  # unpacked: as attention_forward's
-            dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
+            dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)  # unpacked: as attention_forward's
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
-            stats = gluon.backward_stats(pb, q.device)
-            dq_acc = torch.empty(*q.shape, dtype=torch.float32, device=q.device)
+            stats, dq_acc = gluon.backward_buffers(pb, q)
             preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], *pre_args))
-            gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale, prepared)
+            dq, _ = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared)
             return dq, dk, dv, None
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
                   (dout,))
     if route is None:
         route = routes.backward_route(pb.spec)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     cu_q = cu_seqlens_q if pb.varlen else q
@@ -252,11 +249,11 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     flags = pb.flags
 
     # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
-    # (gluon.backward_stats): the preprocess zeroes the one and fills the other (no launch of its own)
+    # (gluon.backward_buffers): the preprocess zeroes the one and fills the other (no launch of its own)
     on_gluon = isinstance(route, routes.GluonBackward)
     if on_gluon:
-        stats = gluon.backward_stats(pb, q.device)
-        delta, lse2, dq_acc = stats[1], stats[0], torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        stats, dq_acc = gluon.backward_buffers(pb, q)
+        delta, lse2 = stats[1], stats[0]
         delta_rows = stats.shape[-1]
         delta_strides = (pb.nheads * delta_rows, delta_rows)
     else:
@@ -272,10 +269,11 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                 delta_rows)
     preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, *pre_args))
     if on_gluon:
-        prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale)
+        dq, prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
         return dq, dk, dv, None
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse

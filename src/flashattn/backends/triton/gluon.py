@@ -13,7 +13,7 @@ counter again, so one per stream serves every call (`_tile_counter`).
 
 The backward (FlashAttention-3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair
 instead of the Triton backward's 7) reads each step's LSE (base 2) and D = rowsum(dO ∘ O) from padded
-planes that the preprocess fills (`backward_stats`).
+planes that the preprocess fills (`backward_buffers`).
 """
 
 import functools
@@ -134,23 +134,27 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse) -> Prepared:
     )
 
 
-def backward_stats(pb, device: torch.device) -> torch.Tensor:
-    """The backward kernel's per-row statistics, which the preprocess fills: (2, b·h, sq rounded up to 4)
-    float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O). The kernel's loader brings both with each (Q, dO)
-    tile through one TMA copy, so a row of a plane must be 16-byte aligned: hence the padding."""
-    return torch.empty(2, pb.batch * pb.nheads, -(-pb.seqlen_q // 4) * 4, dtype=torch.float32, device=device)
+def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stats, dq_acc) in one allocation. stats: the backward kernel's per-row statistics, which the
+    preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O). The
+    kernel's loader brings both with each (Q, dO) tile through one TMA copy, so a row of a plane must be
+    16-byte aligned: hence the padding. dq_acc: the float32 buffer shaped like q (contiguous) into which the
+    kernel adds dQ, zeroed by the preprocess; it starts 16-byte aligned after the planes."""
+    rows = -(-pb.seqlen_q // 4) * 4
+    n_stats = 2 * pb.batch * pb.nheads * rows
+    buf = torch.empty(n_stats + q.numel(), dtype=torch.float32, device=q.device)
+    return buf[:n_stats].view(2, pb.batch * pb.nheads, rows), buf[n_stats:].view(q.shape)
 
 
-def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dq, dk, dv, softmax_scale: float,
-             prepared: Prepared | None = None) -> Prepared:
-    """Fill dq, dk and dv (attention_backward's contract) with the warp-specialised backward; stats: as
-    `backward_stats`, filled; dq_acc: a zeroed float32 buffer shaped like q (contiguous), into which the
-    kernel adds dQ. prepared: as `forward`'s."""
+def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
+             prepared: Prepared | None = None) -> tuple[torch.Tensor, Prepared]:
+    """dq, and fill dk and dv (attention_backward's contract), with the warp-specialised backward; stats and
+    dq_acc: as `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Returns
+    (dq, the launch prepared)."""
     if prepared is None:
         prepared = _prepare_backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
     prepared((q, dout, k, v, dk, dv, dq_acc, stats), prepared.args)
-    dq.copy_(dq_acc)
-    return prepared
+    return dq_acc.to(q.dtype), prepared
 
 
 @functools.cache
