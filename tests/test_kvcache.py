@@ -314,12 +314,23 @@ def _odd_pages(a):
     return torch.randn(6, 20, 2, 16)
 
 
-BAD = {
+# the values of device tensors: checked only on request (check_inputs=True), with the messages of the checks
+BAD_VALUES = {
     "block-table-range": (_with(16, block_table=_bad_pages, cache_seqlens=_i32(20, 5)), ValueError,
                           r"block_table\[0, 1\] = 999 but the cache has 8 pages"),
     "seqlens-over-capacity": (_with(k=_new(), v=_new(), cache_seqlens=_i32(64, 3)), ValueError,
                               r"cache_seqlens\[0\] = 64 with 1 new keys needs 65 cache positions; "
-                              r"expected .* <= 64"),
+                              r"expected .* <= 64 \(the cache capacity: k_cache's seqlen_cache\)"),
+    "paged-seqlens-over-capacity": (_with(16, cache_seqlens=_i32(3, 65)), ValueError,
+                                    r"cache_seqlens\[1\] = 65 .* <= 64 \(the cache capacity: block_table's "
+                                    r"max_pages 4 x page_size 16\)"),
+    "batch-idx-range": (_with(cache_batch_idx=_i32(0, 2)), ValueError,
+                        r"cache_batch_idx\[1\] = 2; expected a cache row in \[0, 2\)"),
+    "leftpad-range": (_with(cache_leftpad=_i32(4, 0), cache_seqlens=_i32(3, 3)), ValueError,
+                      r"cache_leftpad\[0\] = 4; expected 0 <= cache_leftpad <= cache_seqlens = 3"),
+}
+
+BAD = {
     "int-seqlens-over": (_with(cache_seqlens=65), ValueError, r"cache_seqlens=65 .* <= 64"),
     "seqlens-int64": (_with(cache_seqlens=torch.tensor([3, 3])), TypeError,
                       r"cache_seqlens has dtype torch.int64; expected torch.int32"),
@@ -336,12 +347,20 @@ BAD = {
     "rotary-too-short": (_with(k=_new(), v=_new(), rotary_cos=torch.ones(32, 8),
                                rotary_sin=torch.zeros(32, 8)), ValueError,
                          r"rotary_cos has 32 rows .* at least the cache capacity 64"),
-    "batch-idx-range": (_with(cache_batch_idx=_i32(0, 2)), ValueError,
-                        r"cache_batch_idx\[1\] = 2; expected a cache row in \[0, 2\)"),
     "batch-idx-paged": (_with(16, cache_batch_idx=_i32(0, 1)), ValueError,
                         r"cache_batch_idx is not supported with a paged cache"),
-    "leftpad-range": (_with(cache_leftpad=_i32(4, 0)), ValueError,
-                      r"cache_leftpad\[0\] = 4; expected 0 <= cache_leftpad <= cache_seqlens = 3"),
+    "int-seqlens-over-paged": (_with(16, cache_seqlens=61, k=_new(4), v=_new(4)), ValueError,
+                               r"cache_seqlens=61 with 4 new keys .* <= 64 \(the cache capacity: "
+                               r"block_table's max_pages 4 x page_size 16\)"),
+    "new-keys-over-capacity": (_with(k=_new(65), v=_new(65), cache_seqlens=0), ValueError,
+                               r"k has seqlen_new 65; expected at most 64"),
+    "seqlens-strided": (_with(cache_seqlens=lambda a: _i32(3, 0, 3, 0)[::2]), ValueError,
+                        r"cache_seqlens has stride 2; expected a contiguous"),
+    "key-mask-dtype": (_with(key_padding_mask=torch.ones(2, 64, dtype=torch.uint8)), TypeError,
+                       r"key_padding_mask must be a torch.bool tensor of shape \(2, 64\)"),
+    "key-mask-shape": (_with(16, key_padding_mask=torch.ones(2, 63, dtype=torch.bool)), ValueError,
+                       r"key_padding_mask has shape \(2, 63\); expected \(2, 64\) = \(batch, 64 \(the cache "
+                       r"capacity: block_table's"),
     "gqa-heads": (_with(k_cache=torch.randn(2, 64, 3, 16), v_cache=torch.randn(2, 64, 3, 16)), ValueError,
                   r"k_cache has 3 heads but q has 4; nheads must be a multiple of nheads_k"),
     "append-without-seqlens": (_with(k=_new(), v=_new(), cache_seqlens=None), ValueError,
@@ -359,6 +378,19 @@ def test_bad_input(monkeypatch, name):
     monkeypatch.setattr(flashattn_config, "backend", "torch")
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**make())
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_bad_values_with_checks(monkeypatch, name):
+    make, exc, match = BAD_VALUES[name]
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**make(), check_inputs=True)
+    # the setting does the same for calls that leave check_inputs at None, and check_inputs=False wins
+    with flashattn_config.use_check_indices(True), pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**make())
+    with flashattn_config.use_check_indices(True):
+        flash_attn_with_kvcache(**make(), check_inputs=False)
 
 
 def test_unused_block_table_entries_are_not_checked(monkeypatch):
@@ -391,12 +423,12 @@ def test_bench_decode_suite():
 
 def test_opcheck(monkeypatch):
     # schema, fake tensor and mutation declarations of the op torch.compile traces through
-    from flashattn.kvcache import kvcache_fwd
+    from flashattn.ops.kvcache import kvcache_fwd
 
     monkeypatch.setattr(flashattn_config, "backend", "torch")
     kc, vc = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
     q, kn, vn = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
     seqlens = _i32(10, 50)
-    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None,
-            0.25, True, -1, -1, 0.0, None, True, 0)
+    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None, None,
+            0.25, True, -1, 0, 0.0, None, True, 0, False)
     torch.library.opcheck(kvcache_fwd.library_op, args)

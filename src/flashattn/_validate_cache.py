@@ -1,5 +1,10 @@
-"""Argument checks of the KV-cache functions (flash_attn_with_kvcache, and varlen with a paged KV): the
-shape, dtype and device checks, and the range checks of the device-side indices."""
+"""Argument checks of the KV-cache functions (flash_attn_with_kvcache, DecodePlan.run, and varlen with a paged
+KV): the shape, dtype and device checks, which read no device value, and the opt-in range checks of the
+device-side indices (one device-to-host copy).
+
+Without the range checks a bad index value never reaches memory: the kernels clamp every index they read
+(kernels/triton/decode.py, backends/torch/decode.py), so the call gives a wrong result instead of an error.
+"""
 
 import numbers
 
@@ -16,11 +21,25 @@ def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(bat
             f"{name} must be a torch.Tensor {shape_text} of dtype torch.int32, got {type(t).__name__}"
         )
     if t.dtype != torch.int32:
-        raise FlashAttnError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with .to(torch.int32))")
+        raise FlashAttnError(f"{name} has dtype {t.dtype}; expected torch.int32 (convert with "
+                             ".to(torch.int32))")
     if t.device != q.device:
         raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
-    if shape_text == "(batch,)" and tuple(t.shape) != (b,):
-        raise FlashAttnError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
+    if shape_text == "(batch,)":
+        if tuple(t.shape) != (b,):
+            raise FlashAttnError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
+        if b > 1 and t.stride(0) != 1:
+            raise FlashAttnError(f"{name} has stride {t.stride(0)}; expected a contiguous (batch,) tensor "
+                                 f"(call .contiguous() on it)")
+
+
+def capacity_text(k_cache: Tensor, block_table) -> str:
+    """The cache capacity and where it comes from, for messages."""
+    if block_table is None:
+        return f"{k_cache.shape[1]} (the cache capacity: k_cache's seqlen_cache)"
+    pages, page_size = block_table.shape[1], k_cache.shape[1]
+    return (f"{pages * page_size} (the cache capacity: block_table's max_pages {pages} x page_size "
+            f"{page_size})")
 
 
 def check_block_table(block_table, b: int, q: Tensor) -> None:
@@ -28,11 +47,16 @@ def check_block_table(block_table, b: int, q: Tensor) -> None:
     _check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise FlashAttnError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
-                         f"(batch, max_pages)")
+                             f"(batch, max_pages)")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise FlashAttnError(f"block_table has strides {tuple(block_table.stride())}; expected a contiguous "
+                             f"last dimension (call .contiguous() on it)")
 
 
 def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, alibi_slopes):
+               block_table, alibi_slopes, key_mask=None):
+    """The checks that read shapes, dtypes and devices only; returns (batch, seqlen_q, nheads, headdim,
+    paged)."""
     paged = block_table is not None
     cache_layout = ("(num_pages, page_size, nheads_k, headdim)" if paged
                     else "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -47,7 +71,7 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
             raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if v_cache.shape != k_cache.shape:
         raise FlashAttnError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; "
-                         f"they must match")
+                             f"they must match")
     hk = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise FlashAttnError(f"k_cache has headdim {k_cache.shape[3]} but q has {d}; they must match")
@@ -66,11 +90,11 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
                 f"k_cache has page_size {page_size} (dim 1 of a paged cache); expected a multiple of 16"
             )
         if cache_batch_idx is not None:
-            raise FlashAttnError("cache_batch_idx is not supported with a paged cache (block_table): map batch "
-                             "entries to pages through block_table instead")
+            raise FlashAttnError("cache_batch_idx is not supported with a paged cache (block_table): map "
+                                 "batch entries to pages through block_table instead")
     elif cache_batch_idx is None and k_cache.shape[0] < b:
         raise FlashAttnError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {b}; expected "
-                         f"batch_cache >= batch, or a cache_batch_idx")
+                             f"batch_cache >= batch, or a cache_batch_idx")
 
     if (k is None) != (v is None):
         raise FlashAttnError("k and v must be given together (both new keys and values, or neither)")
@@ -78,9 +102,11 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         for name, t in (("k", k), ("v", v)):
             _validate.check_tensor(name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
             if t.dtype != q.dtype:
-                raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
+                raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a "
+                                     "dtype")
             if t.device != q.device:
-                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a "
+                                     "device")
             if (t.shape[0], t.shape[2], t.shape[3]) != (b, hk, d):
                 raise FlashAttnError(
                     f"{name} has shape {tuple(t.shape)}; expected ({b}, seqlen_new, {hk}, {d}) = "
@@ -88,6 +114,10 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
                 )
         if v.shape[1] != k.shape[1]:
             raise FlashAttnError(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; they must match")
+        capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+        if k.shape[1] > capacity:
+            raise FlashAttnError(f"k has seqlen_new {k.shape[1]}; expected at most "
+                                 f"{capacity_text(k_cache, block_table)}")
 
     if isinstance(cache_seqlens, Tensor):
         _check_index_tensor("cache_seqlens", cache_seqlens, b, q)
@@ -111,44 +141,58 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
             _validate.check_tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
             if t.device != q.device:
-                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
+                raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a "
+                                     "device")
         if sin.shape != cos.shape:
-            raise FlashAttnError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos {tuple(cos.shape)}; "
-                             f"they must match")
+            raise FlashAttnError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos "
+                                 f"{tuple(cos.shape)}; they must match")
         if 2 * cos.shape[1] > d:
-            raise FlashAttnError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim {2 * cos.shape[1]}; "
-                             f"expected rotary_dim <= headdim = {d}")
+            raise FlashAttnError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim "
+                                 f"{2 * cos.shape[1]}; expected rotary_dim <= headdim = {d}")
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
         if cos.shape[0] < capacity:
-            raise FlashAttnError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the cache "
-                             f"capacity {capacity}, the last position a key can take")
+            raise FlashAttnError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the "
+                                 f"cache capacity {capacity}, the last position a key can take")
 
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype != torch.float32:
             got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
-            raise FlashAttnError(f"alibi_slopes must be a float32 tensor of shape ({h},) or ({b}, {h}), got {got}")
+            raise FlashAttnError(f"alibi_slopes must be a float32 tensor of shape ({h},) or ({b}, {h}), "
+                                 f"got {got}")
         if tuple(alibi_slopes.shape) not in ((h,), (b, h)):
             raise FlashAttnError(
                 f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({h},) or ({b}, {h})"
             )
         if alibi_slopes.device != q.device or alibi_slopes.stride(-1) != 1:
             raise FlashAttnError(f"alibi_slopes must be on {q.device} with a contiguous last dim, got "
-                             f"{alibi_slopes.device}, strides {tuple(alibi_slopes.stride())}")
+                                 f"{alibi_slopes.device}, strides {tuple(alibi_slopes.stride())}")
+    if key_mask is not None:
+        capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+            got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+            raise FlashAttnError(f"key_padding_mask must be a torch.bool tensor of shape ({b}, {capacity}) = "
+                                 f"(batch, cache capacity), got {got}")
+        if tuple(key_mask.shape) != (b, capacity):
+            raise FlashAttnError(f"key_padding_mask has shape {tuple(key_mask.shape)}; expected ({b}, "
+                                 f"{capacity}) = (batch, {capacity_text(k_cache, block_table)})")
+        if key_mask.device != q.device or (capacity > 1 and key_mask.stride(1) != 1):
+            raise FlashAttnError(f"key_padding_mask must be on {q.device} with a contiguous last dim, got "
+                                 f"{key_mask.device}, strides {tuple(key_mask.stride())}")
     return b, sq, h, d, paged
 
 
-def checks_enabled(t: Tensor) -> bool:
-    """Whether the device-side index checks run for tensors like t (flashattn.config's check_indices)."""
-    if not config.check_indices:
+def checks_enabled(t: Tensor, requested: bool | None = None) -> bool:
+    """Whether the device-side index checks run for tensors like t: `requested` (a call's check_inputs), or
+    when None flashattn.config's check_indices."""
+    if not (config.check_indices if requested is None else requested):
         return False
     # a device-to-host copy is illegal while a CUDA graph is being captured
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_indices(q, k_cache, k, cache_seqlens, cache_len, cache_batch_idx, cache_leftpad, block_table):
-    """Range checks of the device-side indices, with one device-to-host copy for all of them."""
-    if not checks_enabled(q):
-        return
+    """Range checks of the device-side indices, with one device-to-host copy for all of them (the caller
+    asks checks_enabled first)."""
     if cache_seqlens is None and cache_batch_idx is None and cache_leftpad is None and block_table is None:
         return
     b = q.shape[0]
@@ -179,17 +223,17 @@ def check_indices(q, k_cache, k, cache_seqlens, cache_len, cache_batch_idx, cach
         i = int(((starts < 0) | (ends > capacity)).nonzero()[0, 0])
         raise FlashAttnError(
             f"cache_seqlens[{i}] = {int(starts[i])} with {s_new} new keys needs {int(ends[i])} cache "
-            f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {capacity} "
-            f"(the cache capacity)"
+            f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= "
+            f"{capacity_text(k_cache, block_table)}"
         )
     if bad[1]:
         i = int(((lo < 0) | (lo > starts)).nonzero()[0, 0])
-        raise FlashAttnError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= cache_seqlens "
-                         f"= {int(starts[i])}")
+        raise FlashAttnError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= "
+                             f"cache_seqlens = {int(starts[i])}")
     if cache_batch_idx is not None and bad[2]:
         i = int(flags[2].nonzero()[0, 0])
         raise FlashAttnError(f"cache_batch_idx[{i}] = {int(cache_batch_idx[i])}; expected a cache row in "
-                         f"[0, {k_cache.shape[0]})")
+                             f"[0, {k_cache.shape[0]})")
     if paged and bad[-1]:
         i, j = (int(x) for x in bad_pages.nonzero()[0])
         raise FlashAttnError(
