@@ -139,7 +139,7 @@ class DecodePlan:
                 f"seqlen_q={self.seqlen_q}, num_splits={self.num_splits})")
 
     def _check_plan(self, q, k_cache, block_table) -> None:
-        """What a run's tensors must share with the plan (after flash_attn_with_kvcache's own checks)."""
+        """What a run's tensors must share with the plan (then flash_attn_with_kvcache's own checks)."""
         want = (self.batch, self.seqlen_q, self.nheads, self.headdim)
         if tuple(q.shape) != want:
             raise FlashAttnError(f"q has shape {tuple(q.shape)}; the plan expects {want} = (batch, seqlen_q, "
@@ -190,11 +190,14 @@ class DecodePlan:
             except (AttributeError, TypeError):
                 key = None
         if launch is None:
+            _validate.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+            _validate.check_tensor("k_cache", k_cache, 4, "(num_pages, page_size, nheads_k, headdim)"
+                                   if self.page_size else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+            self._check_plan(q, k_cache, block_table)
             checked = check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
                                  self.softmax_scale, self.causal, self.window_size, self.softcap,
                                  self.num_splits_request)
-            self._check_plan(q, k_cache, block_table)
             if key is None:
                 return through_op(checked, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
