@@ -474,6 +474,15 @@ def test_bench_decode_suite():
     suite.annotate(rows)
     assert rows[0]["tbps"] == pytest.approx(2.0) and rows[1]["tbps"] is None
     assert suite._skip(c, "sdpa-flash") and suite._skip(c, suite.OURS) is None
+    assert suite._skip(c, suite.OURS_PLAN) is None
+    # the eager providers on a small case (CPU, torch backend): the drop-in call and the plan agree
+    from flashattn.bench.case import Case as BenchCase
+
+    small = BenchCase(2, 4, 2, 1, 40, 16, False, "fp32", {"kv_len": 40, "page_size": 16, "kv_bytes": 0})
+    q, kk, vv = torch.randn(2, 1, 4, 16), torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
+    with flashattn_config.use_backend("torch"):
+        outs = [suite._setup_kvcache(small, q, kk, vv).fwd(), suite._setup_plan(small, q, kk, vv).fwd()]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_opcheck(monkeypatch):
