@@ -263,3 +263,27 @@ def test_mask_builder_reads_no_value():
     step = fa_hf.padding_mask(2, 1, 10, attention_mask=mask)
     assert step.shape == (2, 10) and step[:, :7].all() and not step[:, 7:].any()
     assert fa_hf.padding_mask(2, 1, 10, attention_mask=None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_static_cache_cuda_graphs_agree_with_sdpa():
+    # transformers' compiled decoding (torch.compile mode="reduce-overhead": CUDA graphs) over a static cache:
+    # the decode step's mask spans the whole cache, so its shapes stay fixed from token to token; every token
+    # must be sdpa's greedy choice up to sdpa's own bf16 error on that step (teacher-forced)
+    from transformers import CompileConfig
+
+    ours, sdpa, ref = _models("llama", torch.bfloat16, "cuda")
+    ids, mask = _batch("left", s=16, device="cuda")
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
+    with torch.no_grad():
+        seq = ours.generate(ids, **kwargs)
+        again = ours.generate(ids, **kwargs)  # replays the captured graphs
+        full = torch.cat([mask, mask.new_ones(mask.shape[0], seq.shape[1] - ids.shape[1])], dim=1)
+        pt = sdpa(seq, attention_mask=full).logits[:, ids.shape[1] - 1 : -1].double()
+        oracle = ref(seq, attention_mask=full).logits[:, ids.shape[1] - 1 : -1]
+    assert torch.equal(seq, again)
+    slack = 4 * (pt - oracle).abs().max().item()
+    chosen = pt.gather(-1, seq[:, ids.shape[1] :, None]).squeeze(-1)
+    assert (chosen >= pt.max(-1).values - slack).all(), "a generated token is not sdpa's greedy choice"
