@@ -29,7 +29,7 @@ from torch import Tensor
 
 from flashattn import _validate, config
 from flashattn.errors import FlashAttnError
-from flashattn.kvcache import Launch, _sig, check_call, through_op
+from flashattn.kvcache import Launch, check_call, tensor_key, through_op
 from flashattn.ops import kvcache as kvcache_ops
 from flashattn.ops import registry
 
@@ -182,10 +182,12 @@ class DecodePlan:
         key = launch = None
         if registry.eager():
             try:
-                key = (_sig(q), _sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(rotary_cos),
-                       _sig(rotary_sin), type(cache_seqlens) if seqlens_is_int else _sig(cache_seqlens),
-                       _sig(cache_batch_idx), _sig(cache_leftpad), _sig(block_table), _sig(alibi_slopes),
-                       _sig(key_padding_mask), config.backend, config.generation)
+                key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
+                       tensor_key(rotary_cos), tensor_key(rotary_sin),
+                       type(cache_seqlens) if seqlens_is_int else tensor_key(cache_seqlens),
+                       tensor_key(cache_batch_idx), tensor_key(cache_leftpad), tensor_key(block_table),
+                       tensor_key(alibi_slopes), tensor_key(key_padding_mask), config.backend,
+                       config.generation)
                 launch = self._launches.get(key)
             except (AttributeError, TypeError):
                 key = None

@@ -25,7 +25,8 @@ _CACHED_SIGNATURES = 256
 _calls: dict = {}
 
 
-def _sig(t):
+def tensor_key(t):
+    """What the checks and the prepared launch of a call depend on in a tensor argument (None stays None)."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
@@ -126,12 +127,12 @@ def flash_attn_with_kvcache(
     key = launch = None
     if registry.eager():
         try:
-            key = (_sig(q), _sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(rotary_cos),
-                   _sig(rotary_sin), type(cache_seqlens) if seqlens_is_int else _sig(cache_seqlens),
-                   _sig(cache_batch_idx),
-                   _sig(cache_leftpad), _sig(block_table), softmax_scale, causal, window_size, softcap,
-                   rotary_interleaved, _sig(alibi_slopes), num_splits, _sig(key_padding_mask), config.backend,
-                   config.generation)
+            key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
+                   tensor_key(rotary_cos), tensor_key(rotary_sin),
+                   type(cache_seqlens) if seqlens_is_int else tensor_key(cache_seqlens),
+                   tensor_key(cache_batch_idx), tensor_key(cache_leftpad), tensor_key(block_table),
+                   tensor_key(alibi_slopes), tensor_key(key_padding_mask), softmax_scale, causal, window_size,
+                   softcap, rotary_interleaved, num_splits, config.backend, config.generation)
             launch = _calls.get(key)
         except (AttributeError, TypeError):  # an argument that is not a tensor, a window given as a list
             key = None
