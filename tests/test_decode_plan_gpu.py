@@ -1,6 +1,6 @@
 """DecodePlan and the one-launch decode on the GPU: plan.run bitwise equal to flash_attn_with_kvcache, capture
 and replay in CUDA graphs with cache lengths that change between replays, one plan across the layers of a
-graph, torch.compile, out-of-range indices equal to their clamped values, the counters left at zero.
+graph, torch.compile, out-of-range indices equal to their clamped values, a plan's counters left at zero.
 
     PYTHONPATH=src pytest -m gpu tests/test_decode_plan_gpu.py
 """
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from flashattn import DecodePlan, flash_attn_with_kvcache
-from flashattn.backends.triton import decode as decode_launcher
 
 pytestmark = [
     pytest.mark.gpu,
@@ -194,15 +193,23 @@ def test_out_of_range_indices_equal_their_clamped_values(page):
         assert torch.equal(got, want)
 
 
-def test_counters_are_left_at_zero():
+def test_a_plans_counters_are_left_at_zero():
+    # the workspace serves launch after launch because each leaves its counters at 0: splits of every
+    # count, with and without appends, eager and replayed
     gen = torch.Generator(device="cuda").manual_seed(5)
     kc, vc, table = _caches(2, 8192, 64, gen)
-    q = torch.randn(2, 1, H, D, generator=gen, **BF)
+    q, kn, vn = (torch.randn(2, 1, n, D, generator=gen, **BF) for n in (H, HK, HK))
+    seqlens = torch.tensor([5000, 8000], device="cuda", dtype=torch.int32)
     for splits in (2, 7, 16, 0):
-        for _ in range(20):
-            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5000, 8000], device="cuda",
-                                                                          dtype=torch.int32),
-                                    block_table=table, num_splits=splits)
-    torch.cuda.synchronize()
-    for ws in decode_launcher._stream_workspaces.values():
-        assert int(torch.count_nonzero(ws.counters)) == 0
+        plan = DecodePlan(2, H, HK, D, page_size=64, max_seqlen_k=8192, num_splits=splits)
+        for i in range(20):
+            out = plan.run(q, kc, vc, seqlens, table, **(dict(k=kn, v=vn) if i % 2 else {}))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = plan.run(q, kc, vc, seqlens, table)
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert plan.route.num_splits > 1 and int(torch.count_nonzero(plan._workspace.counters)) == 0
+        assert torch.equal(out, flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                        num_splits=plan.num_splits))

@@ -14,9 +14,11 @@ arguments, and after its first launch the compiled kernel (launch.Bound). A repe
 outputs and launches. `prepare` makes one; `kvcache_forward` keeps one per signature (the op's path);
 flashattn.kvcache and flashattn.decode_plan keep their own.
 
-Splits merge inside the kernel through a `Workspace` (fp32 partials and one counter per row of programs).
-Launches that share a workspace must run one after the other: the ones without a plan take the workspace
-of their CUDA stream (`stream_workspace`), a plan brings its own.
+Splits merge inside the kernel through a workspace: fp32 partials and one counter per row of programs, which
+must be 0 when a launch starts. A DecodePlan brings its own `Workspace` (the kernel leaves its counters at 0,
+so it serves launch after launch, in order on one stream); a call without one allocates its partials and
+zeroed counters, so that it holds no state between calls: nothing to race on between streams, nothing
+allocated in a CUDA graph's pool that outlives the graph's own bookkeeping.
 
 The tiles and split count are the route's (routes.decode_route); backends/torch/decode.py is the same
 computation in plain torch.
@@ -24,7 +26,7 @@ computation in plain torch.
 
 import torch
 
-from flashattn import _internals, config
+from flashattn import config
 from flashattn.backends.triton import host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.merge import sm_count
@@ -52,27 +54,6 @@ class Workspace:
 
     def fits(self, floats: int, counters: int) -> bool:
         return self.partials.numel() >= floats and self.counters.numel() >= counters
-
-
-_stream_workspaces: dict = {}
-# outgrown workspaces stay referenced: a CUDA graph captured with one still addresses it at replay
-_retired: list = []
-
-
-def stream_workspace(device: torch.device, floats: int, counters: int) -> Workspace:
-    """The workspace of the current stream of `device`, grown (never shrunk or freed) to the given sizes."""
-    if device.type == "cuda":
-        key = (device.index, _internals.raw_stream(device.index))
-    else:
-        key = (device.type, 0)
-    ws = _stream_workspaces.get(key)
-    if ws is None or not ws.fits(floats, counters):
-        if ws is not None:
-            _retired.append(ws)
-            floats = max(floats, ws.partials.numel())
-            counters = max(counters, ws.counters.numel())
-        ws = _stream_workspaces[key] = Workspace(device, floats, counters)
-    return ws
 
 
 def _window(causal: bool, window_size) -> tuple[int, int]:
@@ -130,12 +111,13 @@ class DecodeLaunch:
         # sizes unpacked: torch.empty parses separate ints faster than a tuple
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=device)
         lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=device)
-        if self.counters:
-            if workspace is None:
-                workspace = stream_workspace(device, self.floats, self.counters)
-            work, counters = workspace.partials, workspace.counters
-        else:
+        if not self.counters:
             work = counters = q
+        elif workspace is None:
+            work = torch.empty(self.floats, dtype=torch.float32, device=device)
+            counters = torch.zeros(self.counters, dtype=torch.int32, device=device)
+        else:
+            work, counters = workspace.partials, workspace.counters
         # pointer arguments a flag switches off are never dereferenced: q stands in for them
         args = (q, k_cache, v_cache, q if k is None else k, q if v is None else v, q if cos is None else cos,
                 q if sin is None else sin, out, lse, work, counters, q if seqlens is None else seqlens,
