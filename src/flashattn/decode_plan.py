@@ -106,13 +106,10 @@ class DecodePlan:
         left, right = self.window_size
         window = (max(left, -1), 0) if self.causal else (max(left, -1), max(right, -1))
         element_size = torch.empty(0, dtype=dtype).element_size()
-        self.route, workspace = kvcache_ops.plan(
+        self.route, self._workspace = kvcache_ops.plan(
             self.batch, self.nheads, self.nheads_k, self.seqlen_q, self.headdim, element_size,
-            page_size is not None, self.max_seqlen_k, window, self.num_splits_request, self.device)
-        if workspace is not None and _workspace is not None and _workspace.fits(
-                workspace.partials.numel(), workspace.counters.numel()):
-            workspace = _workspace
-        self._workspace = workspace
+            page_size is not None, self.max_seqlen_k, window, self.num_splits_request, self.device,
+            _workspace)
         self._launches: dict = {}
         self._options = dict(page_size=page_size, max_seqlen_k=max_seqlen_k, dtype=dtype, device=self.device,
                              seqlen_q=seqlen_q, softmax_scale=softmax_scale, causal=causal,

@@ -99,8 +99,9 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
 
 
 def plan(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, max_seqlen_k, window, num_splits,
-         device: torch.device):
-    """(route, workspace) of a DecodePlan on `device`'s backend (None, None where nothing is planned)."""
+         device: torch.device, workspace=None):
+    """(route, workspace) of a DecodePlan on `device`'s backend (None, None where nothing is planned); the
+    given workspace (a previous plan's) is kept where it is large enough."""
     return entry(torch.empty(0, device=device)).kvcache_plan(
         batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, max_seqlen_k, window, num_splits,
-        device)
+        device, workspace)

@@ -173,4 +173,5 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
 
 def plan_route(*args, **kwargs):
     """A plan's route and workspace (the Triton launcher's signature): none here."""
+    del args, kwargs
     return None, None

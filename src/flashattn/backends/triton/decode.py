@@ -86,13 +86,6 @@ def workspace_size(route: routes.DecodeRoute, batch: int, nheads_k: int, rows: i
     return floats, program_rows
 
 
-def plan_workspace(route: routes.DecodeRoute, batch: int, nheads_k: int, rows: int, headdim: int,
-                   device: torch.device) -> Workspace | None:
-    """A workspace of its own for a plan's launches (None when the route does not split)."""
-    floats, counters = workspace_size(route, batch, nheads_k, rows, headdim)
-    return Workspace(device, floats, counters) if counters else None
-
-
 class DecodeLaunch:
     """One signature's launch, prepared: call it with the call's tensors (and the int cache_len)."""
 
@@ -211,10 +204,16 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
 
 
 def plan_route(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, element_size: int,
-               paged: bool, max_seqlen_k: int, window: tuple[int, int], num_splits: int,
-               device: torch.device) -> tuple[routes.DecodeRoute, Workspace | None]:
-    """A plan's route for sequences of at most max_seqlen_k keys, and its own workspace."""
+               paged: bool, max_seqlen_k: int, window: tuple[int, int], num_splits: int, device: torch.device,
+               workspace: Workspace | None = None) -> tuple[routes.DecodeRoute, Workspace | None]:
+    """A plan's route for sequences of at most max_seqlen_k keys, and a workspace of its own: `workspace`
+    where it is large enough (a replan), else a new one (None when the route does not split)."""
     spec = decode_spec(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, max_seqlen_k, window,
                        num_splits, device)
     route = routes.decode_route(spec)
-    return route, plan_workspace(route, batch, nheads_k, spec.rows, headdim, device)
+    floats, counters = workspace_size(route, batch, nheads_k, spec.rows, headdim)
+    if not counters:
+        return route, None
+    if workspace is not None and workspace.fits(floats, counters):
+        return route, workspace
+    return route, Workspace(device, floats, counters)
