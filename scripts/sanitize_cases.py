@@ -1,8 +1,12 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
-    python scripts/sanitize_cases.py [dense] [decode] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
+    python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
 
-(default: the first three).
+(default: the first four).
+
+decode_bad passes out-of-range cache_seqlens, cache_leftpad, cache_batch_idx and block_table entries, with
+the opt-in checks off (the kernel clamps them: memcheck must stay clean) and on (they raise before any
+launch), through flash_attn_with_kvcache and a DecodePlan.
 
 ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after
 the Triton forward's route) so that a hazard report names one of them.
@@ -14,6 +18,7 @@ import torch
 
 from flashattn import (
     BlockMask,
+    DecodePlan,
     block_sparse_attn_func,
     flash_attn_func,
     flash_attn_varlen_func,
@@ -69,6 +74,39 @@ def decode():
         assert torch.isfinite(out).all()
 
 
+def decode_bad():
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+
+    def i32(*values):
+        return torch.tensor(values, device="cuda", dtype=torch.int32)
+
+    q, kn, vn = torch.randn(3, 2, 8, 64, **bf), torch.randn(3, 2, 2, 64, **bf), torch.randn(3, 2, 2, 64, **bf)
+    cos, sin = torch.rand(320, 16, **bf), torch.rand(320, 16, **bf)
+    bad = dict(cache_seqlens=i32(10**6, -5, 2**31 - 1), cache_leftpad=i32(-3, 10**5, 7))
+    contiguous = (torch.randn(4, 320, 2, 64, **bf), torch.randn(4, 320, 2, 64, **bf))
+    pool = (torch.randn(20, 16, 2, 64, **bf), torch.randn(20, 16, 2, 64, **bf))
+    table = torch.tensor([[0, 10**7, -1, 3, 4], [-10**9, 6, 7, 8, 9], [2**31 - 1, 11, -2**31, 13, 14]],
+                         device="cuda", dtype=torch.int32)
+    calls = [
+        dict(bad, k_cache=contiguous[0], v_cache=contiguous[1], cache_batch_idx=i32(9, -9, 2**31 - 1)),
+        dict(bad, k_cache=pool[0], v_cache=pool[1], block_table=table),
+    ]
+    for kwargs in calls:
+        for check in (False, True):
+            for splits in (1, 5):
+                try:
+                    flash_attn_with_kvcache(q, k=kn, v=vn, rotary_cos=cos, rotary_sin=sin, causal=True,
+                                            num_splits=splits, check_inputs=check, **kwargs)
+                except ValueError:
+                    assert check, "an unchecked call raised"
+                torch.cuda.synchronize()
+    plan = DecodePlan(3, 8, 2, 64, page_size=16, max_seqlen_k=80, num_splits=3)
+    for _ in range(3):
+        plan.run(q[:, :1], pool[0], pool[1], bad["cache_seqlens"], table, k=kn[:, :1], v=vn[:, :1],
+                 cache_leftpad=bad["cache_leftpad"])
+    torch.cuda.synchronize()
+
+
 def sparse():
     # a built-in pattern and a mask_mod bitmask, odd length, GQA
     for mask in (BlockMask.local_global(333, 70, 16, block_size=(64, 64), device="cuda"),
@@ -110,6 +148,6 @@ def ws_bwd():
     routes.forward_route = default
 
 
-for name in sys.argv[1:] or ("dense", "decode", "sparse"):
+for name in sys.argv[1:] or ("dense", "decode", "decode_bad", "sparse"):
     globals()[name]()
     print(f"sanitize case {name} done", flush=True)

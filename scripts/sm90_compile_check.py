@@ -174,6 +174,11 @@ def decode_cases():
     yield "decode paged many programs", partial(
         flash_attn_with_kvcache, _t(40, 1, hk * 4, d), _t(*pool, hk, d), _t(*pool, hk, d),
         cache_seqlens=torch.full((40,), 700, dtype=torch.int32), block_table=table)
+    yield "decode key_padding_mask leftpad batch_idx", partial(
+        flash_attn_with_kvcache, _t(2, 1, hk * 4, d), _t(3, cap, hk, d), _t(3, cap, hk, d),
+        cache_seqlens=torch.tensor([5, 700], dtype=torch.int32), cache_leftpad=torch.tensor([1, 0],
+                                                                                            dtype=torch.int32),
+        cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32), key_padding_mask=torch.rand(2, cap) > 0.5)
     yield "decode d=256 window softcap alibi", partial(
         flash_attn_with_kvcache, _t(1, 1, 8, 256), _t(1, 512, 8, 256), _t(1, 512, 8, 256),
         cache_seqlens=torch.tensor([300], dtype=torch.int32), window_size=(64, 0), softcap=5.0,

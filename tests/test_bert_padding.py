@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from flashattn.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from flashattn.bert_padding import (
+    index_first_axis,
+    index_put_first_axis,
+    pad_input,
+    unpad_indices_static,
+    unpad_input,
+)
 
 
 def _mask(lengths, seqlen, side):
@@ -37,6 +43,22 @@ def test_integer_mask_and_holes():
     assert indices.tolist() == [0, 2, 3]
     assert cu.tolist() == [0, 3, 3] and max_len == 3 and seqused.tolist() == [3, 0]
     assert torch.equal(packed, x[0, [0, 2, 3]])
+
+
+@pytest.mark.parametrize("mask", [[[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]],
+                                  [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]], ids=["holes", "none"])
+def test_static_indices_agree_with_unpad_input(mask):
+    mask = torch.tensor(mask)
+    x = torch.randn(3, 5, 2)
+    _, want, want_cu, _, _ = unpad_input(x, mask)
+    indices, cu, real = unpad_indices_static(mask)
+    total = want.numel()
+    # the real tokens first, as unpad_input packs them, then every padding position once
+    assert torch.equal(indices[:total], want) and torch.equal(cu, want_cu)
+    assert sorted(indices.tolist()) == list(range(15)) and real.tolist() == [r < total for r in range(15)]
+    packed = index_first_axis(x.flatten(0, 1), indices)
+    back = index_put_first_axis(torch.where(real.view(-1, 1), packed, 0), indices, 15).unflatten(0, (3, 5))
+    assert torch.equal(back, x * mask.view(3, 5, 1))
 
 
 def test_all_padding():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from utils import assert_close_to_ref, use_tiles
 
+from flashattn import DecodePlan
 from flashattn import config as flashattn_config
 from flashattn.kvcache import flash_attn_with_kvcache
 from flashattn.reference import attention_ref
@@ -75,6 +76,31 @@ class Case:
     batch_idx: list | None = None
     b_cache: int | None = None
     splits: int = 0
+    mask: float = 0.0  # share of cache positions a key_padding_mask hides (0: no mask)
+    via: str = "func"  # "func": flash_attn_with_kvcache; "plan": a DecodePlan's run
+
+
+def masked_ref(q, k, v, keep, lo, diag, *, causal, window, softcap, slopes, upcast=True):
+    """Attention of q (sq, h, d) over keys k/v (n, hk, d) at absolute positions lo.., those with keep (n,)
+    visible, query i aligned with key i + diag (absolute alignment, unlike attention_ref's padding masks).
+    In float64 (upcast) or q's dtype; returns out (sq, h, d), lse (h, sq)."""
+    dt = torch.float64 if upcast else q.dtype
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.to(dt), k.to(dt).repeat_interleave(group, 1), v.to(dt).repeat_interleave(group, 1)
+    s = torch.einsum("ihd,nhd->hin", qf, kf) / math.sqrt(q.shape[-1])
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    rel = (torch.arange(k.shape[0]) + lo).view(1, -1) - (torch.arange(q.shape[0]) + diag).view(-1, 1)
+    if slopes is not None:
+        s = s - slopes.to(dt).view(-1, 1, 1) * rel.abs()
+    left, right = window[0], 0 if causal else window[1]
+    visible = keep.view(1, -1) & (rel >= -left if left >= 0 else True)
+    visible = visible & (rel <= right if right >= 0 else True)
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, -1)  # (h, sq), -inf for rows that see nothing
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1).to(dt))
+    out = torch.einsum("hin,nhd->ihd", p, vf)
+    return out, torch.where(torch.isinf(lse), math.inf, lse)
 
 
 def run_case(c: Case, dtype, *, check=True, seed=0):
@@ -103,6 +129,8 @@ def run_case(c: Case, dtype, *, check=True, seed=0):
     if c.rotary:
         cos, sin = rotary_tables(c.cap, c.rotary, dtype, g)
     slopes = torch.rand(c.b, c.h, generator=g) * 0.3 if c.alibi else None
+    capacity = c.cap
+    keep = torch.rand(c.b, capacity, generator=g) >= c.mask if c.mask else None
 
     if c.page is None:
         kc, vc, bt = kc0.clone(), vc0.clone(), None
@@ -110,11 +138,20 @@ def run_case(c: Case, dtype, *, check=True, seed=0):
         kc, bt = to_paged(kc0, c.page, g)
         vc = kc.clone()
         vc[bt.long().flatten()] = vc0.reshape(-1, c.page, c.hk, c.d)
-    out, lse = flash_attn_with_kvcache(
-        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=idx,
-        cache_leftpad=leftpad, block_table=bt, causal=c.causal, window_size=c.window, softcap=c.softcap,
-        rotary_interleaved=c.interleaved, alibi_slopes=slopes, num_splits=c.splits, return_softmax_lse=True,
-    )
+    if c.via == "plan":
+        plan = DecodePlan(c.b, c.h, c.hk, c.d, page_size=c.page, max_seqlen_k=c.cap, dtype=dtype,
+                          device="cpu", seqlen_q=c.sq, causal=c.causal, window_size=c.window,
+                          softcap=c.softcap, rotary_interleaved=c.interleaved, num_splits=c.splits)
+        out, lse = plan.run(q, kc, vc, seqlens, bt, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+                            cache_leftpad=leftpad, cache_batch_idx=idx, alibi_slopes=slopes,
+                            key_padding_mask=keep, return_softmax_lse=True)
+    else:
+        out, lse = flash_attn_with_kvcache(
+            q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=idx,
+            cache_leftpad=leftpad, block_table=bt, causal=c.causal, window_size=c.window, softcap=c.softcap,
+            rotary_interleaved=c.interleaved, alibi_slopes=slopes, num_splits=c.splits,
+            return_softmax_lse=True, key_padding_mask=keep,
+        )
     k_after = kc[rows] if bt is None else from_paged(kc, bt)
     v_after = vc[rows] if bt is None else from_paged(vc, bt)
     if not check:
@@ -145,6 +182,13 @@ def run_case(c: Case, dtype, *, check=True, seed=0):
         lo = int(leftpad[i]) if leftpad is not None else 0
         end = int(starts[i]) + c.s_new
         if end <= lo:
+            continue
+        if keep is not None:
+            for upcast, o_dst, l_dst in ((True, out_ref, lse_ref), (False, out_pt, lse_pt)):
+                o, l_ = masked_ref(q_ro[i], k_exp[i, lo:end], v_exp[i, lo:end], keep[i, lo:end], lo,
+                                   end - c.sq, causal=c.causal, window=c.window, softcap=c.softcap,
+                                   slopes=None if slopes is None else slopes[i], upcast=upcast)
+                o_dst[i], l_dst[i] = o, l_
             continue
         kw = dict(causal=c.causal, window_size=c.window, softcap=c.softcap,
                   alibi_slopes=None if slopes is None else slopes[i])
@@ -182,6 +226,20 @@ CASES = {
     "alibi": Case(alibi=True, causal=True, sq=2, s_new=2, page=16),
     "chunked-prefill": Case(b=1, sq=20, s_new=20, h=4, hk=2, seqlens=[12], causal=True, cap=64, page=16),
     "splits-3": Case(splits=3),
+    # more new keys than a key tile: the append is shared by the (split, query block) programs of a sequence
+    "append-two-tiles-rotary-splits": Case(b=1, sq=40, s_new=40, h=2, hk=2, cap=96, seqlens=[10], causal=True,
+                                           page=16, rotary=16, splits=2),
+    # a key_padding_mask (a flashattn extension): absolute positions hidden on top of the ranges
+    "mask-decode": Case(mask=0.3),
+    "mask-append-rotary-alibi-paged": Case(mask=0.4, page=16, sq=2, s_new=2, causal=True, alibi=True,
+                                           rotary=16),
+    "mask-window-splits": Case(mask=0.5, window=(10, 3), sq=2, s_new=2, splits=3, seqlens=[40, 70]),
+    "mask-everything": Case(mask=1.0, seqlens=[20, 30]),
+    # DecodePlan.run: the same machinery, a plan's route and workspace
+    "plan-decode-page16": Case(page=16, via="plan"),
+    "plan-append-rotary-causal-splits": Case(sq=3, s_new=3, rotary=32, causal=True, splits=3, via="plan"),
+    "plan-leftpad-batch-idx-mask": Case(b_cache=4, batch_idx=[3, 1], leftpad=[5, 0], seqlens=[20, 30],
+                                        mask=0.2, via="plan"),
 }
 
 
@@ -314,12 +372,23 @@ def _odd_pages(a):
     return torch.randn(6, 20, 2, 16)
 
 
-BAD = {
+# the values of device tensors: checked only on request (check_inputs=True), with the messages of the checks
+BAD_VALUES = {
     "block-table-range": (_with(16, block_table=_bad_pages, cache_seqlens=_i32(20, 5)), ValueError,
                           r"block_table\[0, 1\] = 999 but the cache has 8 pages"),
     "seqlens-over-capacity": (_with(k=_new(), v=_new(), cache_seqlens=_i32(64, 3)), ValueError,
                               r"cache_seqlens\[0\] = 64 with 1 new keys needs 65 cache positions; "
-                              r"expected .* <= 64"),
+                              r"expected .* <= 64 \(the cache capacity: k_cache's seqlen_cache\)"),
+    "paged-seqlens-over-capacity": (_with(16, cache_seqlens=_i32(3, 65)), ValueError,
+                                    r"cache_seqlens\[1\] = 65 .* <= 64 \(the cache capacity: block_table's "
+                                    r"max_pages 4 x page_size 16\)"),
+    "batch-idx-range": (_with(cache_batch_idx=_i32(0, 2)), ValueError,
+                        r"cache_batch_idx\[1\] = 2; expected a cache row in \[0, 2\)"),
+    "leftpad-range": (_with(cache_leftpad=_i32(4, 0), cache_seqlens=_i32(3, 3)), ValueError,
+                      r"cache_leftpad\[0\] = 4; expected 0 <= cache_leftpad <= cache_seqlens = 3"),
+}
+
+BAD = {
     "int-seqlens-over": (_with(cache_seqlens=65), ValueError, r"cache_seqlens=65 .* <= 64"),
     "seqlens-int64": (_with(cache_seqlens=torch.tensor([3, 3])), TypeError,
                       r"cache_seqlens has dtype torch.int64; expected torch.int32"),
@@ -336,12 +405,20 @@ BAD = {
     "rotary-too-short": (_with(k=_new(), v=_new(), rotary_cos=torch.ones(32, 8),
                                rotary_sin=torch.zeros(32, 8)), ValueError,
                          r"rotary_cos has 32 rows .* at least the cache capacity 64"),
-    "batch-idx-range": (_with(cache_batch_idx=_i32(0, 2)), ValueError,
-                        r"cache_batch_idx\[1\] = 2; expected a cache row in \[0, 2\)"),
     "batch-idx-paged": (_with(16, cache_batch_idx=_i32(0, 1)), ValueError,
                         r"cache_batch_idx is not supported with a paged cache"),
-    "leftpad-range": (_with(cache_leftpad=_i32(4, 0)), ValueError,
-                      r"cache_leftpad\[0\] = 4; expected 0 <= cache_leftpad <= cache_seqlens = 3"),
+    "int-seqlens-over-paged": (_with(16, cache_seqlens=61, k=_new(4), v=_new(4)), ValueError,
+                               r"cache_seqlens=61 with 4 new keys .* <= 64 \(the cache capacity: "
+                               r"block_table's max_pages 4 x page_size 16\)"),
+    "new-keys-over-capacity": (_with(k=_new(65), v=_new(65), cache_seqlens=0), ValueError,
+                               r"k has seqlen_new 65; expected at most 64"),
+    "seqlens-strided": (_with(cache_seqlens=lambda a: _i32(3, 0, 3, 0)[::2]), ValueError,
+                        r"cache_seqlens has stride 2; expected a contiguous"),
+    "key-mask-dtype": (_with(key_padding_mask=torch.ones(2, 64, dtype=torch.uint8)), TypeError,
+                       r"key_padding_mask must be a torch.bool tensor of shape \(2, 64\)"),
+    "key-mask-shape": (_with(16, key_padding_mask=torch.ones(2, 63, dtype=torch.bool)), ValueError,
+                       r"key_padding_mask has shape \(2, 63\); expected \(2, 64\) = \(batch, 64 \(the cache "
+                       r"capacity: block_table's"),
     "gqa-heads": (_with(k_cache=torch.randn(2, 64, 3, 16), v_cache=torch.randn(2, 64, 3, 16)), ValueError,
                   r"k_cache has 3 heads but q has 4; nheads must be a multiple of nheads_k"),
     "append-without-seqlens": (_with(k=_new(), v=_new(), cache_seqlens=None), ValueError,
@@ -359,6 +436,19 @@ def test_bad_input(monkeypatch, name):
     monkeypatch.setattr(flashattn_config, "backend", "torch")
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**make())
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_bad_values_with_checks(monkeypatch, name):
+    make, exc, match = BAD_VALUES[name]
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**make(), check_inputs=True)
+    # the setting does the same for calls that leave check_inputs at None, and check_inputs=False wins
+    with flashattn_config.use_check_indices(True), pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**make())
+    with flashattn_config.use_check_indices(True):
+        flash_attn_with_kvcache(**make(), check_inputs=False)
 
 
 def test_unused_block_table_entries_are_not_checked(monkeypatch):
@@ -387,16 +477,123 @@ def test_bench_decode_suite():
     suite.annotate(rows)
     assert rows[0]["tbps"] == pytest.approx(2.0) and rows[1]["tbps"] is None
     assert suite._skip(c, "sdpa-flash") and suite._skip(c, suite.OURS) is None
+    assert suite._skip(c, suite.OURS_PLAN) is None
+    # the eager providers on a small case (CPU, torch backend): the drop-in call and the plan agree
+    from flashattn.bench.case import Case as BenchCase
+
+    small = BenchCase(2, 4, 2, 1, 40, 16, False, "fp32", {"kv_len": 40, "page_size": 16, "kv_bytes": 0})
+    q, kk, vv = torch.randn(2, 1, 4, 16), torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
+    with flashattn_config.use_backend("torch"):
+        outs = [suite._setup_kvcache(small, q, kk, vv).fwd(), suite._setup_plan(small, q, kk, vv).fwd()]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_opcheck(monkeypatch):
-    # schema, fake tensor and mutation declarations of the op torch.compile traces through
-    from flashattn.kvcache import kvcache_fwd
+    # schema, fake tensor and mutation declarations of the ops torch.compile traces through: kvcache_fwd
+    # appends (mutates the caches), kvcache_attn only reads them
+    from flashattn.ops.kvcache import kvcache_attn, kvcache_fwd
 
     monkeypatch.setattr(flashattn_config, "backend", "torch")
     kc, vc = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
     q, kn, vn = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
     seqlens = _i32(10, 50)
-    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None,
-            0.25, True, -1, -1, 0.0, None, True, 0)
+    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None, None,
+            0.25, True, -1, 0, 0.0, None, True, 0, False)
     torch.library.opcheck(kvcache_fwd.library_op, args)
+    mask = torch.rand(2, 64) > 0.3
+    args = (q, kc, vc, seqlens, 0, None, None, None, mask, 0.25, False, -1, -1, 0.0, None, 0, False)
+    torch.library.opcheck(kvcache_attn.library_op, args)
+
+
+@pytest.mark.parametrize("append", [True, False], ids=["kvcache_fwd", "kvcache_attn"])
+def test_registered_ops_equal_the_eager_path(backend, append):
+    from flashattn.ops.registry import through_registered_ops
+
+    c = replace(CASES["decode-page16"], s_new=1 if append else 0, splits=3, mask=0.2 if not append else 0.0)
+    eager = run_case(c, torch.float32, check=False)
+    with through_registered_ops():
+        traced = run_case(c, torch.float32, check=False)
+    for a, b in zip(eager, traced, strict=True):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------------------
+# device indices out of range, unchecked (the default): every index is clamped into range, so the call is the
+# call with the clamped values; under the interpreter an access out of bounds would crash instead
+
+
+def _index_case(name):
+    """(bad, clamped): the keyword arguments of a call with out-of-range device indices, and of the same call
+    with the values the kernels clamp them to. Append (2 keys, rotary) and 3 splits throughout."""
+    g = torch.Generator().manual_seed(3)
+    b, h, hk, d, page, max_pages = 2, 8, 2, 32, 16, 5
+    base = dict(q=torch.randn(b, 2, h, d, generator=g), k=torch.randn(b, 2, hk, d, generator=g),
+                v=torch.randn(b, 2, hk, d, generator=g), causal=True, num_splits=3,
+                rotary_cos=torch.rand(80, 8, generator=g), rotary_sin=torch.rand(80, 8, generator=g))
+    if name == "pages":
+        # pages 10 and 11 of the pool are nobody's: 10**6 clamps to 11 (where sequence 0 appends), -7 to 0
+        base.update(k_cache=torch.randn(12, page, hk, d, generator=g),
+                    v_cache=torch.randn(12, page, hk, d, generator=g), cache_seqlens=_i32(30, 70))
+        table = torch.arange(b * max_pages, dtype=torch.int32).view(b, max_pages)
+        bad, good = table.clone(), table.clone()
+        bad[0, 1], bad[1, 3], good[0, 1], good[1, 3] = 10**6, -7, 11, 0
+        return dict(base, block_table=bad), dict(base, block_table=good)
+    base.update(k_cache=torch.randn(4, 80, hk, d, generator=g),
+                v_cache=torch.randn(4, 80, hk, d, generator=g))
+    if name == "seqlens":  # capacity 80, 2 new keys: into [0, 78]
+        return dict(base, cache_seqlens=_i32(200, -5)), dict(base, cache_seqlens=_i32(78, 0))
+    if name == "leftpad":  # into [0, cache_seqlens]
+        seqlens = _i32(37, 70)
+        return (dict(base, cache_seqlens=seqlens, cache_leftpad=_i32(60, -3)),
+                dict(base, cache_seqlens=seqlens, cache_leftpad=_i32(37, 0)))
+    assert name == "batch-idx"  # into [0, batch_cache)
+    seqlens = _i32(37, 70)
+    return (dict(base, cache_seqlens=seqlens, cache_batch_idx=_i32(7, -1)),
+            dict(base, cache_seqlens=seqlens, cache_batch_idx=_i32(3, 0)))
+
+
+@pytest.mark.parametrize("name", ["seqlens", "leftpad", "batch-idx", "pages"])
+def test_out_of_range_indices_are_clamped(backend, name):
+    bad, good = _index_case(name)
+    results = []
+    for kwargs in (bad, good):
+        kwargs = dict(kwargs, k_cache=kwargs["k_cache"].clone(), v_cache=kwargs["v_cache"].clone())
+        out, lse = flash_attn_with_kvcache(**kwargs, return_softmax_lse=True)
+        results.append((out, lse, kwargs["k_cache"], kwargs["v_cache"]))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_default_call_reads_no_device_value(monkeypatch):
+    # the range checks are the only code that reads index values on the host: off unless asked for
+    from flashattn import _validate_cache
+
+    def no_check(*args):
+        raise AssertionError("the device indices were read on the host")
+
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    monkeypatch.setattr(_validate_cache, "check_indices", no_check)
+    args = _base(16)
+    args["cache_seqlens"] = _i32(10, 20)
+    for _ in range(2):  # the checked signature's path, then the cached one
+        flash_attn_with_kvcache(**args)
+    with pytest.raises(AssertionError, match="read on the host"):
+        flash_attn_with_kvcache(**args, check_inputs=True)
+
+
+def test_repeated_signature_is_checked_once(monkeypatch):
+    from flashattn import _validate_cache
+
+    calls = []
+    check_args = _validate_cache.check_args
+    monkeypatch.setattr(_validate_cache, "check_args", lambda *a: calls.append(1) or check_args(*a))
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    args = _base(16)
+    for n in (3, 40, 17):  # an int cache_seqlens varies from call to call and is checked on each
+        args["cache_seqlens"] = n
+        flash_attn_with_kvcache(**args)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="cache_seqlens=65"):
+        flash_attn_with_kvcache(**dict(args, cache_seqlens=65))
+    flash_attn_with_kvcache(**dict(args, softcap=2.0))  # another option: another signature
+    assert len(calls) == 2

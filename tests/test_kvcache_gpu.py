@@ -10,7 +10,6 @@ import pytest
 import torch
 from utils import assert_close_to_ref, use_tiles
 
-from flashattn import config as flashattn_config
 from flashattn import flash_attn_func
 from flashattn.kvcache import flash_attn_with_kvcache
 from flashattn.merge import merge_attention_states
@@ -69,8 +68,9 @@ def test_decode_bf16_vs_oracle(b, kv_len, page):
 
 @pytest.mark.parametrize("page", [64, 256])
 def test_paged_equals_contiguous(page, monkeypatch):
-    # at batch 16 a paged cache takes 64-key tiles by default (ops/decode.py); the contiguous cache's 128-key
-    # tile here, so that both run the same arithmetic (the default paged tile is checked against the oracle)
+    # at batch 16 a paged cache takes 64-key tiles by default (routes.decode_tiles_for); the contiguous
+    # cache's tile here, so that both run the same arithmetic (the default paged tile is checked against the
+    # oracle)
     use_tiles(monkeypatch, "decode_paged=64,128,4,5")
     gen = torch.Generator(device="cuda").manual_seed(1)
     b, kv_len = 16, 32768
@@ -182,10 +182,10 @@ def test_cascade_shared_prefix_gpu():
 
 @pytest.mark.parametrize("b, cap, page", [(8, 4096, 64), (1, 4096, None), (1, 16384, None), (16, 16384, None),
                                            (1, 16384, 256)])
-def test_cuda_graph_capture(b, cap, page, monkeypatch):
+def test_cuda_graph_capture(b, cap, page):
     """A decode step captured in a CUDA graph replays like the eager call, with the shapes the decode suite
-    times (split-KV at batch 1, the combine kernel in the graph) and with the index checks off as there."""
-    monkeypatch.setattr(flashattn_config, "check_indices", False)
+    times (split-KV at batch 1, the splits merged in the kernel). The default call reads no index on the host,
+    so nothing needs turning off for the capture."""
     gen = torch.Generator(device="cuda").manual_seed(6)
     k = torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen)
     v = torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from utils import assert_close_to_ref
 
-from flashattn import flash_attn_varlen_func
+from flashattn import config, flash_attn_varlen_func
 from flashattn.reference import attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,8 +102,13 @@ def test_bad_block_tables():
         call(table=table[:1])
     with pytest.raises(ValueError, match="max_seqlen_k is 40 but block_table holds 2 pages of 16 keys = 32"):
         call(max_k=40)
-    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 9; expected a page of the pool in \[0, 4\)"):
-        call(table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEV))
+    bad = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device=DEV)
+    with config.use_check_indices(True), pytest.raises(
+            ValueError, match=r"block_table\[1, 1\] = 9; expected a page of the pool in \[0, 4\)"):
+        call(table=bad)
+    # unchecked (the default: checking reads the table on the host), the entry is clamped into the pool
+    clamped = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEV)
+    assert torch.equal(call(table=bad), call(table=clamped))
     with pytest.raises(ValueError, match=r"k must have 4 dimensions \(num_pages, page_size"):
         call(k=pool[0])
     with pytest.raises(ValueError, match="their page pools must match"):

@@ -1,5 +1,10 @@
-"""Argument checks of the KV-cache functions (flash_attn_with_kvcache, and varlen with a paged KV): the
-shape, dtype and device checks, and the range checks of the device-side indices."""
+"""Argument checks of the KV-cache functions (flash_attn_with_kvcache, DecodePlan.run, and varlen with a paged
+KV): the shape, dtype and device checks, which read no device value, and the opt-in range checks of the
+device-side indices (one device-to-host copy).
+
+Without the range checks a bad index value never reaches memory: the kernels clamp every index they read
+(kernels/triton/decode.py, backends/torch/decode.py), so the call gives a wrong result instead of an error.
+"""
 
 import numbers
 
@@ -20,8 +25,21 @@ def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(bat
                              ".to(torch.int32))")
     if t.device != q.device:
         raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
-    if shape_text == "(batch,)" and tuple(t.shape) != (b,):
-        raise FlashAttnError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
+    if shape_text == "(batch,)":
+        if tuple(t.shape) != (b,):
+            raise FlashAttnError(f"{name} has shape {tuple(t.shape)}; expected ({b},) = (batch,)")
+        if b > 1 and t.stride(0) != 1:
+            raise FlashAttnError(f"{name} has stride {t.stride(0)}; expected a contiguous (batch,) tensor "
+                                 f"(call .contiguous() on it)")
+
+
+def capacity_text(k_cache: Tensor, block_table) -> str:
+    """The cache capacity and where it comes from, for messages."""
+    if block_table is None:
+        return f"{k_cache.shape[1]} (the cache capacity: k_cache's seqlen_cache)"
+    pages, page_size = block_table.shape[1], k_cache.shape[1]
+    return (f"{pages * page_size} (the cache capacity: block_table's max_pages {pages} x page_size "
+            f"{page_size})")
 
 
 def check_block_table(block_table, b: int, q: Tensor) -> None:
@@ -30,10 +48,15 @@ def check_block_table(block_table, b: int, q: Tensor) -> None:
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise FlashAttnError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
                              f"(batch, max_pages)")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise FlashAttnError(f"block_table has strides {tuple(block_table.stride())}; expected a contiguous "
+                             f"last dimension (call .contiguous() on it)")
 
 
 def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, alibi_slopes):
+               block_table, alibi_slopes, key_mask=None):
+    """The checks that read shapes, dtypes and devices only; returns (batch, seqlen_q, nheads, headdim,
+    paged)."""
     paged = block_table is not None
     cache_layout = ("(num_pages, page_size, nheads_k, headdim)" if paged
                     else "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -91,13 +114,17 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
                 )
         if v.shape[1] != k.shape[1]:
             raise FlashAttnError(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; they must match")
+        capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+        if k.shape[1] > capacity:
+            raise FlashAttnError(f"k has seqlen_new {k.shape[1]}; expected at most "
+                                 f"{capacity_text(k_cache, block_table)}")
 
     if isinstance(cache_seqlens, Tensor):
         _check_index_tensor("cache_seqlens", cache_seqlens, b, q)
     elif cache_seqlens is not None and (isinstance(cache_seqlens, bool)
                                         or not isinstance(cache_seqlens, numbers.Integral)):
         raise FlashAttnError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
-                             f"{type(cache_seqlens).__name__}")
+                        f"{type(cache_seqlens).__name__}")
     if cache_batch_idx is not None:
         _check_index_tensor("cache_batch_idx", cache_batch_idx, b, q)
     if cache_leftpad is not None:
@@ -118,17 +145,14 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
                                      "device")
         if sin.shape != cos.shape:
             raise FlashAttnError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos "
-                                 f"{tuple(cos.shape)}; "
-                                 f"they must match")
+                                 f"{tuple(cos.shape)}; they must match")
         if 2 * cos.shape[1] > d:
             raise FlashAttnError(f"rotary_cos has {cos.shape[1]} columns, i.e. rotary_dim "
-                                 f"{2 * cos.shape[1]}; "
-                                 f"expected rotary_dim <= headdim = {d}")
+                                 f"{2 * cos.shape[1]}; expected rotary_dim <= headdim = {d}")
         capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
         if cos.shape[0] < capacity:
             raise FlashAttnError(f"rotary_cos has {cos.shape[0]} rows (seqlen_ro); expected at least the "
-                                 "cache "
-                                 f"capacity {capacity}, the last position a key can take")
+                                 f"cache capacity {capacity}, the last position a key can take")
 
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype != torch.float32:
@@ -142,21 +166,33 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
         if alibi_slopes.device != q.device or alibi_slopes.stride(-1) != 1:
             raise FlashAttnError(f"alibi_slopes must be on {q.device} with a contiguous last dim, got "
                                  f"{alibi_slopes.device}, strides {tuple(alibi_slopes.stride())}")
+    if key_mask is not None:
+        capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+        if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+            got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+            raise FlashAttnError(f"key_padding_mask must be a torch.bool tensor of shape ({b}, {capacity}) = "
+                                 f"(batch, cache capacity), got {got}")
+        if tuple(key_mask.shape) != (b, capacity):
+            raise FlashAttnError(f"key_padding_mask has shape {tuple(key_mask.shape)}; expected ({b}, "
+                                 f"{capacity}) = (batch, {capacity_text(k_cache, block_table)})")
+        if key_mask.device != q.device or (capacity > 1 and key_mask.stride(1) != 1):
+            raise FlashAttnError(f"key_padding_mask must be on {q.device} with a contiguous last dim, got "
+                                 f"{key_mask.device}, strides {tuple(key_mask.stride())}")
     return b, sq, h, d, paged
 
 
-def checks_enabled(t: Tensor) -> bool:
-    """Whether the device-side index checks run for tensors like t (flashattn.config's check_indices)."""
-    if not config.check_indices:
+def checks_enabled(t: Tensor, requested: bool | None = None) -> bool:
+    """Whether the device-side index checks run for tensors like t: `requested` (a call's check_inputs), or
+    when None flashattn.config's check_indices."""
+    if not (config.check_indices if requested is None else requested):
         return False
     # a device-to-host copy is illegal while a CUDA graph is being captured
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_indices(q, k_cache, k, cache_seqlens, cache_len, cache_batch_idx, cache_leftpad, block_table):
-    """Range checks of the device-side indices, with one device-to-host copy for all of them."""
-    if not checks_enabled(q):
-        return
+    """Range checks of the device-side indices, with one device-to-host copy for all of them (the caller
+    asks checks_enabled first)."""
     if cache_seqlens is None and cache_batch_idx is None and cache_leftpad is None and block_table is None:
         return
     b = q.shape[0]
@@ -187,14 +223,13 @@ def check_indices(q, k_cache, k, cache_seqlens, cache_len, cache_batch_idx, cach
         i = int(((starts < 0) | (ends > capacity)).nonzero()[0, 0])
         raise FlashAttnError(
             f"cache_seqlens[{i}] = {int(starts[i])} with {s_new} new keys needs {int(ends[i])} cache "
-            f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {capacity} "
-            f"(the cache capacity)"
+            f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= "
+            f"{capacity_text(k_cache, block_table)}"
         )
     if bad[1]:
         i = int(((lo < 0) | (lo > starts)).nonzero()[0, 0])
         raise FlashAttnError(f"cache_leftpad[{i}] = {int(lo[i])}; expected 0 <= cache_leftpad <= "
-                             "cache_seqlens "
-                             f"= {int(starts[i])}")
+                             f"cache_seqlens = {int(starts[i])}")
     if cache_batch_idx is not None and bad[2]:
         i = int(flags[2].nonzero()[0, 0])
         raise FlashAttnError(f"cache_batch_idx[{i}] = {int(cache_batch_idx[i])}; expected a cache row in "

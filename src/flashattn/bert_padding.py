@@ -5,6 +5,10 @@ tensor that the varlen functions take, plus ``cu_seqlens`` and ``max_seqlen``; `
 results back.  Both directions are differentiable.  The row gather and scatter are custom autograd
 functions: each one's backward is the other (an index copy), rather than advanced indexing, whose backward
 is an accumulating ``index_put`` (slower, and non-deterministic on CUDA) that unique indices never need.
+
+``unpad_input`` returns Python ints (max_seqlen_in_batch) and a packed tensor sized by the mask's count, so it
+reads the mask on the host: a device synchronisation, as in flash_attn. ``unpad_indices_static`` packs without
+one, into a tensor of static size (every token, the padding ones last).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 
 from flashattn.errors import FlashAttnError
 
-__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input"]
+__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_indices_static", "unpad_input"]
 
 
 def _gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -98,3 +102,32 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     """Inverse of :func:`unpad_input`: ``(total, ...)`` -> ``(batch, seqlen, ...)`` with zeros at padding."""
     out = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return out.unflatten(0, (batch, seqlen))
+
+
+def unpad_indices_static(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen layout of a padded batch without reading the mask on the host (no device sync).
+
+    Args:
+        attention_mask: ``(batch, seqlen)`` bool or 0/1 integers, True/1 = real token, any padding side.
+
+    Returns ``(indices, cu_seqlens, real)``: indices int64 ``(batch * seqlen,)``, a permutation of the
+    flattened padded positions: packed row r holds padded position ``indices[r]``, the real tokens first (in
+    order, sequence by sequence), then the padding ones; cu_seqlens int32 ``(batch + 1,)`` over the real
+    tokens; real ``(batch * seqlen,)`` bool, whether packed row r is a real token (r < cu_seqlens[-1]).
+    ``index_first_axis(x.flatten(0, 1), indices)`` packs ``x``; ``index_put_first_axis(y, indices, batch *
+    seqlen)`` puts packed rows back (every row: zero the padding ones first). The varlen functions read only
+    the rows cu_seqlens covers, so seqlen serves as max_seqlen.
+    """
+    if attention_mask.dim() != 2:
+        raise FlashAttnError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected (batch, "
+                             f"seqlen)")
+    used = attention_mask.flatten().bool()
+    n_real = used.sum()
+    real_rank = torch.cumsum(used, 0) - 1
+    pad_rank = torch.cumsum(~used, 0) - 1
+    dest = torch.where(used, real_rank, n_real + pad_rank)  # the packed row of each padded position
+    positions = torch.arange(used.numel(), device=used.device)
+    indices = torch.empty_like(positions).scatter_(0, dest, positions)
+    cu_seqlens = torch.zeros(attention_mask.shape[0] + 1, dtype=torch.int32, device=used.device)
+    torch.cumsum(attention_mask.bool().sum(-1, dtype=torch.int32), 0, dtype=torch.int32, out=cu_seqlens[1:])
+    return indices, cu_seqlens, positions < n_real

@@ -10,9 +10,11 @@ backend (FLASHATTN_BACKEND=triton|torch; set_backend, use_backend)
 tile overrides (FLASHATTN_CONFIG="fwd=128,64,8,3;dq=..."; set_tiles, use_tiles)
     Replace rows of the tile table (experts, tuning): kernel=block_m,block_n,num_warps,num_stages[,maxnreg]
     for kernel in fwd, dkdv, dq, fwd_ws, bwd_ws, decode, decode_paged.
-index checks (FLASHATTN_CHECK_INDICES=0; set_check_indices, use_check_indices)
-    flash_attn_with_kvcache and the paged varlen call check cache indices against the cache shapes (one
-    device-to-host copy per call); 0 skips the check.
+index checks (FLASHATTN_CHECK_INDICES=1; set_check_indices, use_check_indices; off by default)
+    flash_attn_with_kvcache (unless its check_inputs says otherwise), DecodePlan.run and the paged varlen
+    call check the values of the cache indices against the cache shapes, with one device-to-host copy per
+    call. Off, nothing synchronises: the kernels clamp every index, so a bad value gives a wrong result,
+    never an access out of bounds (docs/decode.md).
 
 `TRITON_INTERPRET=1` is Triton's own switch: Triton reads it when the kernels are defined, so it must be set
 before flashattn is imported; flashattn reads it at the same moment (`INTERPRET`).
@@ -31,7 +33,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 backend: str | None = None  # None: chosen per call by the tensors' device
 tile_overrides: dict = {}  # kernel name -> TileConfig (flashattn.backends.triton.configs)
-check_indices: bool = True
+check_indices: bool = False
 # bumped by every change of a setting that a launcher's cached derivations depend on (the tile overrides): the
 # launchers key their caches on it
 generation: int = 0
@@ -118,7 +120,7 @@ def _from_environment() -> None:
     text = os.environ.get("FLASHATTN_CONFIG", "")
     if text.strip():
         set_tiles(text)
-    set_check_indices(os.environ.get("FLASHATTN_CHECK_INDICES", "1").strip() != "0")
+    set_check_indices(os.environ.get("FLASHATTN_CHECK_INDICES", "0").strip() not in ("", "0"))
 
 
 _from_environment()

@@ -3,9 +3,10 @@
 A small decoder-only transformer with random weights (RMSNorm, GQA attention with rotary embeddings,
 SwiGLU MLP) generates from a batch of random prompts of different lengths, twice:
 
-  ours  every layer calls flash_attn_with_kvcache on a paged cache: a pool of pages per layer, a block table
-        per sequence, pages handed out from a free list as sequences grow; the new k/v are rotated and
-        appended by the same call (rotary_cos/sin), prefill is one causal call per prompt;
+  ours  a paged cache: a pool of pages per layer, a block table per sequence, pages handed out from a free
+        list as sequences grow. Prefill is one causal flash_attn_with_kvcache call per prompt; every decode
+        step of every layer is one run of a DecodePlan made once for the batch, which rotates and appends
+        the new k/v and attends in one kernel launch;
   sdpa  the same model with a contiguous cache, rotary in torch and scaled_dot_product_attention.
 
 It prints the tokens/s of both and checks that they agree. Free-running greedy decoding amplifies any
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashattn import config
+from flashattn import DecodePlan, config
 from flashattn.kvcache import flash_attn_with_kvcache
 
 
@@ -139,23 +140,31 @@ class PagedKVCache:
 
 def ours_generate(model: Model, prompts: list[torch.Tensor], new_tokens: int, page_size: int,
                   num_pages: int):
-    """Greedy generation with flash_attn_with_kvcache on a paged cache. Returns (tokens (b, new_tokens),
-    prefill seconds, decode seconds, pages in use)."""
+    """Greedy generation on a paged cache (prefill: flash_attn_with_kvcache, decode: a DecodePlan). Returns
+    (tokens (b, new_tokens), prefill seconds, decode seconds, pages in use)."""
     cfg, dev = model.cfg, model.embed.device
     b = len(prompts)
     max_len = max(len(p) for p in prompts) + new_tokens
     cache = PagedKVCache(cfg, b, num_pages, page_size, max_len, dev, model.embed.dtype)
 
-    def attention_for(rows: slice):
+    def prefill_attention(i: int):
         def attention(layer, q, k, v):
-            # appends the rotated k and v at each sequence's cache_seqlens, then attends (bottom-right causal)
+            # appends the rotated k and v at the sequence's cache_seqlens, then attends (bottom-right causal)
             return flash_attn_with_kvcache(
                 q, cache.k[layer], cache.v[layer], k, v, rotary_cos=model.cos, rotary_sin=model.sin,
-                cache_seqlens=cache.seqlens[rows], block_table=cache.block_table[rows], causal=True,
+                cache_seqlens=cache.seqlens[i : i + 1], block_table=cache.block_table[i : i + 1], causal=True,
                 rotary_interleaved=False,
             )
 
         return attention
+
+    # the decode steps' plan: split count, tiles and workspace fixed once for the batch, shared by every layer
+    plan = DecodePlan(b, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, page_size=page_size, max_seqlen_k=max_len,
+                      dtype=model.embed.dtype, device=dev, causal=True, rotary_interleaved=False)
+
+    def decode_attention(layer, q, k, v):
+        return plan.run(q, cache.k[layer], cache.v[layer], cache.seqlens, cache.block_table, k=k, v=v,
+                        rotary_cos=model.cos, rotary_sin=model.sin)
 
     _sync(dev)
     t0 = time.perf_counter()
@@ -163,7 +172,7 @@ def ours_generate(model: Model, prompts: list[torch.Tensor], new_tokens: int, pa
     for i, p in enumerate(prompts):  # prefill: one causal call per prompt, into freshly reserved pages
         cache.reserve(i, len(p))
         cache.sync()
-        logits = model.forward(p.view(1, -1), attention_for(slice(i, i + 1)))
+        logits = model.forward(p.view(1, -1), prefill_attention(i))
         cache.advance(i, len(p))
         nxt[i] = logits[0, -1].argmax()
     _sync(dev)
@@ -174,7 +183,7 @@ def ours_generate(model: Model, prompts: list[torch.Tensor], new_tokens: int, pa
         for i in range(b):
             cache.reserve(i, cache.lens[i] + 1)  # a new page whenever a sequence crosses a page boundary
         cache.sync()
-        logits = model.forward(nxt.view(b, 1), attention_for(slice(None)))
+        logits = model.forward(nxt.view(b, 1), decode_attention)
         cache.advance(None, 1)
         nxt = logits[:, -1].argmax(-1)
     _sync(dev)
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tie", type=float, help="logit gap under which a disagreement is a near-tie "
                         "(default 0.05 for 16-bit, 1e-3 for fp32)")
     parser.add_argument("--check-indices", action="store_true",
-                        help="keep flash_attn_with_kvcache's index range checks on (a host sync per call)")
+                        help="range-check the cache indices of every call (a device-to-host copy per call)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -302,9 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch or (8 if gpu else 2)
     new_tokens = args.new_tokens or (256 if gpu else 16)
     tie = args.tie if args.tie is not None else (1e-3 if dtype == torch.float32 else 0.05)
-    if not args.check_indices:
-        # flash_attn checks no indices either; the checks cost a device-to-host copy per layer and step
-        config.set_check_indices(False)
+    if args.check_indices:
+        config.set_check_indices(True)
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, ffn=int(args.d_model * 2.75) // 64 * 64)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -329,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n = batch * new_tokens
     print(f"pages in use at the end: {used} of {pages} (the block table grew page by page)")
-    runs = (("ours (flash_attn_with_kvcache, paged)", pre_o, dec_o), ("sdpa (contiguous)", pre_s, dec_s))
+    runs = (("ours (DecodePlan, paged)", pre_o, dec_o), ("sdpa (contiguous)", pre_s, dec_s))
     for name, pre, dec in runs:
         print(f"{name:40s} prefill {pre * 1e3:8.1f} ms   decode {n / dec:9.1f} tokens/s ({dec * 1e3:.1f} ms)")
     same = int((toks_o == toks_s).all(dim=1).sum())

@@ -1,20 +1,33 @@
 """flash_attn_with_kvcache: attention of a few new query tokens against a (paged) KV cache, for inference.
 
 Same name, arguments, defaults and semantics as flash_attn 2.x, so `from flashattn import
-flash_attn_with_kvcache` replaces `from flash_attn import flash_attn_with_kvcache`.
+flash_attn_with_kvcache` replaces `from flash_attn import flash_attn_with_kvcache`; two keyword-only
+extensions (key_padding_mask, check_inputs). A call is one kernel launch and never synchronises with the
+device (docs/decode.md); flashattn.DecodePlan is the same machinery with the split count and buffers fixed
+once for a serving loop.
 """
 
 import numbers
 
-import torch
 from torch import Tensor
 
-from flashattn import _validate, _validate_cache
+from flashattn import _validate, _validate_cache, config
 from flashattn.errors import FlashAttnError
+from flashattn.ops import kvcache as kvcache_ops
+from flashattn.ops import registry
 from flashattn.ops.attention import default_scale
-from flashattn.ops.kvcache import kvcache_fwd
 
 __all__ = ["flash_attn_with_kvcache"]
+
+# signatures whose checks passed, with their prepared launch (a model has a few per layer shape; lengths
+# that vary from call to call, in chunked prefill, add one each): past this many the cache is emptied
+_CACHED_SIGNATURES = 256
+_calls: dict = {}
+
+
+def tensor_key(t):
+    """What the checks and the prepared launch of a call depend on in a tensor argument (None stays None)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def flash_attn_with_kvcache(
@@ -37,6 +50,9 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    key_padding_mask=None,
+    check_inputs=None,
 ):
     """Attention of q against a KV cache, after appending new keys/values to it in place.
 
@@ -58,7 +74,7 @@ def flash_attn_with_kvcache(
             nheads must be a multiple of nheads_k (GQA/MQA). Updated in place when k is given.
         v_cache: same shape as k_cache. Updated in place when v is given.
         k, v: (batch, seqlen_new, nheads_k, headdim), default None: new keys/values to append first.
-            Both or neither.
+            Both or neither; seqlen_new at most the cache capacity.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), default None. Rotary embedding applied to q and
             to the new k (only together with k/v). rotary_dim <= headdim, even; seqlen_ro at least the cache
             capacity (seqlen_cache, or max_pages · page_size). The new k[i, j] is rotated at position
@@ -82,51 +98,143 @@ def flash_attn_with_kvcache(
             rotates (i, i + rotary_dim / 2) (GPT-NeoX).
         alibi_slopes: (nheads,) or (batch, nheads) float32, default None. Adds -slope · |j + diag - key|.
         num_splits: int, default 0 = heuristic. Number of key chunks attended in parallel and merged
-            (flash-decoding). 0 fills the GPU (about 2 · SMs programs); 1 disables splitting.
+            (flash-decoding) in the same launch. 0 fills the GPU (about 2 · SMs programs); 1 disables
+            splitting.
         return_softmax_lse: bool, default False. Also return the log-sum-exp.
+        key_padding_mask: (batch, capacity) bool, keyword only, default None (a flashattn extension). False
+            marks cache positions that are never attended (padding, holes), on top of the ranges above.
+        check_inputs: bool or None, keyword only, default None = flashattn.config's check_indices (off
+            unless FLASHATTN_CHECK_INDICES=1). True range-checks the device-side indices (below) with one
+            device-to-host copy per call, and raises an error naming the bad entry.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype. 0 for rows that see no key.
         softmax_lse (if return_softmax_lse): (batch, nheads, seqlen_q) float32, natural log; +inf for rows
             that see no key. With the output, it is what merge_attention_states takes.
 
-    Out-of-range indices would read or write outside the caches, so by default cache_seqlens, cache_leftpad,
-    cache_batch_idx and the used block_table entries are checked against the cache shapes: one device-to-host
-    copy per call (skipped while a CUDA graph is being captured). FLASHATTN_CHECK_INDICES=0 or
-    flashattn.config.set_check_indices(False) turns the check off, like flash_attn, which has none.
+    What is checked, and when. Shapes, dtypes and devices: on every call, on the host (a signature seen
+    before is looked up, not checked again). An int cache_seqlens: on the host. The values of the device
+    tensors cache_seqlens, cache_leftpad, cache_batch_idx and block_table: only with check_inputs (skipped
+    while a CUDA graph is captured), because reading them would synchronise the host with the device.
+    Unchecked, the kernel clamps every index it reads, so no value can make it read or write outside the
+    tensors; a bad value gives a wrong result instead:
+        cache_seqlens[i]   clamped into [0, capacity - seqlen_new];
+        cache_leftpad[i]   clamped into [0, cache_seqlens[i]];
+        cache_batch_idx[i] clamped into [0, batch_cache);
+        block_table[i, j]  clamped into [0, num_pages), for the entries the sequence uses.
     """
+    seqlens_is_int = cache_seqlens is not None and not isinstance(cache_seqlens, Tensor)
+    key = launch = None
+    if registry.eager():
+        try:
+            key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
+                   tensor_key(rotary_cos), tensor_key(rotary_sin),
+                   type(cache_seqlens) if seqlens_is_int else tensor_key(cache_seqlens),
+                   tensor_key(cache_batch_idx), tensor_key(cache_leftpad), tensor_key(block_table),
+                   tensor_key(alibi_slopes), tensor_key(key_padding_mask), softmax_scale, causal, window_size,
+                   softcap, rotary_interleaved, num_splits, config.backend, config.generation)
+            launch = _calls.get(key)
+        except (AttributeError, TypeError):  # an argument that is not a tensor, a window given as a list
+            key = None
+    if launch is None:
+        checked = check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+                             softmax_scale, causal, window_size, softcap, num_splits)
+        if key is None:
+            return through_op(checked, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+                              causal, rotary_interleaved, num_splits, check_inputs, return_softmax_lse)
+        launch = Launch(checked, kvcache_ops.prepare(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, None if seqlens_is_int else cache_seqlens,
+            cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+            softmax_scale=checked[0], causal=bool(causal), window_size=checked[1:3], softcap=checked[3],
+            rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits)))
+        if len(_calls) >= _CACHED_SIGNATURES:
+            _calls.clear()
+        _calls[key] = launch
+    out, lse = launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, block_table, alibi_slopes, key_padding_mask, check_inputs)
+    return (out, lse) if return_softmax_lse else out
+
+
+def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+               cache_leftpad, block_table, alibi_slopes, key_padding_mask, softmax_scale, causal, window_size,
+               softcap, num_splits) -> tuple:
+    """Every check that reads no device value; returns (scale, window left, window right, softcap, capacity,
+    seqlen_new)."""
     b, sq, h, d, paged = _validate_cache.check_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                                     cache_seqlens, cache_batch_idx, cache_leftpad,
-                                                    block_table, alibi_slopes)
+                                                    block_table, alibi_slopes, key_padding_mask)
     _validate.check_scale(softmax_scale)
     left, right = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise FlashAttnError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
-    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
-
-    capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
-    s_new = 0 if k is None else k.shape[1]
-    seqlens_t, cache_len = None, capacity
-    if isinstance(cache_seqlens, Tensor):
-        seqlens_t = cache_seqlens
-    elif cache_seqlens is not None:
-        cache_len = int(cache_seqlens)
-        if cache_len < 0 or cache_len + s_new > capacity:
-            raise FlashAttnError(
-                f"cache_seqlens={cache_len} with {s_new} new keys needs {cache_len + s_new} cache "
-                f"positions; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {capacity} "
-                f"(the cache capacity)"
-            )
-    elif k is not None:
+    if isinstance(cache_seqlens, bool) or not (cache_seqlens is None or isinstance(cache_seqlens, Tensor)
+                                               or isinstance(cache_seqlens, numbers.Integral)):
+        raise FlashAttnError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
+                             f"{type(cache_seqlens).__name__}")
+    if k is not None and cache_seqlens is None:
         raise FlashAttnError(
             "k/v are given but cache_seqlens is None (a full cache): pass cache_seqlens, the number of keys "
             "already in each cache, so that the new keys have somewhere to go"
         )
-    with torch.no_grad():
-        out, lse = kvcache_fwd(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_t, cache_len, cache_batch_idx,
-            cache_leftpad, block_table, scale, bool(causal), left, right, float(softcap), alibi_slopes,
-            bool(rotary_interleaved), int(num_splits),
+    scale = default_scale(d) if softmax_scale is None else float(softmax_scale)
+    capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    return scale, left, right, float(softcap), capacity, 0 if k is None else k.shape[1]
+
+
+def _cache_len(cache_seqlens, capacity: int, s_new: int, k_cache, block_table) -> int:
+    """The int cache_seqlens checked against the capacity (the whole cache when None)."""
+    if cache_seqlens is None:
+        return capacity
+    cache_len = int(cache_seqlens)
+    if cache_len < 0 or cache_len + s_new > capacity:
+        raise FlashAttnError(
+            f"cache_seqlens={cache_len} with {s_new} new keys needs {cache_len + s_new} cache positions; "
+            f"expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= "
+            f"{_validate_cache.capacity_text(k_cache, block_table)}"
         )
+    return cache_len
+
+
+class Launch:
+    """A checked call signature and its prepared launch (kvcache_ops.prepare): called with a call's tensors,
+    it checks what varies from call to call (an int cache_seqlens; the device indices if asked) and launches
+    once. workspace: a DecodePlan's own (None: the stream's)."""
+
+    __slots__ = ("capacity", "s_new", "prepared", "workspace")
+
+    def __init__(self, checked: tuple, prepared, workspace=None):
+        self.capacity, self.s_new = checked[4], checked[5]
+        self.prepared, self.workspace = prepared, workspace
+
+    def __call__(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, alibi_slopes, key_mask, check_inputs):
+        if cache_seqlens is None or isinstance(cache_seqlens, Tensor):
+            seqlens_t, cache_len = cache_seqlens, self.capacity
+        else:
+            seqlens_t = None
+            cache_len = _cache_len(cache_seqlens, self.capacity, self.s_new, k_cache, block_table)
+        check = config.check_indices if check_inputs is None else check_inputs
+        if check and _validate_cache.checks_enabled(q, True):
+            _validate_cache.check_indices(q, k_cache, k, seqlens_t, cache_len, cache_batch_idx, cache_leftpad,
+                                          block_table)
+        return self.prepared(q, k_cache, v_cache, k, v, cos, sin, seqlens_t, cache_len, cache_batch_idx,
+                             cache_leftpad, block_table, alibi_slopes, key_mask, self.workspace)
+
+
+def through_op(checked: tuple, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask, causal,
+               rotary_interleaved, num_splits, check_inputs, return_softmax_lse):
+    """The call through the registered ops (under torch.compile, or with arguments that key no cache)."""
+    scale, left, right, softcap, capacity, s_new = checked
+    seqlens_t = cache_seqlens if isinstance(cache_seqlens, Tensor) else None
+    cache_len = capacity if seqlens_t is not None else _cache_len(cache_seqlens, capacity, s_new, k_cache,
+                                                                  block_table)
+    check = config.check_indices if check_inputs is None else bool(check_inputs)
+    out, lse = kvcache_ops.kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_t, cache_len, cache_batch_idx,
+        cache_leftpad, block_table, key_mask, scale, bool(causal), left, right, softcap, alibi_slopes,
+        bool(rotary_interleaved), int(num_splits), check)
     return (out, lse) if return_softmax_lse else out

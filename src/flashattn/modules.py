@@ -12,9 +12,10 @@ All modules are batch-first: activations are ``(batch, seqlen, embed_dim)``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from flashattn.bert_padding import pad_input, unpad_input
+from flashattn.bert_padding import index_first_axis, index_put_first_axis, unpad_indices_static
 from flashattn.errors import FlashAttnError
 from flashattn.interface import flash_attn_func
 from flashattn.interface_varlen import flash_attn_varlen_func
@@ -45,6 +46,9 @@ def padded_attention(
     Causal and window masks are aligned on each sequence's real tokens: query i of a sequence sees its key
     j iff ``j <= i + real_k - real_q``. With the queries being the last tokens of the keys and padding on
     either side (or anywhere), that is exactly "sees the real keys at or before its own position".
+
+    No device synchronisation: the masks are never read on the host (bert_padding.unpad_indices_static); the
+    kernels run over batch · seqlen packed rows, the padding ones last and covered by no sequence.
     """
     b, sq = q.shape[:2]
     sk = k.shape[1]
@@ -60,11 +64,16 @@ def padded_attention(
                 f"seqlen_q {sq} > seqlen_k {sk}: pass query_padding_mask, the queries are not the last keys"
             )
         query_padding_mask = key_padding_mask[:, sk - sq :]
-    q_unpad, q_idx, cu_q, max_q, _ = unpad_input(q, query_padding_mask)
-    k_unpad, _, cu_k, max_k, _ = unpad_input(k, key_padding_mask)
-    v_unpad = unpad_input(v, key_padding_mask)[0]
-    out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **kwargs)
-    return pad_input(out, q_idx, b, sq)
+    # packed without reading the masks on the host (no device sync): every token, the padding ones last, and
+    # the padded lengths as max_seqlen; the padding rows are zeroed on the way in, so that no gradient the
+    # kernels leave in rows of no sequence flows back, and on the way out, where they give the padded output 0
+    q_idx, cu_q, q_real = unpad_indices_static(query_padding_mask)
+    k_idx, cu_k, k_real = unpad_indices_static(key_padding_mask)
+    q_real, k_real = q_real.view(-1, 1, 1), k_real.view(-1, 1, 1)
+    q_unpad = torch.where(q_real, index_first_axis(q.flatten(0, 1), q_idx), 0)
+    k_unpad, v_unpad = (torch.where(k_real, index_first_axis(x.flatten(0, 1), k_idx), 0) for x in (k, v))
+    out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, sq, sk, **kwargs)
+    return index_put_first_axis(torch.where(q_real, out, 0), q_idx, b * sq).unflatten(0, (b, sq))
 
 
 class SelfAttention(nn.Module):

@@ -5,9 +5,10 @@ b are positions [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages: positio
 block_table[b, p // page_size], row p % page_size. `packed_from_pages` gathers them into the packed
 (total_k, nheads_k, headdim) layout the varlen kernels read, then the usual varlen path runs.
 
-The gather costs one read and one write of the attended keys and values (plus a device-to-host copy of
-cu_seqlens_k[-1] for the packed size), next to the kernel's own reads of them; a prefill reads every key once
-per block of queries anyway, so it is a small fraction for long prompts. Gradients flow back into the pools
+The gather costs one read and one write of the attended keys and values, next to the kernel's own reads of
+them; a prefill reads every key once per block of queries anyway, so it is a small fraction for long
+prompts. It reads no device value on the host: the packed tensors are sized by a host-side bound (the block
+table's capacity per sequence), the rows past the last sequence are zeros. Gradients flow back into the pools
 through the gather.
 """
 
@@ -30,36 +31,43 @@ def check_paged(q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, batch: int
             raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if v.shape[:3] != k.shape[:3]:
         raise FlashAttnError(f"v has shape {tuple(v.shape)} but k {tuple(k.shape)}; their page pools must "
-                             "match "
-                             f"in (num_pages, page_size, nheads_k)")
+                             f"match in (num_pages, page_size, nheads_k)")
     capacity = block_table.shape[1] * k.shape[1]
     if max_seqlen_k > capacity:
-        raise FlashAttnError(f"max_seqlen_k is {max_seqlen_k} but block_table holds "
-                             f"{block_table.shape[1]} pages "
-                             f"of {k.shape[1]} keys = {capacity}; expected max_seqlen_k <= max_pages * "
-                             "page_size")
+        raise FlashAttnError(f"max_seqlen_k is {max_seqlen_k} but block_table holds {block_table.shape[1]} "
+                             f"pages of {k.shape[1]} keys = {capacity}; expected max_seqlen_k <= max_pages * "
+                             f"page_size")
 
 
-def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor,
-                      cu_seqlens_k: Tensor) -> tuple[Tensor, Tensor]:
-    """(k, v) packed (total_k, nheads_k, headdim[_v]) from the page pools."""
+def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor, cu_seqlens_k: Tensor,
+                      max_seqlen_k: int | None = None) -> tuple[Tensor, Tensor]:
+    """(k, v) packed (batch · max_seqlen_k, nheads_k, headdim[_v]) from the page pools: sequence b's keys at
+    rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]), zeros past cu_seqlens_k[-1] (no sequence's rows).
+
+    The packed size is a bound known on the host (max_seqlen_k, default the block table's capacity
+    max_pages · page_size), not cu_seqlens_k[-1]: reading that would synchronise with the device. Every index
+    the gather derives from cu_seqlens_k and block_table is clamped into the pool, so bad values give wrong
+    keys, never an index error; flashattn.config's check_indices checks the used entries first (one
+    device-to-host copy) and names a bad one.
+    """
     page_size, num_pages = k.shape[1], k.shape[0]
+    batch, max_pages = block_table.shape
     if checks_enabled(k):
-        # the entries the keys use must name pages of the pool (one device-to-host copy); an out-of-range
-        # index in the gather below would be a device-side assert, not a message
         lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        cols = torch.arange(block_table.shape[1], device=k.device).view(1, -1)
+        cols = torch.arange(max_pages, device=k.device).view(1, -1)
         used = cols < ((lens + page_size - 1) // page_size).view(-1, 1)
         bad = used & ((block_table < 0) | (block_table >= num_pages))
         if bool(bad.any()):
             b, col = (int(x) for x in bad.nonzero()[0])
             raise FlashAttnError(f"block_table[{b}, {col}] = {int(block_table[b, col])}; expected a page "
-                                 "of the "
-                                 f"pool in [0, {num_pages})")
-    total_k = int(cu_seqlens_k[-1])
-    token = torch.arange(total_k, device=k.device)
-    seq = torch.searchsorted(cu_seqlens_k[1:].long(), token, right=True)
-    pos = token - cu_seqlens_k.long()[seq]
-    page = block_table.long()[seq, pos // page_size]
+                                 f"of the pool in [0, {num_pages})")
+    rows = batch * (max_pages * page_size if max_seqlen_k is None else max_seqlen_k)
+    token = torch.arange(rows, device=k.device)
+    cu = cu_seqlens_k.long()
+    seq = torch.searchsorted(cu[1:], token, right=True).clamp_(max=batch - 1)
+    pos = token - cu[seq]
+    page = block_table.long()[seq, (pos // page_size).clamp_(0, max_pages - 1)].clamp_(0, num_pages - 1)
     slot = pos % page_size
-    return k[page, slot], v[page, slot]
+    # rows past the last sequence read a clamped slot: zero them, so that no gradient flows back through them
+    keep = (token < cu[-1]).view(-1, 1, 1)
+    return torch.where(keep, k[page, slot], 0), torch.where(keep, v[page, slot], 0)

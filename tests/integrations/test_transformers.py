@@ -221,3 +221,69 @@ def test_gpu_bf16_generate_agrees_with_sdpa(arch):
     slack = 4 * (pt - oracle).abs().max().item()
     chosen = pt.gather(-1, seq[:, ids.shape[1] :, None]).squeeze(-1)
     assert (chosen >= pt.max(-1).values - slack).all(), "a generated token is not sdpa's greedy choice"
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decode_steps_take_the_kvcache_kernel(cache, monkeypatch):
+    # every generated token after the first runs each layer's attention through flash_attn_with_kvcache, the
+    # left padding as its key_padding_mask; with a static cache the mask spans the whole cache (fixed shapes)
+    calls = []
+    real = fa_hf.flash_attn_with_kvcache
+
+    def spy(q, k, v, **kw):
+        key_mask = kw["key_padding_mask"]
+        calls.append((k.shape[1], None if key_mask is None else key_mask.shape[1]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(fa_hf, "flash_attn_with_kvcache", spy)
+    ours, sdpa, _ = _models("llama")
+    ids, mask = _batch("left", s=12)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kwargs.update(cache_implementation="static", disable_compile=True)
+    with torch.no_grad():
+        a = ours.generate(ids, **kwargs)
+        b = sdpa.generate(ids, **kwargs)
+    assert torch.equal(a, b), f"greedy tokens differ:\nours {a[:, 12:].tolist()}\nsdpa {b[:, 12:].tolist()}"
+    layers = ours.config.num_hidden_layers
+    assert len(calls) == 3 * layers  # the first new token comes from the prefill
+    lengths = [keys for keys, _ in calls]
+    if cache == "dynamic":
+        assert lengths == [n for n in (13, 14, 15) for _ in range(layers)]
+    else:
+        assert len(set(lengths)) == 1 and lengths[0] >= 15  # the whole cache, at every step
+    assert all(mask_len == keys for keys, mask_len in calls)
+
+
+def test_mask_builder_reads_no_value():
+    # no `.all()` shortcut (a device sync): an all-real mask is returned as a mask; a decode step's mask
+    # shorter than the cache is padded with False to the cache's length
+    mask = torch.ones(2, 7, dtype=torch.long)
+    assert torch.equal(fa_hf.padding_mask(2, 7, 7, attention_mask=mask), mask.bool())
+    step = fa_hf.padding_mask(2, 1, 10, attention_mask=mask)
+    assert step.shape == (2, 10) and step[:, :7].all() and not step[:, 7:].any()
+    assert fa_hf.padding_mask(2, 1, 10, attention_mask=None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_static_cache_cuda_graphs_agree_with_sdpa():
+    # transformers' compiled decoding (torch.compile mode="reduce-overhead": CUDA graphs) over a static cache:
+    # the decode step's mask spans the whole cache, so its shapes stay fixed from token to token; every token
+    # must be sdpa's greedy choice up to sdpa's own bf16 error on that step (teacher-forced)
+    from transformers import CompileConfig
+
+    ours, sdpa, ref = _models("llama", torch.bfloat16, "cuda")
+    ids, mask = _batch("left", s=16, device="cuda")
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
+    with torch.no_grad():
+        seq = ours.generate(ids, **kwargs)
+        again = ours.generate(ids, **kwargs)  # replays the captured graphs
+        full = torch.cat([mask, mask.new_ones(mask.shape[0], seq.shape[1] - ids.shape[1])], dim=1)
+        pt = sdpa(seq, attention_mask=full).logits[:, ids.shape[1] - 1 : -1].double()
+        oracle = ref(seq, attention_mask=full).logits[:, ids.shape[1] - 1 : -1]
+    assert torch.equal(seq, again)
+    slack = 4 * (pt - oracle).abs().max().item()
+    chosen = pt.gather(-1, seq[:, ids.shape[1] :, None]).squeeze(-1)
+    assert (chosen >= pt.max(-1).values - slack).all(), "a generated token is not sdpa's greedy choice"

@@ -6,9 +6,12 @@
 
 `register` adds two entries under the same name: the attention function (`AttentionInterface`) and a mask
 builder (`AttentionMaskInterface`). The mask builder hands the attention function at most a 2-D padding mask
-``(batch, kv_len)`` bool (None when nothing is padded), never the dense 4-D mask sdpa/eager need, so padding
-costs no ``(q_len, kv_len)`` memory: padded batches run on the unpadded tokens through flash_attn_varlen_func
-(`flashattn.modules.padded_attention`), causal and sliding-window masks come from the kernels' own flags.
+``(batch, kv_len)`` bool (None when the model was given none), never the dense 4-D mask sdpa/eager need, so
+padding costs no ``(q_len, kv_len)`` memory: a decode step (one query token) runs flash_attn_with_kvcache on
+the cache with the mask as its key_padding_mask, other calls with a mask run on the packed tokens through
+flash_attn_varlen_func (`flashattn.modules.padded_attention`); causal and sliding-window masks come from the
+kernels' own flags. Neither reads the mask on the host, so no call synchronises with the device but the
+detection of packed sequences below (a mask-free call with position_ids that restart).
 
 transformers routes every implementation whose name contains "flash" to its own flash-attn loader, so the
 name must not contain "flash".
@@ -35,6 +38,7 @@ from flashattn import modules
 from flashattn.errors import FlashAttnError
 from flashattn.interface import flash_attn_func
 from flashattn.interface_varlen import flash_attn_varlen_func
+from flashattn.kvcache import flash_attn_with_kvcache
 
 __all__ = ["DEFAULT_NAME", "attention_forward", "padding_mask", "register"]
 
@@ -63,15 +67,17 @@ def padding_mask(
     """The mask builder registered with AttentionMaskInterface: the 2-D padding mask or None.
 
     ``attention_mask`` is the user's ``(batch, seen_tokens + q_length)`` mask; its last kv_length columns are
-    the keys of this call (fewer than all seen tokens with a sliding-window cache). Returns None when no key
-    is padded, so the attention function can use the plain (non-varlen) kernel. The causal/window pattern in
+    the keys of this call (fewer than all seen tokens with a sliding-window cache). Whether every key is real
+    is not asked (that would read the mask on the host). A decode step's mask shorter than the cache (a
+    static cache, whose slots past the mask hold no key yet) is padded with False to kv_length: the step's
+    shapes then stay the same from token to token, as CUDA graphs need. The causal/window pattern in
     ``mask_function`` is not materialised: the attention function gets it from the module's flags.
     """
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:].bool()
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-        return None
+    if q_length == 1 and attention_mask.shape[1] < kv_length:
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, kv_length - attention_mask.shape[1]))
     return attention_mask
 
 
@@ -141,10 +147,16 @@ def attention_forward(
         # attention sinks (gpt-oss): one extra logit per head in the softmax, in scaled-score units like ours
         learnable_sink=None if s_aux is None else s_aux.float(),
     )
+    if attention_mask is not None and attention_mask.shape[1] < sk:
+        # a static cache: the slots past the mask were never written
+        k, v = k[:, : attention_mask.shape[1]], v[:, : attention_mask.shape[1]]
+    if (sq == 1 and window == (-1, -1) and s_aux is None and not opts["dropout_p"]
+            and (attention_mask is None or attention_mask.shape[1] == k.shape[1])):
+        # a decode step: the split-KV kernel over the cache as it is, padding read by the kernel
+        out = flash_attn_with_kvcache(q, k, v, softmax_scale=scaling, causal=causal, softcap=opts["softcap"],
+                                      key_padding_mask=attention_mask)
+        return out, None
     if attention_mask is not None:
-        if attention_mask.shape[1] < sk:
-            # a static cache: the slots past the mask were never written
-            k, v = k[:, : attention_mask.shape[1]], v[:, : attention_mask.shape[1]]
         # causal: the queries are the newest keys; otherwise (encoders, cross-attention) every query is real
         queries = None if causal else attention_mask.new_ones((b, sq))
         return modules.padded_attention(q, k, v, attention_mask, queries, **opts), None

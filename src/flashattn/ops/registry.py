@@ -43,6 +43,12 @@ def through_registered_ops() -> Iterator[None]:
         _registered_only = old
 
 
+def eager() -> bool:
+    """Whether calls now take the eager fast paths (not while torch.compile traces, nor inside
+    through_registered_ops): the public functions that keep prepared launches of their own ask it."""
+    return not (_registered_only or torch.compiler.is_compiling())
+
+
 class Op:
     """A registered op and its eager fast path; call it with every argument positional."""
 

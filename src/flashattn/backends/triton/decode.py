@@ -1,127 +1,219 @@
-"""Launchers for KV-cache attention (flash_attn_with_kvcache): append + rotary, split-KV decode, combine.
+"""Launcher of KV-cache attention (flash_attn_with_kvcache, DecodePlan): one launch of
+kernels/triton/decode.py per call, which appends (rotated) new keys, attends and merges its splits.
 
-Pure functions, no autograd, no argument checking beyond what the kernels need (flashattn.kvcache validates).
+Pure functions, no autograd, no argument checking beyond what the kernel needs (flashattn.kvcache validates).
 Shapes: q (b, sq, h, d); caches (b_cache, s_cache, h_k, d) or paged (num_pages, page_size, h_k, d) with
-block_table (b, max_pages) int32; new k/v (b, s_new, h_k, d). `cache_seqlens` is an int32 (b,) tensor or
-None, in which case every sequence holds `cache_len` keys. Both launchers mutate the caches in place when k/v
-are given and return (out (b, sq, h, d) in q's dtype, lse (b, h, sq) float32, +inf for rows that see no key).
+block_table (b, max_pages) int32; new k/v (b, s_new, h_k, d); key_mask (b, capacity) bool. `cache_seqlens`
+is an int32 (b,) tensor or None, in which case every sequence holds `cache_len` keys. Launches mutate the
+caches in place when k/v are given and return (out (b, sq, h, d) in q's dtype, lse (b, h, sq) float32, +inf
+for rows that see no key).
 
-The kernels' tiles and split count are the route's (routes.decode_route); backends/torch/decode.py is the
-same computation in plain torch.
+Host time: everything a call derives from its signature (shapes, strides, dtypes, device, which optional
+tensors are given, the options) is kept in a `DecodeLaunch`: the route, the kernel's constexprs and scalar
+arguments, and after its first launch the compiled kernel (launch.Bound). A repeated signature allocates its
+outputs and launches. `prepare` makes one; `kvcache_forward` keeps one per signature (the op's path);
+flashattn.kvcache and flashattn.decode_plan keep their own.
+
+Splits merge inside the kernel through a workspace: fp32 partials and one counter per row of programs, which
+must be 0 when a launch starts. A DecodePlan brings its own `Workspace` (the kernel leaves its counters at 0,
+so it serves launch after launch, in order on one stream); a call without one allocates its partials and
+zeroed counters, so that it holds no state between calls: nothing to race on between streams, nothing
+allocated in a CUDA graph's pool that outlives the graph's own bookkeeping.
+
+The tiles and split count are the route's (routes.decode_route); backends/torch/decode.py is the same
+computation in plain torch.
 """
 
 import torch
 
+from flashattn import config
 from flashattn.backends.triton import host, routes, tma
-from flashattn.backends.triton.merge import merge_partials, sm_count
-from flashattn.kernels.triton.decode import decode_split_kernel
-from flashattn.kernels.triton.rotary import rotary_append_kernel
+from flashattn.backends.triton import launch as launch_mod
+from flashattn.backends.triton.merge import sm_count
+from flashattn.kernels.triton.decode import decode_kernel
 
 LOG2E = 1.4426950408889634
+# signatures whose DecodeLaunch kvcache_forward keeps (a model has a few per layer shape); past this many the
+# cache is emptied rather than grown
+_CACHED_SIGNATURES = 256
+_launches: dict = {}
+
+
+class Workspace:
+    """fp32 split partials and int32 per-row counters for launches that merge their splits in the kernel.
+
+    The counters start at 0 and every launch leaves them at 0 (the program that merges a row resets its
+    counter), so one workspace serves launch after launch, CUDA graph replays included, as long as the
+    launches that share it are ordered (one stream)."""
+
+    __slots__ = ("partials", "counters")
+
+    def __init__(self, device: torch.device, floats: int, counters: int):
+        self.partials = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
+
+    def fits(self, floats: int, counters: int) -> bool:
+        return self.partials.numel() >= floats and self.counters.numel() >= counters
 
 
 def _window(causal: bool, window_size) -> tuple[int, int]:
     """(left, right) with causal folded in: causal is the window (left, 0), as in flash_attn."""
     left, right = int(window_size[0]), int(window_size[1])
-    return (left, 0) if causal else (left, right)
+    return (max(left, -1), 0) if causal else (max(left, -1), max(right, -1))
 
 
-def _capacity(k_cache, block_table) -> int:
+def capacity_of(k_cache, block_table) -> int:
+    """Cache positions a sequence can hold: seqlen_cache, or max_pages · page_size."""
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
-def _rotary_append(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_len, cache_batch_idx,
-                   block_table, *, per_row: bool, interleaved: bool):
-    """Rotated q (a new tensor; q itself when there is no rotary), after appending k, v to the caches."""
+def decode_spec(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, element_size: int,
+                paged: bool, capacity: int, window: tuple[int, int], num_splits: int,
+                device: torch.device) -> routes.DecodeSpec:
+    return routes.DecodeSpec(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, capacity,
+                             window, num_splits, tma.device_facts(device)[0], sm_count(device))
+
+
+def workspace_size(route: routes.DecodeRoute, batch: int, nheads_k: int, rows: int,
+                   headdim: int) -> tuple[int, int]:
+    """(fp32 partials, counters) a launch of this route needs: per split and row of programs, a
+    (BLOCK_M, BLOCK_D) output and BLOCK_M LSEs; a counter per row of programs (batch, kv head, query
+    block)."""
+    if route.num_splits == 1:
+        return 0, 0
+    program_rows = batch * nheads_k * host.cdiv(rows, route.block_m)
+    floats = route.num_splits * program_rows * route.block_m * (host.block_d(headdim) + 1)
+    return floats, program_rows
+
+
+class DecodeLaunch:
+    """One signature's launch, prepared: call it with the call's tensors (and the int cache_len)."""
+
+    __slots__ = ("route", "grid", "kwargs", "consts", "out_shape", "lse_shape", "floats", "counters",
+                 "bound")
+
+    def __init__(self, route, grid, kwargs, consts, out_shape, lse_shape, floats, counters, direct):
+        self.route, self.grid, self.kwargs, self.consts = route, grid, kwargs, consts
+        self.out_shape, self.lse_shape = out_shape, lse_shape
+        self.floats, self.counters = floats, counters
+        self.bound = launch_mod.Bound(decode_kernel, grid, kwargs) if direct else None
+
+    def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, cache_len, batch_idx, leftpad,
+                 block_table, alibi, key_mask, workspace=None):
+        device = q.device
+        # sizes unpacked: torch.empty parses separate ints faster than a tuple
+        out = torch.empty(*self.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=device)
+        if not self.counters:
+            work = counters = q
+        elif workspace is None:
+            work = torch.empty(self.floats, dtype=torch.float32, device=device)
+            counters = torch.zeros(self.counters, dtype=torch.int32, device=device)
+        else:
+            work, counters = workspace.partials, workspace.counters
+        # pointer arguments a flag switches off are never dereferenced: q stands in for them
+        args = (q, k_cache, v_cache, q if k is None else k, q if v is None else v, q if cos is None else cos,
+                q if sin is None else sin, out, lse, work, counters, q if seqlens is None else seqlens,
+                q if batch_idx is None else batch_idx, q if leftpad is None else leftpad,
+                q if block_table is None else block_table, q if alibi is None else alibi,
+                q if key_mask is None else key_mask, cache_len, *self.consts)
+        if self.bound is not None:
+            self.bound(args)
+        else:
+            decode_kernel[self.grid](*args, **self.kwargs)
+        return out, lse
+
+
+def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, alibi_slopes, key_mask, *, softmax_scale: float, causal: bool = False,
+            window_size=(-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True, num_splits: int = 0,
+            route: routes.DecodeRoute | None = None) -> DecodeLaunch:
+    """The DecodeLaunch of calls like this one (the tensors give shapes, strides and dtypes; their values are
+    not read). route: a plan's route instead of the default one for the cache's capacity."""
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
-    rotate = cos is not None
-    q_rot = torch.empty_like(q, memory_format=torch.contiguous_format) if rotate else q
-    s_new = k.shape[1] if k is not None else 0
-    rows = max(sq if rotate else 0, s_new)
-    if rows == 0:
-        return q_rot
-    dummy = q  # pointer arguments a flag switches off are never dereferenced
-    kk, vv = (k, v) if k is not None else (dummy, dummy)
     paged = block_table is not None
-    rotary_append_kernel[(rows, b)](
-        q, q_rot, kk, vv, k_cache, v_cache,
-        cos if rotate else dummy, sin if rotate else dummy,
-        cache_seqlens if cache_seqlens is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        block_table if paged else dummy,
-        *q.stride()[:3], *q_rot.stride()[:3], *kk.stride()[:3], *vv.stride()[:3],
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        cos.stride(0) if rotate else 0, block_table.stride(0) if paged else 0,
-        h, hk, sq, s_new, cache_len,
-        HEAD_DIM=d, BLOCK_D=host.block_d(d),
-        BLOCK_H=host.pow2(h), BLOCK_HK=host.pow2(hk),
-        ROT_DIM=2 * cos.shape[1] if rotate else 0, INTERLEAVED=bool(interleaved), Q_PER_ROW=per_row,
-        ROTATE_Q=rotate, APPEND=k is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        # a (heads, d) tile and its rotated partner: keep it near 32 fp32 registers a thread each
-        num_warps=min(16, max(4, host.pow2(h) * host.block_d(d) // 1024)),
+    capacity = capacity_of(k_cache, block_table)
+    window = _window(causal, window_size)
+    window_on = window != (-1, -1)
+    if route is None:
+        spec = decode_spec(b, h, hk, sq, d, q.element_size(), paged, capacity, window, num_splits, q.device)
+        route = routes.decode_route(spec)
+    cfg, block_m, splits = route.tiles, route.block_m, route.num_splits
+    group = h // hk
+    rows = sq * group
+    grid = (b * hk, splits, host.cdiv(rows, block_m))
+    floats, counters = workspace_size(route, b, hk, rows, d)
+    s_new = 0 if k is None else k.shape[1]
+    rotate = rotary_cos is not None
+    left, right = (routes.UNBOUNDED if w < 0 else w for w in window)
+    zeros3 = (0, 0, 0)
+    consts = (
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *(k.stride()[:3] if k is not None else zeros3), *(v.stride()[:3] if v is not None else zeros3),
+        sq * h * d, h * d, d,  # out (b, sq, h, d) and lse (b, h, sq): allocated contiguous
+        h * sq, sq, 1,
+        rotary_cos.stride(0) if rotate else 0, rotary_sin.stride(0) if rotate else 0,
+        block_table.stride(0) if paged else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        key_mask.stride(0) if key_mask is not None else 0,
+        hk, sq, s_new, capacity, k_cache.shape[0], rotary_cos.shape[0] if rotate else 1, splits,
+        softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, left, right,
     )
-    return q_rot
+    kwargs = dict(
+        GROUP=group, HEAD_DIM=d, BLOCK_D=host.block_d(d), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, HAS_SEQLENS=cache_seqlens is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        HAS_KEY_MASK=key_mask is not None, APPEND=k is not None,
+        ROT_DIM=2 * rotary_cos.shape[1] if rotate else 0, INTERLEAVED=bool(rotary_interleaved),
+        Q_PER_ROW=window_on, WINDOW=window_on, SOFTCAP=softcap > 0, ALIBI_ON=alibi_slopes is not None,
+        SPLIT=splits > 1, DOT_PREC=host.dot_precision(q.dtype),
+        # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
+        num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return DecodeLaunch(route, grid, kwargs, consts, (b, sq, h, d), (b, h, sq), floats, counters,
+                        launch_mod.direct(q))
+
+
+def _sig(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
 def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                     cache_len=0, cache_batch_idx=None, cache_leftpad=None, block_table=None, *,
                     softmax_scale: float, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                    alibi_slopes=None, rotary_interleaved: bool = True, num_splits: int = 0):
+                    alibi_slopes=None, rotary_interleaved: bool = True, num_splits: int = 0, key_mask=None):
     """See the module docstring for shapes; returns (out, lse)."""
-    b, sq, h, d = q.shape
-    hk = k_cache.shape[2]
-    window = _window(causal, window_size)
-    window_on = window != (-1, -1)
-    q = _rotary_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len,
-                       cache_batch_idx, block_table, per_row=window_on, interleaved=rotary_interleaved)
-    spec = routes.DecodeSpec(b, h, hk, sq, d, q.element_size(), block_table is not None,
-                             _capacity(k_cache, block_table), window, num_splits,
-                             tma.device_facts(q.device)[0], sm_count(q.device))
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+           v_cache.shape, v_cache.stride(), v_cache.dtype,
+           _sig(k), _sig(v), _sig(rotary_cos), _sig(rotary_sin), cache_seqlens is None,
+           cache_batch_idx is None, cache_leftpad is None, _sig(block_table), _sig(alibi_slopes),
+           _sig(key_mask), softmax_scale, causal, tuple(window_size), softcap, rotary_interleaved, num_splits,
+           config.generation)
+    launch = _launches.get(key)
+    if launch is None:
+        launch = prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes, key_mask, softmax_scale=softmax_scale,
+                         causal=causal, window_size=window_size, softcap=softcap,
+                         rotary_interleaved=rotary_interleaved, num_splits=num_splits)
+        if len(_launches) >= _CACHED_SIGNATURES:
+            _launches.clear()
+        _launches[key] = launch
+    return launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len,
+                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask)
+
+
+def plan_route(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, element_size: int,
+               paged: bool, max_seqlen_k: int, window: tuple[int, int], num_splits: int, device: torch.device,
+               workspace: Workspace | None = None) -> tuple[routes.DecodeRoute, Workspace | None]:
+    """A plan's route for sequences of at most max_seqlen_k keys, and a workspace of its own: `workspace`
+    where it is large enough (a replan), else a new one (None when the route does not split)."""
+    spec = decode_spec(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, max_seqlen_k, window,
+                       num_splits, device)
     route = routes.decode_route(spec)
-    cfg, block_m, num_splits = route.tiles, route.block_m, route.num_splits
-    m_blocks = host.cdiv(spec.rows, block_m)
-    left, right = (routes.UNBOUNDED if w < 0 else w for w in window)
-
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    if num_splits == 1:
-        o_buf, l_buf = out, lse
-        so, sl = 0, 0
-    else:
-        o_buf = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
-        l_buf = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
-        so, sl = o_buf.stride(0), l_buf.stride(0)
-    o_strides = o_buf.stride()[-4:-1]
-    l_strides = l_buf.stride()[-3:]
-
-    dummy = q
-    paged = block_table is not None
-    alibi_stride = 0
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:
-        alibi_stride = alibi_slopes.stride(0)
-    grid = (b * hk, num_splits, m_blocks)
-    decode_split_kernel[grid](
-        q, k_cache, v_cache, o_buf, l_buf,
-        cache_seqlens if cache_seqlens is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        cache_leftpad if cache_leftpad is not None else dummy,
-        block_table if paged else dummy,
-        alibi_slopes if alibi_slopes is not None else dummy,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        so, *o_strides, sl, *l_strides,
-        block_table.stride(0) if paged else 0, alibi_stride,
-        hk, sq, k.shape[1] if k is not None else 0, cache_len, num_splits,
-        softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, left, right,
-        GROUP=h // hk, HEAD_DIM=d, BLOCK_D=host.block_d(d), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
-        HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
-        HAS_LEFTPAD=cache_leftpad is not None, WINDOW=window_on, SOFTCAP=softcap > 0,
-        ALIBI_ON=alibi_slopes is not None, SPLIT=num_splits > 1, DOT_PREC=host.dot_precision(q.dtype),
-        # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
-        num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if num_splits > 1:
-        merge_partials(o_buf, l_buf, out=out, lse=lse)
-    return out, lse
+    floats, counters = workspace_size(route, batch, nheads_k, spec.rows, headdim)
+    if not counters:
+        return route, None
+    if workspace is not None and workspace.fits(floats, counters):
+        return route, workspace
+    return route, Workspace(device, floats, counters)

@@ -1,10 +1,13 @@
 """The Triton backend's entry points, one per op: the launchers (allocate outputs, pick the route, launch).
-Same signatures as flashattn.backends.torch.entry. Importing this module imports the kernels."""
+Same signatures as flashattn.backends.torch.entry (kvcache_prepare / kvcache_plan: the prepared launches of
+flashattn.kvcache and flashattn.decode_plan). Importing this module imports the kernels."""
 
 from flashattn.backends.triton.attention import attention_backward, attention_forward
 from flashattn.backends.triton.block_sparse import block_sparse_backward, block_sparse_forward
 from flashattn.backends.triton.decode import kvcache_forward
+from flashattn.backends.triton.decode import plan_route as kvcache_plan
+from flashattn.backends.triton.decode import prepare as kvcache_prepare
 from flashattn.backends.triton.merge import merge_partials
 
 __all__ = ["attention_backward", "attention_forward", "block_sparse_backward", "block_sparse_forward",
-           "kvcache_forward", "merge_partials"]
+           "kvcache_forward", "kvcache_plan", "kvcache_prepare", "merge_partials"]

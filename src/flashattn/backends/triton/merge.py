@@ -10,6 +10,7 @@ import functools
 import torch
 
 from flashattn.backends.triton import host
+from flashattn.backends.triton.launch import launch
 from flashattn.kernels.triton.combine import combine_kernel
 
 _TILE_ELEMS = 8192  # (splits, rows, d) elements one program loads at once: 64 fp32 registers a thread
@@ -51,7 +52,9 @@ def merge_partials(o_parts, lse_parts, *, out_dtype=None, out=None, lse=None):
     block_d = host.block_d(d)
     block_s, block_r = combine_tiles(n, b * sq * h, block_d, o_parts.device)
     grid = (-(-sq * h // block_r), b)
-    combine_kernel[grid](
+    # through a launch plan: the JIT's per-call binding costs more host time than a small merge's GPU time
+    launch(
+        combine_kernel, grid,
         o_parts, lse_parts, out, lse,
         *o_parts.stride()[:4], *lse_parts.stride(),
         *out.stride()[:3], *lse.stride(),

@@ -264,9 +264,10 @@ UNBOUNDED = 1 << 30  # a window side of -1 as the decode kernel takes it: no bra
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """A KV-cache call as routing sees it. capacity: the cache positions a sequence can hold (seqlen_cache,
-    or max_pages · page_size); window: (left, right) after causal folding, -1 = unbounded; num_splits: the
-    caller's request (0: the heuristic); sms: the GPU's multiprocessors."""
+    """A KV-cache call as routing sees it. capacity: the longest key range a sequence may have (the cache
+    capacity, seqlen_cache or max_pages · page_size; a DecodePlan's max_seqlen_k); window: (left, right)
+    after causal folding, -1 = unbounded; num_splits: the caller's request (0: the heuristic); sms: the
+    GPU's multiprocessors."""
 
     batch: int
     nheads: int
@@ -289,8 +290,9 @@ class DecodeSpec:
 
 @dataclass(frozen=True)
 class DecodeRoute:
-    """kernels/triton/decode.py: one program per (batch, kv head, split, query block); the splits' partial
-    results merged by kernels/triton/combine.py when num_splits > 1."""
+    """kernels/triton/decode.py: one program per (batch, kv head, split, query block); with num_splits > 1
+    the last program of each (batch, kv head, query block) to finish merges the splits' partial results, in
+    the same launch."""
 
     tiles: TileConfig
     block_m: int  # packed query rows per program (a power of two, at least 16)

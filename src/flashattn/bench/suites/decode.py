@@ -5,10 +5,11 @@ bf16, 32 query heads, 8 KV heads, d = 128, q_len 1; batch 1 and `--batch` (defau
 random order (as a serving cache holds them). Decode is bandwidth-bound, so the headline view is `tbps`: K/V
 bytes read per second (2 · b · kv_len · h_k · d · 2 bytes / time; the anchors page's decode table).
 
-Rows add `kv_len`, `page_size` (null when contiguous), `kv_bytes` and `tbps`. Only this project's
-`flashattn-kvcache` reads a paged cache; the other providers run the contiguous cases, which are the
-comparison for the paged rows of the same shape. `flashattn-kvcache-graph` is the same call replayed from a
-CUDA graph (GPU time without host overhead, which bounds any eager decode step at short kv_len).
+Rows add `kv_len`, `page_size` (null when contiguous), `kv_bytes` and `tbps`. Only this project's providers
+read a paged cache; the others run the contiguous cases, which are the comparison for the paged rows of the
+same shape. `flashattn-kvcache` is the drop-in call as a user makes it (eager: its host time is in the row),
+`flashattn-decode-plan` a DecodePlan's run, `flashattn-kvcache-graph` the drop-in call replayed from a CUDA
+graph (GPU time without host overhead, which bounds any eager decode step at short kv_len).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import config
 from .. import providers as provider_registry
 from ..case import Case, Grid, canonical_dtype, torch_dtype
 from ..providers.base import Prepared, Provider, make_leaves
@@ -27,14 +27,8 @@ from .base import MS, Suite, View, fmt_rate
 
 PAGE_SIZES = (None, 64, 256)
 OURS = "flashattn-kvcache"
+OURS_PLAN = "flashattn-decode-plan"
 OURS_GRAPH = "flashattn-kvcache-graph"
-
-
-def _no_index_checks():
-    # flash_attn_with_kvcache range-checks its indices with one device-to-host copy per call; flash_attn has
-    # no such check and SDPA has no indices, so the timed region leaves it out (it is a host sync, not GPU
-    # work: inside a CUDA graph it is skipped anyway)
-    return config.use_check_indices(False)
 
 
 def paged_copy(k: torch.Tensor, page: int, table: torch.Tensor | None = None):
@@ -50,11 +44,9 @@ def paged_copy(k: torch.Tensor, page: int, table: torch.Tensor | None = None):
     return pool, table
 
 
-def _setup_kvcache(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    import flashattn
-
+def _caches(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(leaves, q, k_cache, v_cache, block_table, cache_seqlens) of a case: paged when the case says so."""
     leaves = make_leaves(q, k, v, "bshd")
-    qb = leaves[0]
     page = case.extra.get("page_size")
     seqlens = torch.full((case.batch,), case.seqlen_k, dtype=torch.int32, device=q.device)
     if page is None:
@@ -62,11 +54,27 @@ def _setup_kvcache(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     else:
         kc, table = paged_copy(k.detach(), page)
         vc, _ = paged_copy(v.detach(), page, table)
+    return leaves, leaves[0].detach(), kc, vc, table, seqlens
+
+
+def _setup_kvcache(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    import flashattn
+
+    leaves, qb, kc, vc, table, seqlens = _caches(case, q, k, v)
     return Prepared(
         fwd=lambda: flashattn.flash_attn_with_kvcache(qb, kc, vc, cache_seqlens=seqlens, block_table=table),
         leaves=leaves,
-        context=_no_index_checks,
     )
+
+
+def _setup_plan(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    import flashattn
+
+    leaves, qb, kc, vc, table, seqlens = _caches(case, q, k, v)
+    plan = flashattn.DecodePlan(case.batch, case.nheads, case.nheads_k, case.headdim,
+                                page_size=case.extra.get("page_size"), max_seqlen_k=case.seqlen_k,
+                                dtype=qb.dtype, device=qb.device)
+    return Prepared(fwd=lambda: plan.run(qb, kc, vc, seqlens, table), leaves=leaves)
 
 
 def _setup_kvcache_graph(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -75,11 +83,10 @@ def _setup_kvcache_graph(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.
     eager = _setup_kvcache(case, q, k, v)
     if not q.is_cuda:
         raise RuntimeError("CUDA graphs need a CUDA device")
-    with _no_index_checks():
-        eager.fwd()  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = eager.fwd()
+    eager.fwd()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = eager.fwd()
 
     def replay() -> torch.Tensor:
         graph.replay()
@@ -95,8 +102,13 @@ for _provider in (
     Provider(
         OURS,
         _setup_kvcache,
-        "this project: flashattn.flash_attn_with_kvcache (split-KV decode; paged when the case says so), "
-        "index range checks off as in flash_attn",
+        "this project: flashattn.flash_attn_with_kvcache, eager (one launch: split-KV decode and the merge "
+        "of splits; paged when the case says so)",
+    ),
+    Provider(
+        OURS_PLAN,
+        _setup_plan,
+        "this project: a flashattn.DecodePlan planned for the case, its run() timed eagerly",
     ),
     Provider(
         OURS_GRAPH,
@@ -138,7 +150,7 @@ def build_cases(grid: Grid) -> list[Case]:
 
 
 def _skip(case: Case, provider: str) -> str | None:
-    if case.extra.get("page_size") is not None and provider not in (OURS, OURS_GRAPH):
+    if case.extra.get("page_size") is not None and provider not in (OURS, OURS_PLAN, OURS_GRAPH):
         return "skipped: no paged KV cache in this provider; its contiguous row of the same shape compares"
     return None
 
@@ -166,7 +178,7 @@ SUITE = DecodeSuite(
         "K/V bytes read per second"
     ),
     grid=_grid,
-    providers=(OURS, OURS_GRAPH, "sdpa-flash", "sdpa-cudnn", "flex", "sdpa-math", "flashattn"),
+    providers=(OURS, OURS_PLAN, OURS_GRAPH, "sdpa-flash", "sdpa-cudnn", "flex", "sdpa-math", "flashattn"),
     modes=("fwd",),
     device="cuda",
     views=(TBPS, MS),

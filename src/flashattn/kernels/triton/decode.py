@@ -1,4 +1,4 @@
-"""Split-KV decoding (flash-decoding) over a contiguous or paged KV cache.
+"""A KV-cache attention step in one launch: append (with rotary), split-KV attention, and the merge of splits.
 
 One program = one key chunk ("split") of one (batch, kv head) for one block of packed query rows. Row r of
 the tile is the pair (query position r // GROUP, query head kv_head·GROUP + r % GROUP): every query head of
@@ -10,16 +10,31 @@ Keys are addressed by their absolute position in the cache: position p of sequen
   paged:      K[block_table[b, p // PAGE], p % PAGE]
 and a tile gathers its rows one by one, so BLOCK_N and PAGE need not divide each other.
 
-The visible keys of query i are [max(lo_b, i + diag - left), min(end_b, i + diag + right + 1)) with
-end_b = cache_seqlens[b] + seqlen_new, lo_b = cache_leftpad[b] and diag = end_b - seqlen_q (causal is the
-window (∞, 0), bottom-right aligned). A split that sees nothing writes the empty partial (out 0, lse -inf),
-which the combine step ignores.
+Sequence b holds keys [lo_b, end_b): start_b = cache_seqlens[b] keys were there before this call, the
+seqlen_new new ones take positions [start_b, end_b). Query i is aligned with key i + diag, diag = end_b −
+seqlen_q (causal is the window (∞, 0), bottom-right aligned); it sees [max(lo_b, i + diag − left),
+min(end_b, i + diag + right + 1)), and only the keys KEY_MASK keeps, when given.
 
-Online-softmax invariants as in attn_fwd.py (base 2, the scale folded into qk_scale).
+Every index read from the device is clamped into range before it addresses memory: start_b into
+[0, capacity − seqlen_new], lo_b into [0, start_b], cache rows into [0, rows), pages into [0, pages), rotary
+positions into the table. A bad value gives a wrong result, never an access outside a tensor (the host-side
+checks, opt-in, say which value was bad).
+
+Phases of a program:
+  1. append: the programs of a (batch, kv head) share the new rows; each writes its rows of the new keys
+     (rotated) and values into the cache. Nothing else reads those cache slots in this launch: the attention
+     below takes new keys from KN/VN, so the order of the writes does not matter.
+  2. attention over this split's key tiles, online softmax in base 2 (as in attn_fwd.py): tiles below
+     start_b come from the cache; the tiles from start_b on mix cache rows and new rows (rotated again).
+  3. with splits: each program writes its partial (normalised out, base-2 LSE; −inf when it saw nothing) to
+     the workspace and takes a ticket from its row's counter; the last one to arrive merges every split's
+     partial and writes the result, then resets the counter to 0 for the next launch.
 """
 
 import triton
 import triton.language as tl
+
+from flashattn.kernels.triton.rotary import rotated
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -32,48 +47,168 @@ def _tanh(x):
 
 
 @triton.jit
-def decode_split_kernel(
-    Q, K, V, O, LSE,
-    SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI,
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def _cache_rows(BLOCK_TABLE, bt_row, pos, ok, cache_row, n_cache_rows,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(page, slot), int64, of cache positions pos (< capacity where ok): the first two indices into the
+    cache. Pages come from the block table, clamped to the pool."""
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + bt_row + pos // PAGE_SIZE, mask=ok, other=0)
+        page = _clamp(page, 0, n_cache_rows - 1).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+    else:
+        page = cache_row
+        slot = tl.where(ok, pos, 0).to(tl.int64)
+    return page, slot
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, offs_n, lo, hi, start, diag, offs_i, ok_r, slope, offs_d, ok_d,
+    K, V, KN, VN, COS, SIN, KEY_MASK, BLOCK_TABLE,
+    k_head, v_head, kn_head, vn_head, bt_row, km_row, cache_row, n_cache_rows,
+    stride_kb, stride_kn, stride_vb, stride_vn, stride_knm, stride_vnm, stride_cs, stride_ss, seqlen_ro,
+    qk_scale, softcap_in, softcap_out, window_left, window_right,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MIXED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One key tile (positions offs_n) folded into the running state (m_i, l_i, acc). MIXED: the tile may
+    hold new keys (positions >= start), which come from KN/VN instead of the cache."""
+    ok_n = (offs_n >= lo) & (offs_n < hi)
+    if HAS_KEY_MASK:
+        ok_n = ok_n & (tl.load(KEY_MASK + km_row + offs_n, mask=ok_n, other=0) != 0)
+    if MIXED:
+        is_new = offs_n >= start
+        ok_c = ok_n & (offs_n < start)
+    else:
+        ok_c = ok_n
+    page, slot = _cache_rows(BLOCK_TABLE, bt_row, offs_n, ok_c, cache_row, n_cache_rows, PAGED, PAGE_SIZE)
+    mask_c = ok_c[:, None] & ok_d[None, :]
+    k = tl.load(k_head + (page * stride_kb + slot * stride_kn)[:, None] + offs_d[None, :], mask=mask_c,
+                other=0.0)
+    if MIXED:
+        ok_new = ok_n & is_new
+        rel = tl.where(ok_new, offs_n - start, 0).to(tl.int64)
+        mask_new = ok_new[:, None] & ok_d[None, :]
+        k_new = rotated(kn_head + rel[:, None] * stride_knm + offs_d[None, :], mask_new, offs_d, COS, SIN,
+                        offs_n, stride_cs, stride_ss, seqlen_ro, ROT_DIM, INTERLEAVED)
+        # rounded to the cache's dtype: what the cache now holds and a later call would read
+        k = tl.where(is_new[:, None], k_new.to(k.dtype), k)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
+    if SOFTCAP:
+        s = _tanh(qk * softcap_in) * softcap_out
+    else:
+        s = qk * qk_scale
+    if ALIBI_ON:
+        dist = tl.abs(offs_i[:, None] + diag - offs_n[None, :]).to(tl.float32)
+        s = s - slope[:, None] * dist
+    keep = ok_n[None, :] & ok_r[:, None]
+    if WINDOW:
+        rel_q = offs_n[None, :] - (offs_i[:, None] + diag)
+        keep = keep & (rel_q >= -window_left) & (rel_q <= window_right)
+    s = tl.where(keep, s, float("-inf"))
+    # -- update m_i and l_i; a row with nothing visible yet subtracts 0 so exp2 gives 0, not NaN
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head + (page * stride_vb + slot * stride_vn)[:, None] + offs_d[None, :], mask=mask_c,
+                other=0.0)
+    if MIXED:
+        v_new = tl.load(vn_head + rel[:, None] * stride_vnm + offs_d[None, :], mask=mask_new, other=0.0)
+        v = tl.where(is_new[:, None], v_new.to(v.dtype), v)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["cache_len"])
+def decode_kernel(
+    Q, K, V, KN, VN, COS, SIN, O, LSE, WORK, COUNTERS,
+    SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, KEY_MASK,
+    cache_len,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_os, stride_ob, stride_om, stride_oh,
-    stride_ls, stride_lb, stride_lh, stride_lm,
-    stride_bt, stride_ab,
-    nheads_k, seqlen_q, seqlen_new, cache_len, num_splits,
+    stride_knb, stride_knm, stride_knh,
+    stride_vnb, stride_vnm, stride_vnh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_lm,
+    stride_cs, stride_ss, stride_bt, stride_ab, stride_mb,
+    nheads_k, seqlen_q, seqlen_new, capacity, n_cache_rows, seqlen_ro, num_splits,
     qk_scale, softcap_in, softcap_out, window_left, window_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, APPEND: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    Q_PER_ROW: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     off_bh = tl.program_id(0)
     split = tl.program_id(1)
-    start_m = tl.program_id(2) * BLOCK_M
+    m_block = tl.program_id(2)
+    m_blocks = tl.num_programs(2)
     off_b = off_bh // nheads_k
     off_hk = off_bh % nheads_k
+    off_b64 = off_b.to(tl.int64)
 
-    # -- this sequence's key range and alignment
+    # -- this sequence's key range, every device index clamped into range
     if HAS_SEQLENS:
-        end = tl.load(SEQLENS + off_b) + seqlen_new
+        start = tl.load(SEQLENS + off_b)
     else:
-        end = cache_len + seqlen_new
+        start = cache_len
+    start = _clamp(start, 0, capacity - seqlen_new)
+    end = start + seqlen_new
     if HAS_LEFTPAD:
-        lo = tl.load(LEFTPAD + off_b)
+        lo = _clamp(tl.load(LEFTPAD + off_b), 0, start)
     else:
         lo = 0
+    if HAS_BATCH_IDX:
+        cache_row = _clamp(tl.load(BATCH_IDX + off_b), 0, n_cache_rows - 1).to(tl.int64)
+    else:
+        cache_row = off_b64
     diag = end - seqlen_q  # query i is aligned with key i + diag
+    bt_row = off_b64 * stride_bt
+    km_row = off_b64 * stride_mb
+    offs_d = tl.arange(0, BLOCK_D)
+    ok_d = offs_d < HEAD_DIM
+    k_head = K + off_hk.to(tl.int64) * stride_kh
+    v_head = V + off_hk.to(tl.int64) * stride_vh
+    kn_head = KN + off_b64 * stride_knb + off_hk.to(tl.int64) * stride_knh
+    vn_head = VN + off_b64 * stride_vnb + off_hk.to(tl.int64) * stride_vnh
+
+    # -- 1. append: the programs of this (batch, kv head) take BLOCK_N new rows in turn
+    if APPEND:
+        programs = num_splits * m_blocks
+        for r0 in range((split * m_blocks + m_block) * BLOCK_N, seqlen_new, programs * BLOCK_N):
+            rows = r0 + tl.arange(0, BLOCK_N)
+            ok = rows < seqlen_new
+            pos = start + rows
+            page, slot = _cache_rows(BLOCK_TABLE, bt_row, pos, ok, cache_row, n_cache_rows, PAGED, PAGE_SIZE)
+            mask = ok[:, None] & ok_d[None, :]
+            k = rotated(kn_head + rows[:, None].to(tl.int64) * stride_knm + offs_d[None, :], mask, offs_d,
+                        COS, SIN, pos, stride_cs, stride_ss, seqlen_ro, ROT_DIM, INTERLEAVED)
+            tl.store(k_head + (page * stride_kb + slot * stride_kn)[:, None] + offs_d[None, :],
+                     k.to(K.dtype.element_ty), mask=mask)
+            v = tl.load(vn_head + rows[:, None].to(tl.int64) * stride_vnm + offs_d[None, :], mask=mask,
+                        other=0.0)
+            tl.store(v_head + (page * stride_vb + slot * stride_vn)[:, None] + offs_d[None, :],
+                     v.to(V.dtype.element_ty), mask=mask)
 
     # -- packed rows: r = query position * GROUP + head within the group
     n_rows = seqlen_q * GROUP
-    offs_r = start_m + tl.arange(0, BLOCK_M)
+    start_m = m_block * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = start_m + offs_m
     ok_r = offs_r < n_rows
     offs_i = offs_r // GROUP
     offs_h = off_hk * GROUP + offs_r % GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    ok_d = offs_d < HEAD_DIM
 
     hi = end
     if WINDOW:
@@ -90,17 +225,16 @@ def decode_split_kernel(
     t_begin = tile_lo + split * per_split
     t_end = tl.minimum(t_begin + per_split, tile_lo + n_tiles)
 
-    off_b64 = off_b.to(tl.int64)
+    # -- q, rotated at its own position (Q_PER_ROW) or the first new key's, rounded to q's dtype
     q_ptrs = (Q + off_b64 * stride_qb + offs_i[:, None].to(tl.int64) * stride_qm
               + offs_h[:, None] * stride_qh + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=ok_r[:, None] & ok_d[None, :], other=0.0)
-    if HAS_BATCH_IDX:
-        cache_row = tl.load(BATCH_IDX + off_b).to(tl.int64)
+    if Q_PER_ROW:
+        pos_q = start + offs_i
     else:
-        cache_row = off_b64
-    bt_row = off_b64 * stride_bt
-    k_head = K + off_hk.to(tl.int64) * stride_kh
-    v_head = V + off_hk.to(tl.int64) * stride_vh
+        pos_q = start + offs_i * 0
+    q = rotated(q_ptrs, ok_r[:, None] & ok_d[None, :], offs_d, COS, SIN, pos_q, stride_cs, stride_ss,
+                seqlen_ro, ROT_DIM, INTERLEAVED).to(Q.dtype.element_ty)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI_ON:
         # slopes in log2 units: the scores are kept in base 2
         slope = tl.load(ALIBI + off_b * stride_ab + offs_h, mask=ok_r, other=0.0) * LOG2E
@@ -108,54 +242,78 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(t_begin * BLOCK_N, t_end * BLOCK_N, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        ok_n = (offs_n >= lo) & (offs_n < hi)
-        if PAGED:
-            # one block-table read per key row: a tile may span several pages (BLOCK_N > PAGE_SIZE)
-            page = tl.load(BLOCK_TABLE + bt_row + offs_n // PAGE_SIZE, mask=ok_n, other=0).to(tl.int64)
-            slot = (offs_n % PAGE_SIZE).to(tl.int64)
-        else:
-            page = cache_row
-            slot = tl.where(ok_n, offs_n, 0).to(tl.int64)
-        k_rows = page * stride_kb + slot * stride_kn
-        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=ok_n[:, None] & ok_d[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
-        if SOFTCAP:
-            s = _tanh(qk * softcap_in) * softcap_out
-        else:
-            s = qk * qk_scale
-        if ALIBI_ON:
-            dist = tl.abs(offs_i[:, None] + diag - offs_n[None, :]).to(tl.float32)
-            s = s - slope[:, None] * dist
-        keep = ok_n[None, :] & ok_r[:, None]
-        if WINDOW:
-            rel = offs_n[None, :] - (offs_i[:, None] + diag)
-            keep = keep & (rel >= -window_left) & (rel <= window_right)
-        s = tl.where(keep, s, float("-inf"))
-        # -- update m_i and l_i; a row with nothing visible yet subtracts 0 so exp2 gives 0, not NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = page * stride_vb + slot * stride_vn
-        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=ok_n[:, None] & ok_d[None, :], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
-        m_i = m_new
-
-    # -- epilogue: empty rows get lse -inf as a split partial (the combine skips them), +inf as a final
-    # result (flash_attn's convention for a row that sees no key); out is 0 either way
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if SPLIT:
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    # -- 2. attention: tiles wholly below start from the cache, the rest (new keys among them) mixed
+    if APPEND:
+        t_mid = _clamp(start // BLOCK_N, t_begin, t_end)
     else:
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
-    base_o = O + split.to(tl.int64) * stride_os + off_b64 * stride_ob
-    o_ptrs = base_o + offs_i[:, None].to(tl.int64) * stride_om + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=ok_r[:, None] & ok_d[None, :])
-    base_l = LSE + split.to(tl.int64) * stride_ls + off_b64 * stride_lb
-    tl.store(base_l + offs_h * stride_lh + offs_i * stride_lm, lse, mask=ok_r)
+        t_mid = t_end
+    for start_n in range(t_begin * BLOCK_N, t_mid * BLOCK_N, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n + tl.arange(0, BLOCK_N), lo, hi, start, diag, offs_i, ok_r, slope,
+            offs_d, ok_d, K, V, KN, VN, COS, SIN, KEY_MASK, BLOCK_TABLE, k_head, v_head, kn_head, vn_head,
+            bt_row, km_row, cache_row, n_cache_rows, stride_kb, stride_kn, stride_vb, stride_vn, stride_knm,
+            stride_vnm, stride_cs, stride_ss, seqlen_ro, qk_scale, softcap_in, softcap_out, window_left,
+            window_right, PAGED, PAGE_SIZE, False, HAS_KEY_MASK, WINDOW, SOFTCAP, ALIBI_ON, ROT_DIM,
+            INTERLEAVED, DOT_PREC,
+        )
+    if APPEND:
+        # one or two tiles in a decode step: not worth pipeline buffers of their own
+        for start_n in tl.range(t_mid * BLOCK_N, t_end * BLOCK_N, BLOCK_N, num_stages=1):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start_n + tl.arange(0, BLOCK_N), lo, hi, start, diag, offs_i, ok_r, slope,
+                offs_d, ok_d, K, V, KN, VN, COS, SIN, KEY_MASK, BLOCK_TABLE, k_head, v_head, kn_head,
+                vn_head, bt_row, km_row, cache_row, n_cache_rows, stride_kb, stride_kn, stride_vb, stride_vn,
+                stride_knm, stride_vnm, stride_cs, stride_ss, seqlen_ro, qk_scale, softcap_in, softcap_out,
+                window_left, window_right, PAGED, PAGE_SIZE, True, HAS_KEY_MASK, WINDOW, SOFTCAP, ALIBI_ON,
+                ROT_DIM, INTERLEAVED, DOT_PREC,
+            )
+
+    o_ptrs = (O + off_b64 * stride_ob + offs_i[:, None].to(tl.int64) * stride_om
+              + offs_h[:, None] * stride_oh + offs_d[None, :])
+    lse_ptrs = LSE + off_b64 * stride_lb + offs_h * stride_lh + offs_i * stride_lm
+    mask_o = ok_r[:, None] & ok_d[None, :]
+    if SPLIT:
+        # -- 3. this split's partial into the workspace: (splits, programs, BLOCK_M, BLOCK_D) outputs, then
+        # (splits, programs, BLOCK_M) base-2 LSEs; -inf marks a row that saw nothing
+        seen = l_i > 0.0
+        l_safe = tl.where(seen, l_i, 1.0)
+        lse2 = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+        rows_all = tl.num_programs(0) * m_blocks
+        row = off_bh * m_blocks + m_block
+        work_o = WORK + offs_m[:, None] * BLOCK_D + offs_d[None, :]
+        work_l = WORK + (num_splits * rows_all).to(tl.int64) * (BLOCK_M * BLOCK_D) + offs_m
+        part = (split * rows_all + row).to(tl.int64)
+        tl.store(work_o + part * (BLOCK_M * BLOCK_D), acc / l_safe[:, None], mask=mask_o)
+        tl.store(work_l + part * BLOCK_M, lse2, mask=ok_r)
+        # every thread's stores are issued before the ticket; the atomic's release orders them for the
+        # program that takes the last ticket, whose acquire makes them visible to its loads (which skip L1)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNTERS + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            tl.atomic_xchg(COUNTERS + row, 0, sem="relaxed", scope="gpu")
+            m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            w = tl.zeros([BLOCK_M], dtype=tl.float32)
+            merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for s in range(0, num_splits):
+                part = (s * rows_all + row).to(tl.int64)
+                lse_s = tl.load(work_l + part * BLOCK_M, mask=ok_r, other=float("-inf"), cache_modifier=".cg")
+                # -- rescale to the new max; rows with nothing yet subtract 0, not -inf
+                m_new = tl.maximum(m, lse_s)
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m - m_sub)
+                beta = tl.math.exp2(lse_s - m_sub)  # 0 for empty partials, whose outputs are not read
+                o_s = tl.load(work_o + part * (BLOCK_M * BLOCK_D), mask=mask_o & (beta > 0.0)[:, None],
+                              other=0.0, cache_modifier=".cg")
+                merged = merged * alpha[:, None] + beta[:, None] * o_s
+                w = w * alpha + beta
+                m = m_new
+            seen = w > 0.0
+            w_safe = tl.where(seen, w, 1.0)
+            tl.store(o_ptrs, (merged / w_safe[:, None]).to(O.dtype.element_ty), mask=mask_o)
+            tl.store(lse_ptrs, tl.where(seen, (m + tl.math.log2(w_safe)) * LN2, float("inf")), mask=ok_r)
+    else:
+        # -- epilogue: out 0 and lse +inf for a row that sees no key (flash_attn's convention)
+        seen = l_i > 0.0
+        l_safe = tl.where(seen, l_i, 1.0)
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=mask_o)
+        tl.store(lse_ptrs, tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf")), mask=ok_r)
