@@ -4,6 +4,7 @@ from flashattn.backends.torch.attention import attention_backward, attention_for
 from flashattn.backends.torch.block_sparse import block_sparse_backward, block_sparse_forward
 from flashattn.backends.torch.decode import kvcache_forward
 from flashattn.backends.torch.merge import merge_partials
+from flashattn.backends.torch.probs import attention_probs
 
-__all__ = ["attention_backward", "attention_forward", "block_sparse_backward", "block_sparse_forward",
-           "kvcache_forward", "merge_partials"]
+__all__ = ["attention_backward", "attention_forward", "attention_probs", "block_sparse_backward",
+           "block_sparse_forward", "kvcache_forward", "merge_partials"]

@@ -5,6 +5,7 @@ from flashattn.backends.triton.attention import attention_backward, attention_fo
 from flashattn.backends.triton.block_sparse import block_sparse_backward, block_sparse_forward
 from flashattn.backends.triton.decode import kvcache_forward
 from flashattn.backends.triton.merge import merge_partials
+from flashattn.backends.triton.probs import attention_probs
 
-__all__ = ["attention_backward", "attention_forward", "block_sparse_backward", "block_sparse_forward",
-           "kvcache_forward", "merge_partials"]
+__all__ = ["attention_backward", "attention_forward", "attention_probs", "block_sparse_backward",
+           "block_sparse_forward", "kvcache_forward", "merge_partials"]
