@@ -32,7 +32,7 @@ def _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, lear
             and type(window_size[0]) is int and type(window_size[1]) is int)
 
 
-def _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
+def check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
                    batch) -> tuple[int, int]:
     """Checks the options; returns the window as (left, right) ints, -1 for an unbounded side."""
     if _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink):
@@ -47,9 +47,11 @@ def _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slop
     return window
 
 
-def _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
-         return_attn_probs, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-         max_seqlen_k=None):
+def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, probs,
+            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """(out, softmax_lse, S_dmask, rng_state) of checked arguments, with autograd: what the public functions
+    and flash_attn_interface's private ones share. probs: compute S_dmask (with dropout; else it is the
+    empty tensor flash_attn returns)."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
@@ -58,15 +60,22 @@ def _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slope
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     out, lse, rng_state = attention(q, k, v, learnable_sink=learnable_sink, deterministic=deterministic,
                                     **options)
-    if not return_attn_probs:
-        return out
-    if dropout_p > 0:
+    if probs and dropout_p > 0:
         # flash_attn's S_dmask, from the forward's own (seed, offset): the probabilities and the keep mask
         # the kernels used
         s_dmask = attention_probs(q, k, rng_state, **options)
     else:
         s_dmask = q.new_empty(0)  # flash_attn returns an empty tensor without dropout
-    return out, lse, s_dmask
+    return out, lse, s_dmask, rng_state
+
+
+def _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+         return_attn_probs, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+         max_seqlen_k=None):
+    out, lse, s_dmask, _ = forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                                   deterministic, return_attn_probs, learnable_sink, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return (out, lse, s_dmask) if return_attn_probs else out
 
 
 def flash_attn_func(
@@ -123,7 +132,7 @@ def flash_attn_func(
             seqlen_k. ~torch.signbit(S_dmask) is the keep mask the kernels used.
     """
     _validate.check_qkv(q, k, v)
-    window = _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
+    window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
                             q.shape[0])
     return _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink)

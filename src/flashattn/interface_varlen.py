@@ -7,7 +7,24 @@ flashattn.interface for the causal alignment and the extra keyword arguments.
 """
 
 from flashattn import _validate, paged
-from flashattn.interface import _check_options, _run
+from flashattn.interface import _run, check_options
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
+    """The varlen layout's checks (flash_attn_varlen_func's docstring says what is checked when); with a
+    block_table the keys are gathered from its pages. Returns (k, v, max_seqlen_q, max_seqlen_k), k and v
+    packed (total_k, nheads_k, headdim[_v])."""
+    _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,))
+    if block_table is None:
+        _validate.check_qkv(q, k, v, varlen=True)
+    # with a block_table the keys' bound is the pages' (check_paged), and the gather sizes k
+    max_seqlen_q, max_seqlen_k = _validate.check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, None if block_table is not None else k)
+    if block_table is not None:
+        paged.check_paged(q, k, v, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_k)
+        k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
+        _validate.check_qkv(q, k, v, varlen=True)
+    return k, v, max_seqlen_q, max_seqlen_k
 
 
 def flash_attn_varlen_func(
@@ -60,18 +77,10 @@ def flash_attn_varlen_func(
         S_dmask (if return_attn_probs): as flash_attn_func's, shaped (batch, nheads, max_seqlen_q rounded up
             to 128, max_seqlen_k rounded up to 128); sequence b's entries in [b, :, :len_q, :len_k].
     """
-    _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,))
-    if block_table is None:
-        _validate.check_qkv(q, k, v, varlen=True)
-    # with a block_table the keys' bound is the pages' (check_paged), and the gather sizes k
-    max_seqlen_q, max_seqlen_k = _validate.check_cu_seqlens(
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, None if block_table is not None else k)
+    k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                    max_seqlen_k, block_table)
     batch = cu_seqlens_q.shape[0] - 1
-    if block_table is not None:
-        paged.check_paged(q, k, v, block_table, batch, max_seqlen_k)
-        k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
-        _validate.check_qkv(q, k, v, varlen=True)
-    window = _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
+    window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
                             batch)
     return _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
