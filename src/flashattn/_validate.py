@@ -40,7 +40,8 @@ def check_tensor(name: str, t, ndim: int, layout: str, may_be_empty: tuple[int, 
                 f"{name} is empty in dimension {axis} ({_describe(t)}); in {layout} only the batch and "
                 f"sequence dimensions may be 0"
             )
-    if t.numel() and t.stride(-1) != 1:
+    # a dimension of size 1 has no stride to speak of (only element 0 is read)
+    if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise FlashAttnError(
             f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}; "
             f"call .contiguous() on it"
@@ -205,7 +206,7 @@ def check_per_head(name: str, t, nheads: int, batch: int | None, device, allow_b
             f"{name} must be a float32 tensor of shape {shapes}, got {t.dtype} {tuple(t.shape)}")
     if t.device != device:
         raise FlashAttnError(f"{name} is on {t.device} but q is on {device}; they must share a device")
-    if t.stride(-1) != 1:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise FlashAttnError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
 
 
