@@ -50,8 +50,9 @@ def test_install_maps_flash_attn_onto_flashattn(installed):
 def test_other_flash_attn_modules_say_what_exists(installed):
     with pytest.raises(ModuleNotFoundError, match=r"flash_attn\.ops.*flash_attn\.flash_attn_interface"):
         import flash_attn.ops.triton.rotary  # noqa: F401
-    with pytest.raises(ModuleNotFoundError, match="flash_attn_2_cuda"):
-        import flash_attn_2_cuda  # noqa: F401
+    import flash_attn_2_cuda  # the extension's entry points: provided
+
+    assert flash_attn_2_cuda.fwd == flashattn.flash_attn_interface.flash_attn_gpu.fwd
 
 
 def test_uninstall_removes_it():

@@ -202,3 +202,29 @@ def test_block_size_n_is_flash_attns():
         assert fai._get_block_size_n("cpu", d, False, False) == plain
         assert fai._get_block_size_n("cpu", d, True, True) == dropout
     assert fai.USE_TRITON_ROCM is False and fai.round_multiple(129, 128) == 256
+
+
+def test_extension_entry_points(backend):
+    # flash_attn_gpu (the flash_attn_2_cuda module's functions), positional, returning lists; the generator
+    # slot must be None (flash_attn's test_flash_attn_generator_arg_must_be_none)
+    q, k, v = _qkv()
+    gpu = fai.flash_attn_gpu
+    out_buf = torch.empty_like(q)
+    out, lse, s_dmask, rng = gpu.fwd(q, k, v, out_buf, None, 0.0, 0.2, True, -1, -1, 0.0, False, None)
+    assert out is out_buf and torch.equal(out, fai._flash_attn_forward(q, k, v, 0.0, 0.2, True, -1, -1, 0.0,
+                                                                        None, False)[0])
+    dq, dk, dv, softmax_d = gpu.bwd(out, q, k, v, out, lse, None, None, None, None, 0.0, 0.2, True, -1, -1,
+                                    0.0, False, None, rng)
+    assert dq.shape == q.shape and dk.shape == k.shape and softmax_d.shape == (1, 2, 128)
+    qv, kv_, vv, cu_q, cu_k = _varlen([3, 5], [4, 6])
+    out_v = gpu.varlen_fwd(qv, kv_, vv, None, cu_q, cu_k, None, None, None, None, 5, 6, 0.0, 0.3, False, True,
+                           -1, -1, 0.0, False, None, 0)[0]
+    grads = gpu.varlen_bwd(out_v, qv, kv_, vv, out_v, torch.zeros(2, 8), None, None, None, cu_q, cu_k, None,
+                           5, 6, 0.0, 0.3, False, True, -1, -1, 0.0, False, None, None)
+    assert [g.shape for g in grads[:3]] == [qv.shape, kv_.shape, vv.shape]
+    bad = torch.empty(1)
+    for call in (lambda: gpu.fwd(q, k, v, None, None, 0.0, 0.2, True, -1, -1, 0.0, False, bad),
+                 lambda: gpu.bwd(q, q, k, v, q, lse, None, None, None, None, 0.0, 0.2, True, -1, -1, 0.0,
+                                 False, bad, None)):
+        with pytest.raises(RuntimeError, match=r"generator` argument is no longer supported"):
+            call()

@@ -12,7 +12,7 @@
 or, for a whole program: `python -m flashattn.compat train.py ARGS` / `python -m flashattn.compat -m pytest
 ARGS` (install, then run it as `python` would).
 
-What install() does: it puts four module names into this process's `sys.modules`, no file and no
+What install() does: it puts these module names into this process's `sys.modules`, no file and no
 installed distribution involved, so it is opt-in, per process, and undone by `uninstall()`:
     flash_attn                       a package holding flash_attn 2.8's public functions (flash_attn_func,
                                      the kvpacked / qkvpacked / varlen variants, flash_attn_with_kvcache),
@@ -23,8 +23,10 @@ installed distribution involved, so it is opt-in, per process, and undone by `un
     flash_attn.bert_padding          flashattn.bert_padding (unpad_input, pad_input, index_first_axis, ...)
     flash_attn.layers.rotary         flashattn.layers.rotary (apply_rotary_emb, apply_rotary_emb_qkv_,
                                      apply_rotary_emb_kv_)
-Any other flash_attn module (flash_attn.ops, flash_attn.modules, the CUDA extension flash_attn_2_cuda) is
-not provided: importing it raises ModuleNotFoundError naming what is. A flash_attn already imported in the
+    flash_attn_2_cuda                the extension's fwd / varlen_fwd / bwd / varlen_bwd, positional
+                                     (flash_attn_interface.flash_attn_gpu)
+Any other flash_attn module (flash_attn.ops, flash_attn.modules, ...) is not provided: importing it raises
+ModuleNotFoundError naming what is. A flash_attn already imported in the
 process is replaced (modules that bound its functions before keep them: call install() first). Child
 processes (multiprocessing's spawn, torch.distributed launchers) start without it: call install() in each.
 Package metadata is not faked: importlib.metadata.version("flash_attn") still fails, so libraries that
@@ -62,7 +64,7 @@ class _Unprovided(importlib.abc.MetaPathFinder):
     """Turns an import of any other flash_attn module into a ModuleNotFoundError that says what exists."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.startswith("flash_attn.") or fullname in ("flash_attn_2_cuda", "flash_attn_cuda"):
+        if fullname.startswith("flash_attn."):
             provided = ", ".join(["flash_attn", *MODULES])
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: flashattn.compat provides {provided} (flash_attn 2.x's "
@@ -100,6 +102,12 @@ def install() -> types.ModuleType:
         sys.modules[alias] = module
         parent, _, child = alias.rpartition(".")
         setattr(sys.modules[parent], child, module)
+    # the extension module, for code that calls its entry points directly
+    ext = types.ModuleType("flash_attn_2_cuda", "flash_attn 2.8's extension entry points on flashattn.")
+    for name in ("fwd", "varlen_fwd", "bwd", "varlen_bwd"):
+        setattr(ext, name, getattr(sys.modules["flash_attn.flash_attn_interface"].flash_attn_gpu, name))
+    ext.__flashattn_compat__ = True
+    sys.modules["flash_attn_2_cuda"] = ext
     sys.meta_path.insert(0, _finder)
     return pkg
 
@@ -113,7 +121,8 @@ def uninstall() -> None:
 
 
 def _forget_flash_attn() -> None:
-    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+    for name in [n for n in sys.modules
+                 if n in ("flash_attn", "flash_attn_2_cuda") or n.startswith("flash_attn.")]:
         del sys.modules[name]
 
 

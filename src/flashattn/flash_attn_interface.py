@@ -15,6 +15,8 @@ libraries call (ring-flash-attn, yunchang's USP, ...), with flash_attn's signatu
                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                                 rng_state=None, zero_tensors=False) -> softmax_d
     _get_block_size_n(device, head_dim, is_dropout, is_causal): the key-tile width S_dmask is decoded with.
+    flash_attn_gpu.fwd / varlen_fwd / bwd / varlen_bwd: the extension's entry points, positional, returning
+        lists (flash_attn_with_kvcache's fwd_kvcache is not among them: call flash_attn_with_kvcache).
 
 Shapes as flash_attn's: q (batch, seqlen_q, nheads, headdim) or varlen (total_q, nheads, headdim); out like q
 (with v's head dim); softmax_lse (batch, nheads, seqlen_q) float32, varlen (nheads, total_q); S_dmask as
@@ -57,6 +59,7 @@ __all__ = [
     "_flash_attn_varlen_forward",
     "_get_block_size_n",
     "flash_attn_func",
+    "flash_attn_gpu",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
@@ -299,3 +302,66 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window, softcap,
               alibi_slopes, deterministic, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _softmax_d(dout, out, cu_seqlens_q)
+
+
+def _no_generator(gen) -> None:
+    if gen is not None:
+        raise FlashAttnError("the `generator` argument is no longer supported (flash_attn 2.8 keeps the "
+                             "slot for its position only): pass None; dropout draws from torch's default "
+                             "generator")
+
+
+def _into(buffer, value):
+    """value written into a caller's buffer (flash_attn's out_ / dq_ arguments), or value itself."""
+    return value if buffer is None else buffer.copy_(value)
+
+
+class _FlashAttnGPU:
+    """flash_attn 2.8's extension entry points (`flash_attn_interface.flash_attn_gpu`, the
+    `flash_attn_2_cuda` module): fwd, varlen_fwd, bwd, varlen_bwd with its positional arguments and
+    returned lists, for code that calls them directly. The unused generator slot must be None, as there."""
+
+    @staticmethod
+    def fwd(q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
+            window_size_right, softcap, return_softmax, gen_):
+        _no_generator(gen_)
+        out, lse, s_dmask, rng = _flash_attn_forward(q, k, v, p_dropout, softmax_scale, is_causal,
+                                                     window_size_left, window_size_right, softcap,
+                                                     alibi_slopes, return_softmax)
+        return [_into(out_, out), lse, s_dmask, rng]
+
+    @staticmethod
+    def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes,
+                   max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
+                   window_size_left, window_size_right, softcap, return_softmax, gen_, num_splits=0):
+        _no_generator(gen_)
+        out, lse, s_dmask, rng = _flash_attn_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
+            is_causal, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax,
+            block_table, leftpad_k, seqused_k, zero_tensors, num_splits)
+        return [_into(out_, out), lse, s_dmask, rng]
+
+    @staticmethod
+    def bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes, p_dropout, softmax_scale, is_causal,
+            window_size_left, window_size_right, softcap, deterministic, gen_, rng_state):
+        _no_generator(gen_)
+        grads = [torch.empty_like(x) if g is None else g for g, x in ((dq_, q), (dk_, k), (dv_, v))]
+        softmax_d = _flash_attn_backward(dout, q, k, v, out, softmax_lse, *grads, p_dropout, softmax_scale,
+                                         is_causal, window_size_left, window_size_right, softcap,
+                                         alibi_slopes, deterministic, rng_state)
+        return [*grads, softmax_d]
+
+    @staticmethod
+    def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                   max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
+                   window_size_left, window_size_right, softcap, deterministic, gen_, rng_state):
+        _no_generator(gen_)
+        grads = [torch.empty_like(x) if g is None else g for g, x in ((dq_, q), (dk_, k), (dv_, v))]
+        softmax_d = _flash_attn_varlen_backward(
+            dout, q, k, v, out, softmax_lse, *grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            p_dropout, softmax_scale, is_causal, window_size_left, window_size_right, softcap, alibi_slopes,
+            deterministic, rng_state, zero_tensors)
+        return [*grads, softmax_d]
+
+
+flash_attn_gpu = _FlashAttnGPU()
