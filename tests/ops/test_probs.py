@@ -188,3 +188,73 @@ def test_varlen_s_dmask(backend):
                 q.device, d, True, True))
             ref, pt = oracle_probs(qs, ks, d ** -0.5, v_lq, None)
             assert_close_to_ref(probs, ref, pt, factor=2.0, name=f"sequence {i}")
+
+
+# -- GPU: the Triton kernel at flash_attn's test sizes, its cost, the upstream race test's workload ---------
+
+GPU_CASES = [(2, 113, 203, 4, 2, d) for d in (32, 59, 64, 96, 111, 128, 160, 192, 256)] + [
+    (1, 1023, 1024, 2, 1, 128), (1, 1024, 1023, 2, 2, 64), (1, 97, 97, 4, 4, 40), (1, 2048, 2048, 1, 1, 96)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (50, 7))],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_s_dmask_decodes_to_the_probabilities(case, causal, window, dtype):
+    b, sq, sk, h, hk, d = case
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=dtype) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    check_s_dmask(q, k, v, 0.17, causal=causal, window=window,
+                  alibi_slopes=torch.rand(b, h, device="cuda") * 0.3 if d == 64 else None)
+
+
+@pytest.mark.gpu
+def test_gpu_s_dmask_varlen():
+    test_varlen_s_dmask("triton")
+
+
+def _time_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_return_attn_probs_costs_a_few_plain_calls(d):
+    # S_dmask comes from a kernel: with it a call costs a few times the same call without it
+    q, k, v = (torch.randn(4, 2048, 16, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    plain = _time_ms(lambda: flash_attn_func(q, k, v, 0.1, causal=True))
+    probs = _time_ms(lambda: flash_attn_func(q, k, v, 0.1, causal=True, return_attn_probs=True))
+    assert probs <= 4 * plain, f"return_attn_probs: {probs:.3f} ms against {plain:.3f} ms without"
+
+
+@pytest.mark.gpu
+def test_gpu_upstream_race_condition_workload():
+    # flash_attn's test_flash_attn_race_condition: 251 calls with return_attn_probs and dropout at batch 60,
+    # 4 heads, 257 x 257, each forward and backward bitwise the same (it did not finish in 150 s when
+    # S_dmask was rebuilt in PyTorch)
+    import time
+
+    q, k, v = (torch.randn(60, 257, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    start = time.perf_counter()
+    torch.manual_seed(42)
+    out0, lse0, s0 = flash_attn_func(q, k, v, 0.17, causal=True, return_attn_probs=True)
+    g = torch.randn_like(out0)
+    grads0 = torch.autograd.grad(out0, (q, k, v), g)
+    for _ in range(250):
+        torch.manual_seed(42)
+        out, lse, s_dmask = flash_attn_func(q, k, v, 0.17, causal=True, return_attn_probs=True)
+        assert torch.equal(out, out0) and torch.equal(lse, lse0) and torch.equal(s_dmask, s0)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 60, f"251 calls took {elapsed:.1f} s"
