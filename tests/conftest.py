@@ -24,17 +24,11 @@ from flashattn import config as flashattn_config
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device with `pytest -m gpu`)")
-    config.addinivalue_line("markers", "slow: long-running; runs only when selected (-m slow)")
+    config.addinivalue_line("markers", "slow: long-running")
     config.addinivalue_line("markers", "dtypes(*dtypes): restrict the dtypes a backend/dtype test runs with")
 
 
 def pytest_collection_modifyitems(config, items):
-    # slow tests run only when a -m expression names them (`-m slow`): CI's `-m "not gpu"` leaves them out
-    if "slow" not in (config.getoption("markexpr") or ""):
-        skip_slow = pytest.mark.skip(reason="long-running: select with -m slow")
-        for item in items:
-            if "slow" in item.keywords:
-                item.add_marker(skip_slow)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
