@@ -225,8 +225,8 @@ def _window_side(w, side: str, window_size) -> int:
         w = int(w)
     if isinstance(w, bool) or not isinstance(w, numbers.Integral):
         raise FlashAttnError(
-            f"window_size {side} must be an int (-1, or any negative value, means unbounded), got {w!r} in "
-            f"{window_size!r}"
+            f"window_size {side} must be an int >= -1 (or any negative int: every negative value means "
+            f"unbounded), got {w!r} in {window_size!r}"
         )
     return max(int(w), -1)
 
