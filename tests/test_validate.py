@@ -144,7 +144,8 @@ def test_empty_heads_or_headdim(backend, which, shape):
 
 
 @pytest.mark.parametrize(
-    "b, sq, sk", [(0, S, S), (B, 0, S), (B, S, 0), (0, 0, 0)], ids=["batch0", "seqlen_q0", "seqlen_k0", "all0"]
+    "b, sq, sk", [(0, S, S), (B, 0, S), (B, S, 0), (0, 0, 0)],
+    ids=["batch0", "seqlen_q0", "seqlen_k0", "all0"],
 )
 def test_empty_batch_or_sequence_gives_empty_outputs(backend, b, sq, sk):
     # SDPA's convention: empty in, empty out (no rows: nothing to attend; no keys: out 0, lse +inf, as any
@@ -226,7 +227,8 @@ def test_window_size_below_minus_one_is_unbounded(backend, window):
     # flash_attn treats every negative side as unbounded
     q, k, v = _qkv()
     same = tuple(-1 if w < 0 else w for w in window)
-    assert torch.equal(flash_attn_func(q, k, v, window_size=window), flash_attn_func(q, k, v, window_size=same))
+    want = flash_attn_func(q, k, v, window_size=same)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=window), want)
 
 
 @pytest.mark.parametrize("form", ["list", "tensor", "tensor_items", "numpy"])
@@ -235,7 +237,8 @@ def test_window_size_as_list_or_tensor(backend, form):
     q, k, v = _qkv()
     window = {"list": [3, 2], "tensor": torch.tensor([3, 2]), "tensor_items": tuple(torch.tensor([3, 2])),
               "numpy": tuple(np.array([3, 2]))}[form]
-    assert torch.equal(flash_attn_func(q, k, v, window_size=window), flash_attn_func(q, k, v, window_size=(3, 2)))
+    want = flash_attn_func(q, k, v, window_size=(3, 2))
+    assert torch.equal(flash_attn_func(q, k, v, window_size=window), want)
 
 
 @pytest.mark.parametrize(
