@@ -149,6 +149,13 @@ def dense_cases():
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 4, 64, grad=True), _t(208, 2, 64, grad=True), _t(208, 2, 64, grad=True)
     yield "varlen causal", partial(_fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True)
+    # S_dmask (return_attn_probs with dropout): its key tiles are 128, 64 and 32 wide by head dim
+    for d in (32, 64, 128, 256):
+        q, k, v = _t(2, 150, 4, d), _t(2, 190, 2, d), _t(2, 190, 2, d)
+        yield f"S_dmask d={d}", partial(flash_attn_func, q, k, v, 0.1, causal=True, return_attn_probs=True)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 70, 150], [0, 90, 190]))
+    yield "S_dmask varlen", partial(flash_attn_varlen_func, q[0], k[0], v[0], cu_q, cu_k, 80, 100, 0.1,
+                                    return_attn_probs=True)
 
 
 def decode_cases():

@@ -11,7 +11,15 @@ import math
 
 import pytest
 import torch
-from utils import DEVICE, HAS_CUDA, assert_close_to_ref, is_interpreted, make_qkv, skip_if_too_slow
+from utils import (
+    DEVICE,
+    HAS_CUDA,
+    assert_close_to_ref,
+    is_interpreted,
+    keep_mask,
+    make_qkv,
+    skip_if_too_slow,
+)
 
 from flashattn import config as flashattn_config
 from flashattn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
@@ -55,7 +63,7 @@ def check_against_oracle(
     as the gradients' absolute floor (see test_head_dims).  ``attn(q, k, v) -> (out, lse)`` replaces the call
     to flash_attn_func (e.g. a torch.compile'd wrapper).  ``options`` (window_size, softcap, alibi_slopes,
     dropout_p) go to both flash_attn_func and the oracle; with dropout the oracle replays the keep-mask that
-    flash_attn_func returns as S_dmask.  Returns ``(out, lse, grads)`` of ours.
+    flash_attn_func returns in S_dmask (its sign bits).  Returns ``(out, lse, grads)`` of ours.
     """
     wrt = (q, k, v) if wrt is None else tuple(wrt)
     b, sq, h, d = q.shape
@@ -67,8 +75,9 @@ def check_against_oracle(
     else:
         out, lse = attn(q, k, v)
     if options.get("dropout_p", 0.0) > 0:
-        assert isinstance(s_dmask, torch.Tensor) and s_dmask.shape == (b, h, sq, k.shape[1])
-        options = {**options, "dropout_mask": s_dmask}
+        rounded = (b, h, -(-sq // 128) * 128, -(-k.shape[1] // 128) * 128)
+        assert isinstance(s_dmask, torch.Tensor) and s_dmask.shape == rounded and s_dmask.dtype == q.dtype
+        options = {**options, "dropout_mask": keep_mask(s_dmask, sq, k.shape[1])}
     assert out.shape == (b, sq, h, v.shape[-1]) and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.device == q.device
 
@@ -322,7 +331,8 @@ def test_return_attn_probs(backend, packing):
     assert torch.equal(out, out_only)
     assert out.shape == (b, s, h, d) and out.dtype == dtype and out.device.type == DEVICE
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32 and lse.device.type == DEVICE
-    assert s_dmask is None or isinstance(s_dmask, torch.Tensor)
+    # flash_attn's S_dmask without dropout: an empty tensor in q's dtype
+    assert s_dmask.shape == (0,) and s_dmask.dtype == dtype and s_dmask.device.type == DEVICE
     _, lse_ref = attention_ref(*x.unbind(2), upcast=True)
     assert (lse.double() - lse_ref).abs().max().item() < 1e-2  # natural log, not base 2
 

@@ -135,28 +135,31 @@ def test_float64_rejected_on_gpu():
 
 @pytest.mark.parametrize(
     "which, shape",
-    [
-        ("q", (0, S, H, D)),  # batch 0
-        ("q", (B, 0, H, D)),  # seqlen_q 0
-        ("q", (B, S, 0, D)),  # nheads 0
-        ("q", (B, S, H, 0)),  # headdim 0
-        ("k", (B, 0, H, D)),  # seqlen_k 0
-    ],
-    ids=["batch0", "seqlen_q0", "nheads0", "headdim0", "seqlen_k0"],
+    [("q", (B, S, 0, D)), ("q", (B, S, H, 0))],
+    ids=["nheads0", "headdim0"],
 )
-def test_empty_tensors(backend, which, shape):
-    q, k, v = _qkv()
-    if which == "q":
-        q = _t(*shape)
-        if shape[0] == 0:  # batch 0 everywhere, so the only problem is emptiness
-            k, v = _t(0, S, H, D), _t(0, S, H, D)
-        if shape[3] == 0:
-            k, v = _t(B, S, H, 0), _t(B, S, H, 0)
-        if shape[2] == 0:
-            k, v = _t(B, S, 0, D), _t(B, S, 0, D)
-    else:
-        k, v = _t(*shape), _t(*shape)
+def test_empty_heads_or_headdim(backend, which, shape):
+    q, k, v = _t(*shape), _t(B, S, shape[2], shape[3]), _t(B, S, shape[2], shape[3])
     _raises(lambda: flash_attn_func(q, k, v), rf"\b{which}\b", r"\b0\b|empty")
+
+
+@pytest.mark.parametrize(
+    "b, sq, sk", [(0, S, S), (B, 0, S), (B, S, 0), (0, 0, 0)],
+    ids=["batch0", "seqlen_q0", "seqlen_k0", "all0"],
+)
+def test_empty_batch_or_sequence_gives_empty_outputs(backend, b, sq, sk):
+    # SDPA's convention: empty in, empty out (no rows: nothing to attend; no keys: out 0, lse +inf, as any
+    # row that sees no key), and zero gradients
+    q = _t(b, sq, H, D).requires_grad_(True)
+    k, v = _t(b, sk, H // 2, D).requires_grad_(True), _t(b, sk, H // 2, 24).requires_grad_(True)
+    out, lse, s_dmask = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (b, sq, H, 24) and lse.shape == (b, H, sq) and s_dmask.shape == (0,)
+    assert (out == 0).all() and torch.isposinf(lse).all()
+    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=False)
+    for g, x in zip(grads, (q, k, v), strict=True):
+        assert g.shape == x.shape and (g == 0).all()
+    out_d, _, s_dmask = flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+    assert out_d.shape == out.shape and s_dmask.shape == (b, H, -(-sq // 128) * 128, -(-sk // 128) * 128)
 
 
 # ---------------------------------------------------------------------------------------------- strides
@@ -219,11 +222,33 @@ def test_dropout_p_out_of_range(backend, p):
     _raises(lambda: flash_attn_func(q, k, v, dropout_p=p), r"dropout_p", re.escape(str(p)))
 
 
-@pytest.mark.parametrize("window", [(-2, 0), (0, -5)], ids=["left", "right"])
-def test_window_size_below_minus_one(backend, window):
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (-7, -100)], ids=["left", "right", "both"])
+def test_window_size_below_minus_one_is_unbounded(backend, window):
+    # flash_attn treats every negative side as unbounded
     q, k, v = _qkv()
-    bad = min(window)
-    _raises(lambda: flash_attn_func(q, k, v, window_size=window), r"window_size", rf"{bad}\b")
+    same = tuple(-1 if w < 0 else w for w in window)
+    want = flash_attn_func(q, k, v, window_size=same)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=window), want)
+
+
+@pytest.mark.parametrize("form", ["list", "tensor", "tensor_items", "numpy"])
+def test_window_size_as_list_or_tensor(backend, form):
+    # flash_attn's tests (and some user code) pass torch.randint(0, seqlen, (2,)): a 2-element int64 tensor
+    q, k, v = _qkv()
+    window = {"list": [3, 2], "tensor": torch.tensor([3, 2]), "tensor_items": tuple(torch.tensor([3, 2])),
+              "numpy": tuple(np.array([3, 2]))}[form]
+    want = flash_attn_func(q, k, v, window_size=(3, 2))
+    assert torch.equal(flash_attn_func(q, k, v, window_size=window), want)
+
+
+@pytest.mark.parametrize(
+    "window, received",
+    [(torch.tensor([1.0, 2.0]), r"float"), (torch.tensor([1, 2, 3]), _shape_re(3)), ((1.5, 2), r"1\.5")],
+    ids=["float_tensor", "three", "float_item"],
+)
+def test_window_size_bad_tensor(backend, window, received):
+    q, k, v = _qkv()
+    _raises(lambda: flash_attn_func(q, k, v, window_size=window), r"window_size", received)
 
 
 def test_softcap_negative(backend):
@@ -296,7 +321,7 @@ def test_every_bad_argument_raises_the_one_error_class():
 
     q, k, v = _qkv()
     for call in (lambda: flash_attn_func(q, k.half() if q.dtype != torch.float16 else k.float(), v),
-                 lambda: flash_attn_func(q, k, v, window_size=(-5, 0)),
+                 lambda: flash_attn_func(q, k, v, window_size=(0.5, 0)),
                  lambda: flash_attn_func(q, k, v, softmax_scale="x")):
         with pytest.raises(FlashAttnError) as info:
             call()

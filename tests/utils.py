@@ -46,7 +46,15 @@ def skip_if_too_slow(backend: str, b: int, h: int, sq: int, sk: int, d: int) -> 
     if is_interpreted(backend) and tiles > INTERPRET_TILE_BUDGET:
         pytest.skip("too slow for the Triton interpreter (covered by test_triton_interpret.py and on GPU)")
 
-__all__ = ["LaunchRecorder", "assert_close_to_ref", "make_qkv", "max_abs_err", "program_pairs"]
+__all__ = ["LaunchRecorder", "assert_close_to_ref", "keep_mask", "make_qkv", "max_abs_err", "program_pairs"]
+
+
+def keep_mask(s_dmask, seqlen_q=None, seqlen_k=None):
+    """The dropout keep mask in flash_attn's S_dmask (batch, nheads, rows, cols): True where the sign bit is
+    clear (a dropped entry is negative, -0.0 included), cut to (seqlen_q, seqlen_k) when given (varlen:
+    pass nothing; sequence b's mask is [b, :, :len_q, :len_k])."""
+    s = s_dmask if seqlen_q is None else s_dmask[:, :, :seqlen_q, :seqlen_k]
+    return ~torch.signbit(s)
 
 
 def max_abs_err(a, b):

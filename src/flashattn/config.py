@@ -15,6 +15,11 @@ index checks (FLASHATTN_CHECK_INDICES=1; set_check_indices, use_check_indices; o
     call check the values of the cache indices against the cache shapes, with one device-to-host copy per
     call. Off, nothing synchronises: the kernels clamp every index, so a bad value gives a wrong result,
     never an access out of bounds (docs/decode.md).
+varlen checks (set_check_varlen, use_check_varlen; off by default, no environment variable)
+    The varlen functions check the values of CUDA cu_seqlens (first 0, non-decreasing, within the packed
+    tensor, no sequence longer than max_seqlen) with one device-to-host copy per call. Off, the kernels clamp
+    every row they derive from cu_seqlens, so a bad value gives wrong rows but never an out-of-bounds access;
+    CPU cu_seqlens are always checked (reading host memory costs no sync).
 
 `TRITON_INTERPRET=1` is Triton's own switch: Triton reads it when the kernels are defined, so it must be set
 before flashattn is imported; flashattn reads it at the same moment (`INTERPRET`).
@@ -34,6 +39,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 backend: str | None = None  # None: chosen per call by the tensors' device
 tile_overrides: dict = {}  # kernel name -> TileConfig (flashattn.backends.triton.configs)
 check_indices: bool = False
+check_varlen: bool = False
 # bumped by every change of a setting that a launcher's cached derivations depend on (the tile overrides): the
 # launchers key their caches on it
 generation: int = 0
@@ -113,6 +119,22 @@ def use_check_indices(on: bool) -> Iterator[None]:
         yield
     finally:
         set_check_indices(old)
+
+
+def set_check_varlen(on: bool) -> None:
+    global check_varlen
+    check_varlen = bool(on)
+
+
+@contextlib.contextmanager
+def use_check_varlen(on: bool) -> Iterator[None]:
+    """set_check_varlen(on) for the duration of a with-block."""
+    old = check_varlen
+    set_check_varlen(on)
+    try:
+        yield
+    finally:
+        set_check_varlen(old)
 
 
 def _from_environment() -> None:

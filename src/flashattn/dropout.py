@@ -13,6 +13,10 @@ counted within their own sequence -- is kept iff
 ``1 / (1 - dropout_p)``.  In the padded layout ``max_seqlen_* = seqlen_*``; in the varlen layout they are the
 ``max_seqlen_*`` the caller passed, so every sequence owns a disjoint block of counters.
 
+``return_attn_probs=True`` hands the mask back inside flash_attn's ``S_dmask``: the probabilities in the form
+its tests decode, a dropped entry with its sign bit set (kernels/triton/probs.py), shaped
+``s_dmask_shape(...)``, its key tiles ``s_dmask_block_n(...)`` wide.
+
 Arithmetic: unsigned 32-bit words live in int64 tensors in ``[0, 2**32)``.  Products of two words would
 overflow int64, so multiplications split one factor into 16-bit halves (every partial product < 2**48).
 """
@@ -30,7 +34,35 @@ __all__ = [
     "dropout_offsets",
     "dropout_keep_chunk",
     "dropout_keep_mask",
+    "s_dmask_block_n",
+    "s_dmask_shape",
 ]
+
+S_DMASK_ROUND = 128  # S_dmask's rows and columns: the (max) lengths rounded up to a multiple of this
+
+
+def s_dmask_shape(batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int, int]:
+    """flash_attn's S_dmask shape: ``(batch, nheads, seqlen_q, seqlen_k)`` with both lengths (the varlen
+    call's max_seqlen_*) rounded up to a multiple of 128."""
+    r = S_DMASK_ROUND
+    return batch, nheads, -(-seqlen_q // r) * r, -(-seqlen_k // r) * r
+
+
+def s_dmask_block_n(head_dim: int, is_dropout: bool, is_causal: bool, sm8x: bool = False) -> int:
+    """The width of S_dmask's key tiles: flash_attn 2.x's ``_get_block_size_n`` (its forward kernels' kBlockN
+    on sm80 / sm90; ``sm8x``: sm86 / sm89, which differ only for 96 < head_dim <= 128 without dropout).
+    With dropout, the only case that returns S_dmask, it depends on the head dim alone."""
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        if sm8x:
+            return 64 if (is_causal and not is_dropout) else 32
+        return 32 if is_dropout else 64
+    return 64
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1

@@ -19,8 +19,8 @@ Beyond flash_attn 2.x, every function takes two keyword arguments current models
 """
 
 from flashattn import _validate
-from flashattn.dropout import dropout_keep_mask
 from flashattn.ops.attention import attention, default_scale
+from flashattn.ops.probs import attention_probs
 
 
 def _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink) -> bool:
@@ -32,39 +32,50 @@ def _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, lear
             and type(window_size[0]) is int and type(window_size[1]) is int)
 
 
-def _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch):
+def check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
+                   batch) -> tuple[int, int]:
+    """Checks the options; returns the window as (left, right) ints, -1 for an unbounded side."""
     if _defaults(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink):
-        return
+        return -1, -1
     _validate.check_scale(softmax_scale)
     _validate.check_dropout(dropout_p)
-    _validate.check_window(window_size)
+    window = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
     h = q.shape[-2]
     _validate.check_per_head("alibi_slopes", alibi_slopes, h, batch, q.device, allow_batch=True)
     _validate.check_per_head("learnable_sink", learnable_sink, h, None, q.device, allow_batch=False)
+    return window
 
 
-def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-         return_attn_probs, learnable_sink, batch, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-         max_seqlen_k=None):
+def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, probs,
+            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """(out, softmax_lse, S_dmask, rng_state) of checked arguments, with autograd: what the public functions
+    and flash_attn_interface's private ones share. probs: compute S_dmask (with dropout; else it is the
+    empty tensor flash_attn returns)."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    out, lse, rng_state = attention(
-        q, k, v, softmax_scale=scale, causal=causal, window_size=tuple(window_size), softcap=float(softcap),
-        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), learnable_sink=learnable_sink,
-        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-    )
-    if not return_attn_probs:
-        return out
-    s_dmask = None
-    if dropout_p > 0:
-        # the kept entries of the dropout mask the kernels drew (b, h, max_seqlen_q, max_seqlen_k)
-        seed, offset = (int(x) for x in rng_state.tolist())
-        s_dmask = dropout_keep_mask(seed, offset, batch, q.shape[-2], max_seqlen_q, max_seqlen_k, dropout_p,
-                                    device=q.device)
-    return out, lse, s_dmask
+    options = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=float(softcap),
+                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    out, lse, rng_state = attention(q, k, v, learnable_sink=learnable_sink, deterministic=deterministic,
+                                    **options)
+    if probs and dropout_p > 0:
+        # flash_attn's S_dmask, from the forward's own (seed, offset): the probabilities and the keep mask
+        # the kernels used
+        s_dmask = attention_probs(q, k, rng_state, **options)
+    else:
+        s_dmask = q.new_empty(0)  # flash_attn returns an empty tensor without dropout
+    return out, lse, s_dmask, rng_state
+
+
+def _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+         return_attn_probs, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+         max_seqlen_k=None):
+    out, lse, s_dmask, _ = forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                                   deterministic, return_attn_probs, learnable_sink, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return (out, lse, s_dmask) if return_attn_probs else out
 
 
 def flash_attn_func(
@@ -86,7 +97,8 @@ def flash_attn_func(
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 (float32 accepted). Any strides with a
-            contiguous last dimension. headdim any value in 1..256.
+            contiguous last dimension. headdim any value in 1..256. batch and seqlen_q may be 0 (empty
+            outputs); seqlen_k may be 0 (every row sees no key).
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device. nheads must be a multiple of nheads_k
             (GQA; nheads_k = 1 is MQA): query head i reads kv head i // (nheads // nheads_k).
         v: (batch, seqlen_k, nheads_k, headdim_v); headdim_v may differ from headdim (1..256).
@@ -95,28 +107,35 @@ def flash_attn_func(
             regenerated in the backward, never stored.
         softmax_scale: float > 0, default 1 / sqrt(headdim). Scale of QK^T before the softmax.
         causal: bool, default False. Bottom-right-aligned causal mask (see the module docstring).
-        window_size: (left, right) ints, default (-1, -1) = unbounded. Sliding window local attention.
+        window_size: (left, right), a tuple, list or 2-element integer tensor of ints, default (-1, -1).
+            Sliding window local attention; a negative side (-1, or anything below) is unbounded.
         softcap: float >= 0, default 0.0 = off. Scores become softcap·tanh(score / softcap) (after scaling,
             before masking).
         alibi_slopes: (nheads,) or (batch, nheads) float32, default None. Adds -slope·|i + seqlen_k -
             seqlen_q - j| to the score of query i and key j (after softcap).
         deterministic: bool, default False. Bitwise-reproducible gradients (the same inputs give the same
             bits on every run). Without it, the fastest backward may sum dQ in a varying order.
-        return_attn_probs: bool, default False. Also return softmax_lse and S_dmask (for testing).
+        return_attn_probs: bool, default False. Also return softmax_lse and S_dmask (for testing; with
+            dropout it costs one more kernel, which writes the O(seqlen_q·seqlen_k) S_dmask).
         learnable_sink: (nheads,) float32, keyword only, default None. See the module docstring.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), q's dtype.
         softmax_lse (if return_attn_probs): (batch, nheads, seqlen_q) float32, natural-log log-sum-exp of each
             row's scores (without dropout; including the sink); +inf for rows that see no key.
-        S_dmask (if return_attn_probs): None without dropout; with dropout the keep mask the kernels drew,
-            bool (batch, nheads, seqlen_q, seqlen_k), so tests can rebuild the dropped probabilities.
+        S_dmask (if return_attn_probs): flash_attn's. Without dropout an empty tensor (shape (0,), q's dtype).
+            With dropout (batch, nheads, seqlen_q rounded up to 128, seqlen_k rounded up to 128) in q's
+            dtype: entry (i, j) is exp(s_ij - m), s the scaled score and m the running max of row i over the
+            key tiles at and after j's (tiles flash_attn_interface._get_block_size_n wide, visited last to
+            first, as flash_attn's tests decode it: normalize_flash_attn_S), negative (sign bit set, also
+            on -0.0) where the dropout dropped the entry; 0 where the query sees no key and past seqlen_q /
+            seqlen_k. ~torch.signbit(S_dmask) is the keep mask the kernels used.
     """
     _validate.check_qkv(q, k, v)
-    batch = q.shape[0]
-    _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch)
-    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, learnable_sink, q.shape[0])
+    window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
+                            q.shape[0])
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                return_attn_probs, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(

@@ -7,7 +7,24 @@ flashattn.interface for the causal alignment and the extra keyword arguments.
 """
 
 from flashattn import _validate, paged
-from flashattn.interface import _check_options, _run
+from flashattn.interface import _run, check_options
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
+    """The varlen layout's checks (flash_attn_varlen_func's docstring says what is checked when); with a
+    block_table the keys are gathered from its pages. Returns (k, v, max_seqlen_q, max_seqlen_k), k and v
+    packed (total_k, nheads_k, headdim[_v])."""
+    _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,))
+    if block_table is None:
+        _validate.check_qkv(q, k, v, varlen=True)
+    # with a block_table the keys' bound is the pages' (check_paged), and the gather sizes k
+    max_seqlen_q, max_seqlen_k = _validate.check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, None if block_table is not None else k)
+    if block_table is not None:
+        paged.check_paged(q, k, v, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_k)
+        k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
+        _validate.check_qkv(q, k, v, varlen=True)
+    return k, v, max_seqlen_q, max_seqlen_k
 
 
 def flash_attn_varlen_func(
@@ -36,10 +53,16 @@ def flash_attn_varlen_func(
         q: (total_q, nheads, headdim), float16 / bfloat16 (float32 accepted), contiguous last dimension.
         k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v). With a block_table: page pools
             (num_pages, page_size, nheads_k, headdim[_v]), any page_size.
-        cu_seqlens_q: (batch + 1,) int32, cumulative query lengths starting at 0, on q's device.
-        cu_seqlens_k: (batch + 1,) int32, cumulative key lengths.
+        cu_seqlens_q: (batch + 1,) int32, contiguous, on q's device: cumulative query lengths, starting at 0,
+            non-decreasing, the last <= total_q (tokens past it are no sequence's; their rows of out are
+            left unspecified). batch may be 0.
+        cu_seqlens_k: (batch + 1,) int32, the same for the keys (last <= total_k).
         max_seqlen_q: int, at least the longest query sequence (sizes the grid and the dropout counters).
         max_seqlen_k: int, at least the longest key sequence.
+            What is checked: the shapes, dtypes and devices always; the values above when cu_seqlens are
+            CPU tensors, and CUDA ones only with flashattn.config.check_varlen on (a device-to-host copy).
+            Unchecked bad values give wrong rows, never an access out of bounds: the kernels clamp every
+            sequence into the packed tensors (docs/compat.md).
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, learnable_sink:
             as flash_attn_func; alibi_slopes may be (batch, nheads).
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask.
@@ -51,20 +74,16 @@ def flash_attn_varlen_func(
         out: (total_q, nheads, headdim_v).
         softmax_lse (if return_attn_probs): (nheads, total_q) float32 natural log, +inf for rows that see no
             key (flash_attn's varlen layout).
-        S_dmask (if return_attn_probs): None without dropout; else bool (batch, nheads, max_seqlen_q,
-            max_seqlen_k), sequence b's mask in [b, :, :len_q, :len_k].
+        S_dmask (if return_attn_probs): as flash_attn_func's, shaped (batch, nheads, max_seqlen_q rounded up
+            to 128, max_seqlen_k rounded up to 128); sequence b's entries in [b, :, :len_q, :len_k].
     """
-    _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)")
-    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
+    k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                    max_seqlen_k, block_table)
     batch = cu_seqlens_q.shape[0] - 1
-    if block_table is not None:
-        paged.check_paged(q, k, v, block_table, batch, max_seqlen_k)
-        k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
-    _validate.check_qkv(q, k, v, varlen=True)
-    _check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink, batch)
-    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, learnable_sink, batch, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                int(max_seqlen_k))
+    window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
+                            batch)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                return_attn_probs, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -157,6 +157,38 @@ def test_prepared_4d_mask_falls_back_to_sdpa(caplog):
     assert any("4-D attention mask" in r.getMessage() for r in caplog.records), caplog.text
 
 
+@pytest.mark.parametrize(
+    "arch, padding, overrides",
+    [("llama", "left", {}), ("llama", "right", {}), ("qwen2", "none", {}),
+     ("mistral", "left", {"sliding_window": 6})],
+    ids=["llama-left", "llama-right", "qwen2", "mistral-window-left"],
+)
+def test_output_attentions_matches_eager(arch, padding, overrides, caplog):
+    # output_attentions=True with a padding mask: the weights are formed (eager) under the integration's own
+    # mask, the 2-D padding mask and the module's causal / window flags; logits and weights as eager's
+    cfg = _config(arch, **overrides)
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    eager.load_state_dict(ours.state_dict())
+    eager.eval()
+    ref = copy.deepcopy(eager).double()
+    ids, mask = _batch(padding)
+    real = mask.bool()
+    fa_hf._warned.clear()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="flashattn.integrations.transformers"):
+        outs = [m(ids, attention_mask=mask, output_attentions=True) for m in (ours, eager, ref)]
+    assert any("output_attentions" in r.getMessage() for r in caplog.records), caplog.text
+    logits = [o.logits[real] for o in outs]
+    assert_close_to_ref(*logits, name=f"{arch} logits")
+    assert len(outs[0].attentions) == cfg.num_hidden_layers
+    for layer, weights in enumerate(zip(*(o.attentions for o in outs), strict=True)):
+        assert weights[0].shape == weights[1].shape
+        # the real query rows (a padded query's row is the implementation's choice)
+        rows = [w.transpose(1, 2)[real] for w in weights]  # (real queries, h, sk)
+        assert_close_to_ref(rows[0], rows[2], rows[1], name=f"{arch} layer {layer} attention weights")
+
+
 def test_sliding_window_matches_sdpa():
     ours, sdpa, ref = _models("mistral", sliding_window=6)
     ids, mask = _batch("none")

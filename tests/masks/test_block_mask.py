@@ -319,6 +319,22 @@ def test_density():
         m.density("tiles")
 
 
+def test_density_is_a_property_that_stays_callable():
+    m = BlockMask.causal(100, block_size=32)
+    assert isinstance(m.density, float) and m.density == pytest.approx(10 / 16)
+    assert m.density() == m.density == m.density("block")
+    assert f"{m.density:.2f}" == "0.62" and m.density < 0.7
+    assert m.density("element") == pytest.approx(m.to_dense().float().mean().item())
+
+
+def test_seqlen_k_defaults_to_seqlen_q():
+    # self-attention constructors take one length, as local_global does
+    one, two = BlockMask.causal(77, block_size=16), BlockMask.causal(77, 77, 16)
+    assert torch.equal(one.to_dense(), two.to_dense())
+    assert torch.equal(BlockMask.full(50).to_dense(), BlockMask.full(50, 50).to_dense())
+    assert BlockMask.causal(40, 90).shape == (1, 1, 40, 90)
+
+
 def test_kernel_tensors_cached_and_moved():
     m = BlockMask.causal(64, 64, block_size=16)
     assert m.to_kernel_tensors() is m.to_kernel_tensors("cpu")

@@ -6,7 +6,7 @@ algorithms in plain PyTorch (exact, O(N·d) memory), for every other CPU tensor.
 backend setting (FLASHATTN_BACKEND) forces one.
 
 Each backend's `entry` module has the same functions with the same signatures (pure functions: tensors in,
-tensors out, no autograd): attention_forward, attention_backward, block_sparse_forward,
+tensors out, no autograd): attention_forward, attention_backward, attention_probs, block_sparse_forward,
 block_sparse_backward, kvcache_forward, merge_partials. A backend is imported on its first call, so
 `import flashattn` loads no kernel.
 """

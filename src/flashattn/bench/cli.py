@@ -166,6 +166,27 @@ def _compare(args) -> int:
     return 0
 
 
+def _device(name: str):
+    """--device as a torch.device that exists here; a ValueError (one line from `run`) otherwise."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; expected cuda, cuda:N or cpu") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            cuda_build = torch.version.cuda
+            build = "a CPU-only build" if cuda_build is None else f"built for CUDA {cuda_build}"
+            raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__} is "
+                             f"{build}); pass --device cpu, or run on a machine with a GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: the benchmarks run on cuda or cpu")
+    return device
+
+
 def _bench(args) -> int:
     import torch
 
@@ -176,7 +197,7 @@ def _bench(args) -> int:
     cuda = torch.cuda.is_available()
     suite = suites.get(args.suite or ("train" if cuda else "cpu"))
     if args.device:
-        device = torch.device(args.device)
+        device = _device(args.device)
     elif suite.device == "cpu" or not cuda:
         device = torch.device("cpu")
     else:

@@ -23,8 +23,9 @@ What maps, per call, from the model's attention module:
     only when the keys are longer than the window (as transformers' own flash path does); s_aux (attention
     sinks, gpt-oss) -> learnable_sink; position_ids with restarts and no padding mask (packed sequences) ->
     one varlen segment per sequence.
-Not expressible with the kernels, so served by transformers' sdpa function (warned once): a prepared 4-D
-mask passed by the caller, ``output_attentions=True``.
+Not expressible with the kernels (warned once): a prepared 4-D mask passed by the caller, served by
+transformers' sdpa function; ``output_attentions=True``, served by `eager_attention`, which forms the weights
+under the same mask (the 2-D padding mask and the module's causal / window flags, or the 4-D mask).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from flashattn.interface import flash_attn_func
 from flashattn.interface_varlen import flash_attn_varlen_func
 from flashattn.kvcache import flash_attn_with_kvcache
 
-__all__ = ["DEFAULT_NAME", "attention_forward", "padding_mask", "register"]
+__all__ = ["DEFAULT_NAME", "attention_forward", "eager_attention", "padding_mask", "register"]
 
 DEFAULT_NAME = "fa_triton"
 
@@ -48,10 +49,10 @@ _log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def _warn_once(reason: str) -> None:
+def _warn_once(reason: str, instead: str = "transformers' sdpa attention") -> None:
     if reason not in _warned:
         _warned.add(reason)
-        _log.warning("flashattn: %s; this call uses transformers' sdpa attention instead", reason)
+        _log.warning("flashattn: %s; this call uses %s instead", reason, instead)
 
 
 def padding_mask(
@@ -117,6 +118,12 @@ def attention_forward(
     `padding_mask`. Returns ``(out (b, sq, h, d), None)``: no attention weights, like transformers' sdpa and
     flash paths.
     """
+    if kwargs.get("output_attentions"):
+        # the weights are asked for: the kernels never form them, so this call computes them (eager)
+        _warn_once("output_attentions=True (the kernels never form the attention weights)", "eager")
+        return eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                               sliding_window=sliding_window, softcap=softcap, is_causal=is_causal,
+                               s_aux=s_aux)
     fallback = _fallback_reason(attention_mask, kwargs)
     if fallback is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -174,9 +181,76 @@ def attention_forward(
 def _fallback_reason(attention_mask, kwargs) -> str | None:
     if attention_mask is not None and attention_mask.dim() != 2:
         return f"a prepared {attention_mask.dim()}-D attention mask (only 2-D padding masks map onto kernels)"
-    if kwargs.get("output_attentions"):
-        return "output_attentions=True (the kernels never form the attention weights)"
     return None
+
+
+def _window(sliding_window: int | None, sk: int, causal: bool) -> tuple[int, int]:
+    """The (left, right) window of a sliding_window w, as transformers' flash path sets it: only when the
+    keys are longer than the window."""
+    if sliding_window is None or sk <= sliding_window:
+        return -1, -1
+    return sliding_window - 1, 0 if causal else sliding_window - 1
+
+
+def _visible(attention_mask: Tensor | None, b: int, sq: int, sk: int, causal: bool,
+             window: tuple[int, int], device) -> Tensor:
+    """bool (b, 1, sq, sk): query i sees key j. A 2-D padding mask (b, sk) hides padded keys and the module's
+    flags add the causal (bottom-right aligned) and window pattern; a prepared 4-D bool mask is used as is."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask.bool().expand(b, 1, sq, sk)
+    i = torch.arange(sq, device=device).view(-1, 1) + (sk - sq)  # the key position aligned with query i
+    j = torch.arange(sk, device=device).view(1, -1)
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        vis &= j <= i + right
+    if left >= 0:
+        vis &= j >= i - left
+    vis = vis.view(1, 1, sq, sk)
+    if attention_mask is not None:
+        vis = vis & attention_mask.bool().view(b, 1, 1, sk)
+    return vis.expand(b, 1, sq, sk)
+
+
+def eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                    softcap=None, is_causal=None, s_aux=None):
+    """Attention that forms its weights, for output_attentions=True, with the mask this integration's path
+    would apply: the 2-D padding mask from `padding_mask` with the module's causal / sliding-window flags, or
+    a prepared 4-D mask (bool, or additive float) as given. Scores in the inputs' dtype, softmax in float32,
+    like transformers' eager attention; attention sinks (s_aux) as one more logit per head.
+
+    query (b, h, sq, d), key / value (b, h_kv, sk, d). Returns (out (b, sq, h, d), weights (b, h, sq, sk));
+    a row that sees no key gets weights 0 and output 0.
+    """
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    b, h, sq, d = query.shape
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
+        # a static cache: the slots past the mask were never written
+        key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
+    sk = key.shape[2]
+    group = h // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    if value.dtype != query.dtype:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (d ** -0.5 if scaling is None else scaling)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.is_floating_point():
+        scores = scores + attention_mask[..., :sk]
+    else:
+        vis = _visible(attention_mask, b, sq, sk, causal, _window(sliding_window, sk, causal), query.device)
+        scores = scores.masked_fill(~vis, float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.to(scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(query.dtype)
+    if s_aux is not None:
+        weights = weights[..., :-1]
+    dropped = torch.nn.functional.dropout(weights, p=float(dropout), training=bool(module.training))
+    out = torch.matmul(dropped, value).transpose(1, 2).contiguous()
+    return out, weights
 
 
 def register(name: str = DEFAULT_NAME) -> str:

@@ -76,6 +76,18 @@ def _regrid(flags: torch.Tensor, axis: int, old: int, new: int, count: int) -> t
     return flags.unflatten(axis, (count, f)).all(axis + 1)
 
 
+class _Density(float):
+    """BlockMask.density: the block density as a float, and callable as density(level) (its former form)."""
+
+    def __new__(cls, value: float, measure: Callable[[str], float]):
+        obj = super().__new__(cls, value)
+        obj._measure = measure
+        return obj
+
+    def __call__(self, level: str = "block") -> float:
+        return float(self) if level == "block" else self._measure(level)
+
+
 class BlockMask:
     """A block-sparse attention mask: per (batch or 1, head or 1), which key blocks each query block visits.
 
@@ -90,7 +102,7 @@ class BlockMask:
 
     Build one with the constructors (causal, sliding_window, local_global, strided, document, tree,
     from_dense, from_mask_mod, from_blocks, from_kv_blocks, from_flex) and combine them with & (both allow)
-    and | (either allows), exactly at element level. to_dense() and density() are for inspection;
+    and | (either allows), exactly at element level. to_dense() and density are for inspection;
     to_kernel_tensors(device) gives the per-block lists the kernels iterate over (see
     BlockMaskKernelTensors for the exact layout).
 
@@ -148,14 +160,19 @@ class BlockMask:
 
     # -- constructors
     @classmethod
-    def full(cls, seqlen_q: int, seqlen_k: int, block_size=(128, 128), device=None) -> BlockMask:
-        """Every query sees every key (dense attention as a block mask)."""
+    def full(cls, seqlen_q: int, seqlen_k: int | None = None, block_size=(128, 128),
+             device=None) -> BlockMask:
+        """Every query sees every key (dense attention as a block mask); seqlen_k defaults to seqlen_q."""
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
         return cls._build(P.band(0, None, None), seqlen_q, seqlen_k, block_size, _device(device),
                           rule=MaskRule(0, -1, -1))
 
     @classmethod
-    def causal(cls, seqlen_q: int, seqlen_k: int, block_size=(128, 128), device=None) -> BlockMask:
-        """Query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned)."""
+    def causal(cls, seqlen_q: int, seqlen_k: int | None = None, block_size=(128, 128),
+               device=None) -> BlockMask:
+        """Query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned); seqlen_k defaults to
+        seqlen_q (self-attention, as local_global's single length)."""
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
         diag = _length("seqlen_k", seqlen_k) - _length("seqlen_q", seqlen_q)
         return cls._build(P.band(diag, None, 0), seqlen_q, seqlen_k, block_size, _device(device),
                           rule=MaskRule(diag, -1, 0))
@@ -261,8 +278,8 @@ class BlockMask:
         """
         par = torch.as_tensor(parents)
         if par.dim() != 1 or par.shape[0] < 1 or par.dtype.is_floating_point or par.dtype == torch.bool:
-            raise FlashAttnError(f"parents must be a 1-D integer sequence of length >= 1, got "
-                                 f"{tuple(par.shape)}")
+            raise FlashAttnError(
+                f"parents must be a 1-D integer sequence of length >= 1, got {tuple(par.shape)}")
         par = par.long()
         t = par.shape[0]
         bad = (par < -1) | (par >= torch.arange(t, device=par.device))
@@ -305,8 +322,8 @@ class BlockMask:
         """From a bool mask (seqlen_q, seqlen_k) or (B, H, seqlen_q, seqlen_k), True = visible; B and H may
         be 1 (broadcast). On the mask's device."""
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise FlashAttnError(f"mask must be a bool tensor, got "
-                                 f"{getattr(mask, 'dtype', type(mask).__name__)}")
+            raise FlashAttnError(
+                f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
         if mask.dim() == 2:
             mask = mask[None, None]
         if mask.dim() != 4:
@@ -327,7 +344,7 @@ class BlockMask:
         bm, bn = _block_size(block_size)
         if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool:
             raise FlashAttnError("blocks must be a bool tensor (n_qblocks, n_kblocks) or (B, H, n_qblocks, "
-                                 "n_kblocks)")
+                            "n_kblocks)")
         if blocks.dim() == 2:
             blocks = blocks[None, None]
         mq, nk = -(-_length("seqlen_q", seqlen_q) // bm), -(-_length("seqlen_k", seqlen_k) // bn)
@@ -463,9 +480,14 @@ class BlockMask:
             tiles[where] = unpack_bits(self._part_bits[slots])
         return dense[..., r0 - m0 * bm: r1 - m0 * bm, : self.seqlen_k].contiguous()
 
-    def density(self, level: str = "block") -> float:
-        """Fraction of (query block, key block) tiles visited (level="block": what the kernels pay for), or
-        of (query, key) pairs visible (level="element"), averaged over the mask's batch and heads."""
+    @property
+    def density(self) -> _Density:
+        """Fraction of (query block, key block) tiles visited (what the kernels pay for), averaged over the
+        mask's batch and heads: a float. Called, density(level="block" | "element") gives that or the
+        fraction of (query, key) pairs visible, so density() keeps working."""
+        return _Density(self._density("block"), self._density)
+
+    def _density(self, level: str = "block") -> float:
         if level == "block":
             return float((self._state != EMPTY).float().mean())
         if level != "element":
@@ -507,6 +529,6 @@ class BlockMask:
     def __repr__(self) -> str:
         counts = self.num_blocks()
         return (f"BlockMask(shape={self.shape}, block_size={self.block_size}, "
-                f"block density={self.density():.3f}, tiles: {counts['full']} full, {counts['partial']} "
+                f"block density={self.density:.3f}, tiles: {counts['full']} full, {counts['partial']} "
                 f"partial, {counts['empty']} empty, device={self.device})")
 

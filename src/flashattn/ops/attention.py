@@ -19,6 +19,22 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def _empty(q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """No query row sees a key: an empty batch, no queries or no keys (the kernels' grids would be empty)."""
+    return q.numel() == 0 or k.shape[-3] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0
+
+
+def _no_keys(q: Tensor, v: Tensor, varlen: bool, learnable_sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of rows that see no key: out 0, lse +inf (the sink's logit with a sink)."""
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    h = q.shape[-2]
+    lse_shape = (h, q.shape[0]) if varlen else (q.shape[0], h, q.shape[1])
+    if learnable_sink is None:
+        return out, q.new_full(lse_shape, math.inf, dtype=torch.float32)
+    sink = learnable_sink.float().view(h, 1) if varlen else learnable_sink.float().view(1, h, 1)
+    return out, sink.expand(lse_shape).contiguous()
+
+
 def _fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
@@ -31,6 +47,8 @@ def _fwd_impl(
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         rng_state = draw_rng_state(q.device, batch * q.shape[-2] * max_seqlen_q * max_seqlen_k)
     seed, offset = unpack(rng_state, dropout_p)
+    if _empty(q, k, max_seqlen_q, max_seqlen_k):
+        return (*_no_keys(q, v, cu_seqlens_q is not None, learnable_sink), rng_state)
     out, lse = entry(q).attention_forward(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_seed=seed, rng_offset=offset,
@@ -58,6 +76,11 @@ def _bwd_impl(
     alibi_slopes: Tensor | None, dropout_p: float, learnable_sink: Tensor | None, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     seed, offset = unpack(rng_state, dropout_p)
+    if _empty(q, k, max_seqlen_q, max_seqlen_k):
+        # no row sees a key: every gradient is 0 (the sink's too: its rows' outputs are 0, so D = 0)
+        n_sink = learnable_sink.shape[0] if learnable_sink is not None else 0
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                q.new_zeros(n_sink, dtype=torch.float32))
     dq, dk, dv, dsink = entry(q).attention_backward(
         dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from utils import assert_close_to_ref
+from utils import assert_close_to_ref, keep_mask
 
 import flashattn
 from flashattn import config as flashattn_config
@@ -39,7 +39,9 @@ def _inputs(b, sq, sk, h, hk, d, dv=None):
 def _check(q, k, v, sink=None, dropout_mask=None, **kw):
     """Forward, LSE and every gradient (sink included) against the oracle; returns our outputs."""
     out, lse, s_dmask = flashattn.flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sink, **kw)
-    ref_kw = dict(kw, learnable_sink=sink, dropout_mask=s_dmask if dropout_mask is None else dropout_mask)
+    if dropout_mask is None and kw.get("dropout_p", 0) > 0:
+        dropout_mask = keep_mask(s_dmask, q.shape[1], k.shape[1])
+    ref_kw = dict(kw, learnable_sink=sink, dropout_mask=dropout_mask)
     ref_kw.pop("deterministic", None)
     ref, lse_ref = attention_ref(q, k, v, **ref_kw)
     pt, lse_pt = attention_ref(q, k, v, upcast=False, **ref_kw)
@@ -125,7 +127,8 @@ def test_dropout_is_reproducible_and_seeded():
 def test_dropout_kept_fraction():
     p = 0.25
     q, k, v = _inputs(2, 64, 64, 2, 2, 16)
-    _, _, mask = flashattn.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    _, _, s_dmask = flashattn.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    mask = keep_mask(s_dmask, 64, 64)
     n = mask.numel()
     kept = mask.float().mean().item()
     # binomial: 6 standard deviations

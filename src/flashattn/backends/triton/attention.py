@@ -67,6 +67,11 @@ class _Problem:
             return 0, t.stride(0), t.stride(1)
         return t.stride(0), t.stride(1), t.stride(2)
 
+    def bounds(self, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+        """The kernels' seqlen_q / seqlen_k arguments: the padded lengths, or the rows of the packed q and k
+        (varlen), into which the kernels clamp each sequence cu_seqlens describes."""
+        return (q.shape[0], k.shape[0]) if self.varlen else (self.seqlen_q, self.seqlen_k)
+
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
 
@@ -198,7 +203,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
         learnable_sink if learnable_sink is not None else q, *descs,
         *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
-        pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q, pb.seqlen_k, *pb.scalars, n_bh, route.lpt_group,
+        pb.nheads, *pb.bounds(q, k), pb.seqlen_q, pb.seqlen_k, *pb.scalars, n_bh, route.lpt_group,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, USE_TMA=route.tma,
         **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
@@ -265,7 +270,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         dict(HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
              GLUON=on_gluon),
     )
-    pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.seqlen_q,
+    pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)
     preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, *pre_args))
     if on_gluon:
@@ -292,8 +297,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             q, k, v, dout, lse, delta, dq, dk, dv, cu_q, cu_k, alibi, learnable_sink if has_sink else q,
             dsink_rows, *descs,
             *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout), *pb.rows(dq), *pb.rows(dk), *pb.rows(dv),
-            *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.seqlen_q,
-            pb.seqlen_k, *pb.scalars, softmax_scale, pb.batch, route.kv_group, route.q_group,
+            *lse_strides, stride_alibi, pb.nheads, pb.nheads_k, *pb.bounds(q, k), pb.seqlen_q, pb.seqlen_k,
+            *pb.scalars, softmax_scale, pb.batch, route.kv_group, route.q_group,
             DKDV_BLOCK_M=kv_cfg.block_m, DKDV_BLOCK_N=kv_cfg.block_n, DQ_BLOCK_M=q_cfg.block_m,
             DQ_BLOCK_N=q_cfg.block_n, ROLE_DKDV=role_dkdv, HAS_SINK=has_sink, USE_TMA=use_tma,
             **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,

@@ -8,6 +8,7 @@ from flashattn.backends.triton.decode import kvcache_forward
 from flashattn.backends.triton.decode import plan_route as kvcache_plan
 from flashattn.backends.triton.decode import prepare as kvcache_prepare
 from flashattn.backends.triton.merge import merge_partials
+from flashattn.backends.triton.probs import attention_probs
 
-__all__ = ["attention_backward", "attention_forward", "block_sparse_backward", "block_sparse_forward",
-           "kvcache_forward", "kvcache_plan", "kvcache_prepare", "merge_partials"]
+__all__ = ["attention_backward", "attention_forward", "attention_probs", "block_sparse_backward",
+           "block_sparse_forward", "kvcache_forward", "kvcache_plan", "kvcache_prepare", "merge_partials"]

@@ -51,10 +51,13 @@ def store_tile(base, tile, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.c
 
 @triton.jit
 def seq_bounds(cu_seqlens, off_b, seqlen, IS_VARLEN: tl.constexpr):
-    """(start row in the packed tensor, length) of sequence off_b."""
+    """(start row in the packed tensor, length) of sequence off_b. seqlen: the padded length, or (varlen) the
+    rows of the packed tensor: cu_seqlens' values are not trusted (checking them would cost a device sync),
+    so the sequence is clamped into [0, seqlen) and every row derived from it stays inside the tensor."""
     if IS_VARLEN:
-        start = tl.load(cu_seqlens + off_b)
-        seqlen = tl.load(cu_seqlens + off_b + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(cu_seqlens + off_b), 0), seqlen)
+        end = tl.minimum(tl.maximum(tl.load(cu_seqlens + off_b + 1), start), seqlen)
+        seqlen = end - start
     else:
         start = tl.zeros([], dtype=tl.int32)
     return start, seqlen

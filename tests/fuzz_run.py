@@ -1,0 +1,73 @@
+"""Draws and runs the fuzz calls (tests/fuzz_cases.py: valid ones with their oracle; tests/fuzz_defects.py:
+invalid ones). tests/test_fuzz.py runs them on the CPU; `python tests/fuzz_run.py --device cuda -n 150` is the
+GPU sample its GPU test runs under compute-sanitizer memcheck (with the launchers' unchecked cu_seqlens).
+
+`draw_call(r, env)` turns a random.Random into a `Call`; `run_call` runs it: a valid call must pass its
+check, an invalid one must raise FlashAttnError, nothing may crash.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from fuzz_cases import VALID, Call, Draw, Env
+from fuzz_defects import BAD_CU_SEQLENS, INVALID, launch_with_bad_cu_seqlens
+
+from flashattn.errors import FlashAttnError
+
+
+def draw_call(r: random.Random, env: Env, invalid_share: float = 0.35) -> Call:
+    d = Draw(r)
+    makers = INVALID if d.chance(invalid_share) else VALID
+    return d.pick(makers)(d, env)
+
+
+def run_call(call: Call) -> None:
+    """Runs one call: a valid one passes its oracle check, an invalid one raises FlashAttnError."""
+    try:
+        result = call.run()
+    except FlashAttnError as e:
+        if call.invalid is None:
+            raise AssertionError(f"{call.name}: a valid call was rejected: {e}") from e
+        msg = str(e)
+        assert msg and len(msg) > 20, f"{call.name} ({call.invalid}): an unhelpful message {msg!r}"
+        return
+    if call.invalid is not None:
+        raise AssertionError(f"{call.name}: accepted an invalid call ({call.invalid})")
+    try:
+        call.check(result)
+    except AssertionError as e:
+        raise AssertionError(f"{call.name}: {e}") from e
+
+
+def main(argv=None) -> None:
+    """The GPU sample: `python tests/fuzz_run.py --device cuda -n 150 [--seed 0]` (under compute-sanitizer
+    by test_fuzz.py), and the same calls with the kernels' own clamps (launchers given bad cu_seqlens)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("-n", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    on_cuda = args.device.startswith("cuda")
+    dtypes = (torch.float16, torch.bfloat16, torch.float32) if on_cuda else (torch.float32,)
+    env = Env(args.device, dtypes, max_len=70, max_batch_heads=8, grad_chance=0.5, backward_16bit=True)
+    r = random.Random(args.seed)
+    for i in range(args.n):
+        call = draw_call(r, env)
+        run_call(call)
+        if on_cuda:
+            torch.cuda.synchronize()
+        if i % 50 == 0:
+            print(f"fuzz call {i}: {call.name} {call.invalid or 'valid'}", flush=True)
+    for cu in BAD_CU_SEQLENS:
+        launch_with_bad_cu_seqlens(cu, args.device, dtypes[0])
+    if on_cuda:
+        torch.cuda.synchronize()
+    print(f"fuzz sample done: {args.n} calls, {len(BAD_CU_SEQLENS)} unchecked cu_seqlens", flush=True)
+
+
+if __name__ == "__main__":
+    main()
