@@ -13,6 +13,11 @@
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
 #   sparse        the sparse suite at 16K beside flex
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
+#   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
+#                 process, beside SDPA-cuDNN (scripts/host_ab.py)
+#   decode-host   decode host time per call beside SDPA (scripts/decode_host_time.py)
+#   upstream      flash_attn's own tests/test_flash_attn.py (carried in .upstream/) through flashattn.compat:
+#                 the representative subset, its quotas scaled by UPSTREAM_SCALE
 #   baseline-train, baseline-decode, baseline-host
 #                 the train table, the decode suite, the host time of the tree carried in .baseline/
 #                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call
@@ -48,7 +53,7 @@ for stage in "$@"; do
         | tee "$RES/pytest_gpu.log" | tail -25 ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
-      for case in dense decode sparse ws_bwd; do
+      for case in dense decode decode_bad sparse ws_bwd; do
         timeout 120 compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/memcheck.log"
       done
@@ -68,6 +73,15 @@ for stage in "$@"; do
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd ;;
     host-time)
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
+    host-ab)
+      PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src timeout 200 python3 scripts/host_ab.py "$RES/host_ab.json" \
+        flashattn_base 2>&1 | tail -12 ;;
+    decode-host)
+      timeout 120 python3 scripts/decode_host_time.py "$RES/decode_host_time.json" 2>&1 | tail -12 ;;
+    upstream)
+      UPSTREAM_SCALE=${UPSTREAM_SCALE:-1} timeout "${UPSTREAM_S:-540}" bash scripts/upstream_flash_attn_tests.sh \
+        .upstream/test_flash_attn.py subset 2>&1 | tail -45
+      cp .upstream/run/pytest.log "$RES/upstream_pytest.log" 2>/dev/null ;;
     baseline-train|baseline-decode|baseline-host)
       # the same measurement of the baseline tree, then of this one: one process each, in this call
       what=${stage#baseline-}

@@ -3,7 +3,7 @@
 
 It makes `import flash_attn` resolve to flashattn (flashattn.compat.install) before the test module is
 imported, and with UPSTREAM_SUBSET=1 keeps a representative subset: of each test function's parametrizations,
-the QUOTA[name] whose node ids hash lowest (CRC-32: the same subset on every run, spread uniformly over every
+the QUOTA[name] (times UPSTREAM_SCALE, default 1) whose node ids hash lowest (CRC-32: the same subset on every run, spread uniformly over every
 parameter: dtypes, head dims, lengths, causal / window / ALiBi / dropout / softcap, GQA, packing); functions
 without a quota run whole. The quotas size the subset at about 10 minutes on an H200.
 """
@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         by_function.setdefault(item.originalname, []).append(item)
     keep = set()
+    scale = float(os.environ.get("UPSTREAM_SCALE", "1"))  # a smaller subset: every quota scaled alike
     for name, group in by_function.items():
-        quota = QUOTA.get(name, len(group))
+        quota = max(1, round(QUOTA[name] * scale)) if name in QUOTA else len(group)
         ranked = sorted(group, key=lambda it: zlib.crc32(it.nodeid.encode()))
         keep.update(id(it) for it in ranked[:quota])
     dropped = [it for it in items if id(it) not in keep]
