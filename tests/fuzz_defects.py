@@ -97,12 +97,16 @@ def _other_defect(d: Draw, env) -> Call:
     cos = torch.ones(8, 4, device=env.device)
     kv = flashattn.flash_attn_with_kvcache
     defects = {
-        "kvcache seqlens past the cache": lambda: kv(q, kc, vc, cache_seqlens=torch.tensor([3, 17], **i32)),
-        "kvcache seqlens negative": lambda: kv(q, kc, vc, cache_seqlens=torch.tensor([-1, 2], **i32)),
+        # device values are checked on request (check_inputs); unchecked, the kernels clamp them
+        "kvcache seqlens past the cache": lambda: kv(q, kc, vc, cache_seqlens=torch.tensor([3, 17], **i32),
+                                                     check_inputs=True),
+        "kvcache seqlens negative": lambda: kv(q, kc, vc, cache_seqlens=torch.tensor([-1, 2], **i32),
+                                               check_inputs=True),
         "kvcache append past the cache": lambda: kv(q, kc, vc, k[:, :1], v[:, :1], cache_seqlens=16),
         "kvcache k without v": lambda: kv(q, kc, vc, k[:, :1], None, cache_seqlens=3),
         "kvcache dtype": lambda: kv(q, kc.double(), vc.double()),
-        "kvcache batch_idx": lambda: kv(q, kc, vc, cache_batch_idx=torch.tensor([0, 2], **i32)),
+        "kvcache batch_idx": lambda: kv(q, kc, vc, cache_batch_idx=torch.tensor([0, 2], **i32),
+                                        check_inputs=True),
         "sparse lengths": lambda: flashattn.block_sparse_attn_func(
             q, k, v, flashattn.BlockMask.causal(5, 11, block_size=16, device=env.device)),
         "sparse not a mask": lambda: flashattn.block_sparse_attn_func(q, k, v, None),
