@@ -139,7 +139,7 @@ def test_ws_backward_hand_count_causal():
 def test_ws_backward_follows_the_launcher():
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 128, causal=True)) == (64, 128)
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 96)) is None  # d = 64 and 128 only
-    assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, window=(128, 0))) is None  # no window but causal
+    assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, window=(128, 0))) == (64, 128)  # a band: 64-row steps
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, density=0.5)) is None  # block-sparse: its own kernel
     # the 128K-token memory case: its 1 GiB float32 dQ buffer passes the cap, so the Triton backward runs
     big = AttnShape(1, 16, 131072, 128, causal=True)

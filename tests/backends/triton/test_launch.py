@@ -161,11 +161,13 @@ def test_an_installed_hook_takes_the_jit(fake_cuda):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
 @pytest.mark.parametrize("sq", [1, 17, 113])
-def test_preprocess_fills_the_gluon_backward_inputs(sq):
+def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
     """GLUON: the backward's preprocess zeroes the Gluon backward's float32 dQ buffer, every row and column of
     it (the tail tile included), and writes D = rowsum(dO * O) and the LSE in base 2 into the stats planes,
-    whose padding rows (up to a multiple of 4) get zeros."""
+    whose padding rows (up to a multiple of 4) get zeros; with a sink, each row's share of its gradient,
+    -exp(sink - lse) · D."""
     from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 
     b, h, d = 2, 3, 40
@@ -174,14 +176,19 @@ def test_preprocess_fills_the_gluon_backward_inputs(sq):
     lse = torch.randn(b, h, sq)
     stats = torch.full((2, b * h, rows), float("nan"))
     dq_acc = torch.full((b, sq, h, d), float("nan"))
+    sink_args = (torch.randn(h), torch.full_like(lse, float("nan"))) if sink else (None, None)
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
-        o, do, stats[1], o, dq_acc, lse, stats[0], *o.stride()[:3], *do.stride()[:3], lse.stride(0),
-        lse.stride(1), h * rows, rows, h, sq, rows,
+        o, do, stats[1], o, dq_acc, lse, stats[0], *sink_args, *o.stride()[:3], *do.stride()[:3],
+        lse.stride(0), lse.stride(1), h * rows, rows, h, sq, rows,
         HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True,
     )
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).reshape(b * h, sq)
     torch.testing.assert_close(stats[1, :, :sq], delta, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[0, :, :sq], lse.reshape(b * h, sq) / math.log(2), rtol=1e-6, atol=0)
+    if sink:
+        sink_t, dsink_rows = sink_args
+        expected = -torch.exp(sink_t[None, :, None] - lse) * delta.reshape(b, h, sq)
+        torch.testing.assert_close(dsink_rows, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(stats[:, :, sq:], torch.zeros(2, b * h, rows - sq))

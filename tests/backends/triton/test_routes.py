@@ -1,7 +1,8 @@
 """Routing (flashattn.backends.triton.routes): which kernel a call runs is a pure function of its spec.
 
-Pure host logic, tested on the CPU: the Gluon kernels take the plain calls and nothing else, every feature
-routes to the Triton kernels, the process environment changes nothing, the tile table's short and causal
+Pure host logic, tested on the CPU: the Gluon kernels take the 16-bit padded-layout calls at d = 64 and 128
+with or without a window, softcap, ALiBi or sink, dropout and the rest route to the Triton kernels, the
+process environment changes nothing, the tile table's short and causal
 rows apply where they say, expert overrides replace rows, and the IO model and the launchers follow the same
 routes. The kernels on every route are compiled for sm_90 by test_sm90_compile.py and run on the GPU by
 `pytest -m gpu`.
@@ -40,22 +41,65 @@ CAUSAL = (-1, 0)
     dict(headdim=64, headdim_v=64, window=CAUSAL),
     dict(seqlen_q=1, seqlen_k=1, dtype="float16"), dict(seqlen_q=100, seqlen_k=1100, window=CAUSAL),
     dict(seqlen_q=16384, seqlen_k=16384), dict(nheads_k=4), dict(nheads_k=1),
+    # the options that are compile-time variants of the Gluon kernels, alone and together
+    dict(window=(64, 0)), dict(window=(-1, 8)), dict(window=(100, 100)), dict(window=(0, 0)),
+    dict(window=(64, -1)), dict(window=(4095, 0), seqlen_q=1000),
+    dict(window=(1023, 0), headdim=64, headdim_v=64),
+    dict(softcap=True), dict(alibi=True), dict(sink=True), dict(softcap=True, headdim=64, headdim_v=64),
+    dict(window=(255, 0), softcap=True, alibi=True, sink=True), dict(window=CAUSAL, alibi=True, nheads_k=1),
 ], ids=str)
-def test_plain_calls_take_the_gluon_kernels(kw):
+def test_calls_the_gluon_kernels_take(kw):
     spec = _spec(**kw)
     assert isinstance(routes.forward_route(spec), routes.GluonForward)
     assert isinstance(routes.backward_route(spec), routes.GluonBackward)
 
 
 @pytest.mark.parametrize("kw", [
-    dict(headdim=96, headdim_v=96), dict(headdim=256, headdim_v=256), dict(headdim_v=64),
-    dict(window=(64, 0)), dict(window=(-1, 8)), dict(window=(100, 100)), dict(softcap=True), dict(alibi=True),
-    dict(dropout=True), dict(sink=True), dict(dtype="float32"), dict(varlen=True), dict(aligned=False),
-    dict(capability=(8, 0)), dict(cuda=False),
+    dict(headdim=96, headdim_v=96), dict(headdim=192, headdim_v=192), dict(headdim=64, headdim_v=128),
+    dict(headdim_v=96), dict(headdim=32, headdim_v=32),
+    dict(dropout=True), dict(dropout=True, window=(64, 0)), dict(dtype="float32"),
+    dict(dtype="float32", softcap=True), dict(varlen=True, dropout=True),
+    dict(varlen=True, headdim=96, headdim_v=96), dict(varlen=True, seqlen_k=0), dict(varlen=True, seqlen_q=0),
+    dict(aligned=False), dict(aligned=False, sink=True), dict(capability=(8, 0)), dict(cuda=False),
 ], ids=str)
-def test_every_feature_routes_to_the_triton_kernels(kw):
+def test_every_other_call_routes_to_the_triton_kernels(kw):
     spec = _spec(**kw)
     assert isinstance(routes.forward_route(spec), routes.TritonForward)
+    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(window=CAUSAL), dict(window=(255, 0), softcap=True, alibi=True, sink=True),
+    dict(headdim=64, headdim_v=64),
+], ids=str)
+def test_varlen_takes_the_gluon_forward_and_the_triton_backward(kw):
+    # the Gluon forward masks a tile's rows past its sequence; the Gluon backward has no varlen variant
+    spec = _spec(varlen=True, **kw)
+    assert isinstance(routes.forward_route(spec), routes.GluonForward)
+    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+    assert not spec.tma  # nor do the Triton kernels' descriptors, which would read the next sequence
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL), dict(window=(1023, 0), softcap=True, sink=True),
+                                dict(varlen=True, alibi=True)], ids=str)
+def test_d256_takes_the_gluon_forward_and_the_triton_backward(kw):
+    # 32-key steps (two Q tiles of 128 x 256 leave 64 KiB for the K/V ring), hence no half-diagonal step
+    spec = _spec(headdim=256, headdim_v=256, **kw)
+    route = routes.forward_route(spec)
+    assert isinstance(route, routes.GluonForward)
+    assert (route.tiles.block_m, route.tiles.block_n, route.tiles.num_stages) == (128, 32, 2)
+    assert not route.half_diag and route.trees == 3
+    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+
+
+@pytest.mark.parametrize("d, dv, block_n", [(192, 128, 32), (128, 64, 128), (256, 128, 32), (96, 64, 128),
+                                             (40, 64, 128)])
+def test_dv_below_d_takes_the_gluon_forward_and_the_triton_backward(d, dv, block_n):
+    # Q and K padded to the tile width, V and O (a power of two, no wider) staged in Q's buffer; the tiles are
+    # the padded d's
+    spec = _spec(headdim=d, headdim_v=dv, window=CAUSAL)
+    route = routes.forward_route(spec)
+    assert isinstance(route, routes.GluonForward) and route.tiles.block_n == block_n
     assert isinstance(routes.backward_route(spec), routes.TritonBackward)
 
 
@@ -101,6 +145,35 @@ def test_gluon_forward_options_follow_the_mask_and_the_consumers():
     assert two.tiles.block_m == 2 * routes.HALF_M and two.trees == 3 and two.maxnreg == routes.MAXNREG_TWO
 
 
+@pytest.mark.parametrize("window, half", [
+    ((-1, -1), False), (CAUSAL, True), ((64, 0), True), ((-1, 8), True), ((100, 100), True),
+    ((64, -1), False),
+])
+def test_the_half_diagonal_step_follows_a_right_edge(window, half):
+    # a warpgroup's last key tile may be half outside the band wherever the band has a right edge
+    assert routes.forward_route(_spec(window=window)).half_diag is half
+
+
+@pytest.mark.parametrize("window, consumers", [
+    ((1023, 0), 2), ((1023, 1024), 2), ((4095, 4096), 3), ((-1, 8), 3), ((64, -1), 3), (CAUSAL, 3),
+    ((-1, -1), 3),
+])
+def test_the_d64_forward_tiles_a_band_as_causal_at_its_width(window, consumers):
+    # 16K tokens: the causal rows take two consumer warpgroups up to a 4K band width, three past it
+    spec = _spec(headdim=64, headdim_v=64, seqlen_q=16384, seqlen_k=16384, window=window)
+    assert routes.forward_route(spec).tiles.block_m == consumers * routes.HALF_M
+
+
+@pytest.mark.parametrize("kw", [dict(window=CAUSAL), dict(window=(1023, 0)), dict(window=(64, -1)),
+                                dict(softcap=True), dict(alibi=True)], ids=str)
+def test_the_d64_backward_takes_64_row_steps_under_a_mask_softcap_or_alibi(kw):
+    # 128-row steps spilled 0.4-1.1 KB with a softcap or ALiBi; a sink alone holds nothing more per step
+    route = routes.backward_route(_spec(headdim=64, headdim_v=64, seqlen_q=8192, seqlen_k=8192, **kw))
+    assert route.tiles.block_m == 64 and route.defer_dq
+    plain = routes.backward_route(_spec(headdim=64, headdim_v=64, seqlen_q=8192, seqlen_k=8192, sink=True))
+    assert plain.tiles.block_m == 128 and not plain.defer_dq
+
+
 def test_gluon_backward_defers_dq_on_64_row_steps_at_d64():
     for window in ((-1, -1), CAUSAL):
         route = routes.backward_route(_spec(headdim=64, headdim_v=64, window=window))
@@ -117,8 +190,8 @@ def test_launch_order_groups_heads_only_under_a_band():
 
 
 @pytest.mark.parametrize("kw, tma", [
-    (dict(window=(64, 0)), True),  # d = 128, 3 stages, 16-bit, aligned, sm90: descriptors
-    (dict(window=(64, 0), headdim=64, headdim_v=64), False),  # measured faster on pointers
+    (dict(dropout=True), True),  # d = 128, 3 stages, 16-bit, aligned, sm90: descriptors
+    (dict(dropout=True, headdim=64, headdim_v=64), False),  # measured faster on pointers
     (dict(window=(64, 0), headdim=256, headdim_v=256), False),  # 2-stage tiles: ptxas crashes on them
     (dict(window=(64, 0), aligned=False), False),
     (dict(window=(64, 0), varlen=True), False),  # a tile would read the next sequence, not zeros
@@ -126,14 +199,14 @@ def test_launch_order_groups_heads_only_under_a_band():
     (dict(window=(64, 0), capability=(8, 0)), False),
 ])
 def test_triton_forward_takes_descriptors_where_they_pay(kw, tma):
-    route = routes.forward_route(_spec(**kw))
-    assert isinstance(route, routes.TritonForward) and route.tma is tma
+    route = routes.triton_forward_route(_spec(**kw))
+    assert route.tma is tma
 
 
 def test_a_route_is_a_printable_value():
     route = routes.forward_route(_spec())
     assert route.kernel == "gluon" and "GluonForward(tiles=TileConfig(" in repr(route)
-    assert routes.forward_route(_spec(softcap=True)).kernel == "triton"
+    assert routes.forward_route(_spec(dropout=True)).kernel == "triton"
     assert hash(route) == hash(routes.forward_route(_spec()))
 
 
@@ -184,18 +257,22 @@ def test_malformed_overrides_are_refused(text):
         config.parse_tiles(text)
 
 
-@pytest.mark.parametrize("spec", ["128,64,4,4", "192,64,4,3", "64,128,4,3", "256,128,4,3", "128,128,4,1"])
-def test_the_gluon_forward_refuses_tiles_it_cannot_run(monkeypatch, spec):
-    # its half-diagonal step assumes 128-key tiles: an override the kernel cannot run fails loudly
+@pytest.mark.parametrize("spec, d", [("128,16,4,4", 64), ("192,256,4,3", 64), ("64,128,4,3", 64),
+                                     ("256,128,4,3", 64), ("128,128,4,1", 64), ("192,32,4,2", 256)])
+def test_the_gluon_forward_refuses_tiles_it_cannot_run(monkeypatch, spec, d):
+    # an override the kernel cannot run fails loudly (three consumers' Q tiles at d = 256 overflow the
+    # shared memory)
     use_tiles(monkeypatch, f"fwd_ws={spec}")
-    with pytest.raises(ValueError, match=f"fwd_ws={spec} is not a config of the Gluon forward"):
-        routes.forward_route(_spec(headdim=64, headdim_v=64))
+    with pytest.raises(ValueError, match=f"fwd_ws={spec} is not a config of the Gluon forward at d = {d}"):
+        routes.forward_route(_spec(headdim=d, headdim_v=d))
 
 
-@pytest.mark.parametrize("spec", ["128,128,4,3", "192,128,4,3", "128,128,4,2"])
+@pytest.mark.parametrize("spec", ["128,128,4,3", "192,128,4,3", "128,128,4,2", "128,64,4,3", "192,32,4,2"])
 def test_the_gluon_forward_takes_tiles_it_can_run(monkeypatch, spec):
     use_tiles(monkeypatch, f"fwd_ws={spec}")
-    assert routes.forward_route(_spec()).tiles == TileConfig.parse(spec)
+    route = routes.forward_route(_spec(window=CAUSAL))
+    assert route.tiles == TileConfig.parse(spec)
+    assert route.half_diag is (route.tiles.block_n == 128)  # the half step splits a 128-key tile
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")

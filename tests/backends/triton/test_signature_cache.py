@@ -169,9 +169,9 @@ def _hits(call) -> bool:
     ran, prepared = [], []
 
     def spy(log, real):
-        def wrapper(*args):
+        def wrapper(*args, **kwargs):
             log.append(real)
-            return real(*args)
+            return real(*args, **kwargs)
 
         return wrapper
 
@@ -201,6 +201,10 @@ def _variants():
         ("scale", {}, _qkv, dict(softmax_scale=0.25)),
         ("tile override", "fwd_ws=128,128,4,3", _qkv, {}),
         ("window", None, _qkv, dict(window_size=(64, 0))),
+        ("softcap", None, _qkv, dict(softcap=5.0)),
+        ("alibi", None, _qkv, dict(alibi_slopes=torch.rand(2))),
+        ("batched alibi", None, _qkv, dict(alibi_slopes=torch.rand(1, 2))),
+        ("sink", None, _qkv, dict(learnable_sink=torch.rand(2))),
     ]
 
 
@@ -263,7 +267,7 @@ def test_an_explicit_route_bypasses_the_cache_and_runs_as_given(h200):
     names = fwd_ws_kernels.attn_fwd_ws_kernel.arg_names
     assert name == "attn_fwd_ws_kernel" and params[names.index("HALF_DIAG")] is False
     assert grid[0] == 8 * -(-8192 // route.tiles.block_m) > 132  # one program per tile, not per SM
-    triton = routes.forward_route(dataclasses.replace(spec, softcap=True))
+    triton = routes.forward_route(dataclasses.replace(spec, dropout=True))
     h200.clear()
     _fwd(q, k, v, route=triton)
     assert [c[0] for c in _launches(h200, {})] == ["attn_fwd_kernel"]
@@ -310,3 +314,27 @@ def test_the_caches_stay_bounded_and_hold_no_tensor(h200, monkeypatch):
         assert not isinstance(obj, torch.Tensor), "a cache holds a tensor"
         stack.extend(gc.get_referents(obj))
     assert len(seen) > 50  # it did walk the entries
+
+
+def test_a_hit_launches_the_calls_own_slopes_and_sink(h200):
+    # ALiBi's slopes and a sink are per-call tensors: a hit keyed on their presence and layout launches the
+    # ones it is given, forward and backward, and the backward returns the sink's gradient
+    q, k, v = _qkv()
+    dout = torch.randn_like(q)
+    for _ in range(2):
+        options = dict(alibi_slopes=torch.rand(1, 2), learnable_sink=torch.rand(2))
+        names = {options["alibi_slopes"].data_ptr(): "slopes", options["learnable_sink"].data_ptr(): "sink"}
+        h200.clear()
+        out, lse = _fwd(q, k, v, **options)
+        *_, dsink = _bwd(q, k, v, out, lse, dout, **options)
+        assert dsink.shape == (2,) and dsink.dtype == torch.float32
+    assert [kind for kind, *_ in h200] == ["run"] * 3  # the second round: all hits
+    launched = {name: params for name, _, params in _launches(h200, names)}
+    fwd_names = fwd_ws_kernels.attn_fwd_ws_kernel.arg_names
+    fwd = launched["attn_fwd_ws_kernel"]
+    assert fwd[fwd_names.index("ALIBI")][0] == "slopes" and fwd[fwd_names.index("SINK")][0] == "sink"
+    assert fwd[fwd_names.index("stride_alibi_b")] == 2
+    bwd = launched["attn_bwd_ws_kernel"]
+    assert bwd[bwd_ws_kernels.attn_bwd_ws_kernel.arg_names.index("ALIBI")][0] == "slopes"
+    pre = launched["attn_bwd_preprocess_kernel"]
+    assert pre[attention.attn_bwd_preprocess_kernel.arg_names.index("SINK")][0] == "sink"

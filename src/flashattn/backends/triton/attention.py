@@ -138,19 +138,24 @@ def _alibi_args(alibi_slopes, dummy):
     return alibi_slopes, (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
 
 
-def _cacheable(q, streamed: tuple, alibi_slopes, learnable_sink, cu_seqlens_q, softmax_scale,
-               window_size) -> bool:
-    """Whether a call's derivations are cached: it may take a Gluon kernel (no tensor option, a head dim it
+def _cacheable(q, streamed: tuple, cu_seqlens_q, softmax_scale, window_size) -> bool:
+    """Whether a call's derivations are cached: it may take a Gluon kernel (padded layout, a head dim it
     takes, 16-byte aligned streamed tensors), it launches through plans, and its options key a dict (a
     float scale: an int one would specialise otherwise; a tuple window)."""
-    if not (launch_mod.direct(q) and alibi_slopes is None and learnable_sink is None and cu_seqlens_q is None
-            and type(softmax_scale) is float and type(window_size) is tuple
-            and q.shape[-1] in routes.GLUON_HEADDIMS):
+    if not (launch_mod.direct(q) and cu_seqlens_q is None and type(softmax_scale) is float
+            and type(window_size) is tuple and q.shape[-1] in routes.GLUON_HEADDIMS):
         return False
     pointers = 0
     for t in streamed:
         pointers |= t.data_ptr()
     return pointers % 16 == 0
+
+
+def _tensor_options(alibi_slopes, learnable_sink) -> tuple:
+    """What the tensor options add to a signature: which are given, and the slopes' layout (its batch
+    stride is a kernel argument), the tensors themselves being per call."""
+    return (None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()),
+            learnable_sink is None)
 
 
 def _remember(cache: dict, key: tuple, entry: tuple) -> None:
@@ -166,19 +171,18 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key).
     route: routes.GluonForward / routes.TritonForward to run instead of the default one."""
     key = None
-    if route is None and _cacheable(q, (q, k, v), alibi_slopes, learnable_sink, cu_seqlens_q, softmax_scale,
-                                    window_size):
+    if route is None and _cacheable(q, (q, k, v), cu_seqlens_q, softmax_scale, window_size):
         # everything down to the launch's arguments but the tensors depends on these
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
-               config.generation)
+               _tensor_options(alibi_slopes, learnable_sink), config.generation)
         hit = _forward_cache.get(key)
         if hit is not None:
             pb, route, out_shape, lse_shape, prepared = hit
             # sizes unpacked: torch.empty parses separate ints faster than a tuple (~0.6 us), or a Size (~1.3)
             out = torch.empty(*out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(*lse_shape, dtype=torch.float32, device=q.device)
-            gluon.forward(pb, route, q, k, v, out, lse, prepared)
+            gluon.forward(pb, route, q, k, v, out, lse, prepared, alibi_slopes, learnable_sink)
             return out, lse
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink)
@@ -189,7 +193,9 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if isinstance(route, routes.GluonForward):
-        prepared = gluon.forward(pb, route, q, k, v, out, lse)
+        prepared = gluon.forward(pb, route, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                                 learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k)
         if key is not None:
             _remember(_forward_cache, key, (pb, route, out_shape, lse_shape, prepared))
         return out, lse
@@ -210,13 +216,18 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     return out, lse
 
 
+def _dsink(dsink_rows):
+    """The sink's gradient (h,) from its per-row shares (b, h, sq), or None."""
+    return None if dsink_rows is None else dsink_rows.sum((0, 2))
+
+
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                        learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                        max_seqlen_k=None, deterministic=False, route=None):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
 
-    The Gluon backward (plain calls) adds dQ in a varying order; `deterministic` routes to the Triton
+    The Gluon backward adds dQ in a varying order; `deterministic` routes to the Triton
     programs, where every gradient element is written by one program. route: as attention_forward's.
     """
     if dout.stride(-1) != 1:
@@ -225,21 +236,23 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         # the kernels read the LSE and D (allocated like it, contiguous) with one pair of strides
         lse = lse.contiguous()
     key = None
-    if route is None and not deterministic and _cacheable(q, (q, k, v, dout), alibi_slopes, learnable_sink,
-                                                          cu_seqlens_q, softmax_scale, window_size):
+    if route is None and not deterministic and _cacheable(q, (q, k, v, dout), cu_seqlens_q, softmax_scale,
+                                                          window_size):
         key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
                k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
                out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
-               rng_seed, rng_offset, config.generation)
+               rng_seed, rng_offset, _tensor_options(alibi_slopes, learnable_sink), config.generation)
         hit = _backward_cache.get(key)
         if hit is not None:
             pb, route, preprocess, pre_args, prepared = hit
             dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)  # unpacked: as attention_forward's
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
             stats, dq_acc = gluon.backward_buffers(pb, q)
-            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], *pre_args))
-            dq, _ = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared)
-            return dq, dk, dv, None
+            dsink_rows = None if learnable_sink is None else torch.empty_like(lse)
+            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], learnable_sink, dsink_rows, *pre_args))
+            dq, _ = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
+                                   alibi_slopes)
+            return dq, dk, dv, _dsink(dsink_rows)
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
                   (dout,))
@@ -255,12 +268,16 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
 
     # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
     # (gluon.backward_buffers): the preprocess zeroes the one and fills the other (no launch of its own)
+    # and a learnable sink's gradient rows (dsink_rows; the Triton backward's dQ role writes its own)
     on_gluon = isinstance(route, routes.GluonBackward)
+    dsink_rows = None
     if on_gluon:
         stats, dq_acc = gluon.backward_buffers(pb, q)
         delta, lse2 = stats[1], stats[0]
         delta_rows = stats.shape[-1]
         delta_strides = (pb.nheads * delta_rows, delta_rows)
+        if learnable_sink is not None:
+            dsink_rows = torch.empty_like(lse)
     else:
         delta = lse2 = dq_acc = torch.empty_like(lse)
         delta_rows, delta_strides = pb.seqlen_q, lse_strides
@@ -272,12 +289,14 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)
-    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, *pre_args))
+    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, learnable_sink if on_gluon else None, dsink_rows,
+                *pre_args))
     if on_gluon:
-        dq, prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
+        dq, prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale,
+                                      alibi_slopes=alibi_slopes)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
-        return dq, dk, dv, None
+        return dq, dk, dv, _dsink(dsink_rows)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)

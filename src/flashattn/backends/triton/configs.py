@@ -51,6 +51,10 @@ _H200 = {
     ("fwd_ws", 128): TileConfig(128, 128, 4, 2),
     # d = 64: three consumer warpgroups of 64 rows; 3 K/V stages (96 KiB) beside two Q tiles (48)
     ("fwd_ws", 64): TileConfig(192, 128, 4, 3),
+    # d = 256 (not measured): two Q tiles take 128 KiB, so 32-key K/V tiles over 2 stages (64 KiB); 64-key
+    # tiles spilled 0.2 KB of registers beside the 64 x 256 float32 output per warpgroup (128 per thread),
+    # 32-key ones none
+    ("fwd_ws", 256): TileConfig(128, 32, 4, 2),
     # the warp-specialised backward (d = 64 and 128): block_m query rows per step, block_n keys per program
     # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. d = 64: 128-row steps
     # (two stages fill the shared memory) +3-4% over 64-row ones without the mask, once the row statistics

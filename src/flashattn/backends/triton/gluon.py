@@ -1,10 +1,13 @@
 """Launchers of the warp-specialised Hopper kernels: the forward (kernels/gluon/attn_fwd.py) and the backward
 (kernels/gluon/attn_bwd.py), given their route (routes.GluonForward / routes.GluonBackward).
 
-The routes send them plain calls only (routes.Spec.plain: padded layout, fp16/bf16, d = dv = 64 or 128, no
-mask but causal, TMA-ready tensors on sm90+). Both read and write every streamed tile through TMA
-descriptors, built here per call over the call's tensors with the shapes, strides and shared layouts the
-route fixes.
+The routes send them fp16/bf16 calls with TMA-ready tensors on sm90+: the forward at d (padded) and dv of 64,
+128 or 256, dv <= d, in either layout; the backward at d = dv = 64 or 128, padded (routes.takes_gluon_forward,
+takes_gluon_backward): windows, softcap,
+ALiBi, sinks and the forward's varlen layout are compile-time variants of the kernels, each passed as None
+when off (`band_args`, `softcap_args`, `alibi_args`). Both read and write every
+streamed tile through TMA descriptors, built here per call over the call's tensors with the shapes,
+strides and shared layouts the route fixes.
 
 Forward grid: persistent (one program per SM, as one fills an SM's registers); after the first, each program
 takes its next query tile from a shared counter, so under a causal mask the programs' totals even out (a
@@ -22,7 +25,7 @@ import torch
 
 from flashattn import _internals
 from flashattn.backends.triton import host
-from flashattn.backends.triton.launch import Bound
+from flashattn.backends.triton.launch import Bound, launch
 from flashattn.backends.triton.merge import sm_count
 from flashattn.backends.triton.routes import HALF_M, GluonBackward, GluonForward
 
@@ -104,15 +107,54 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | None = None) -> Prepared:
+def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | None = None, alibi_slopes=None,
+            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None) -> Prepared:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel. prepared: what this
     returned for an earlier call of the same signature and route, skipping the derivations; returns the
-    launch prepared."""
+    launch prepared. Varlen (pb.varlen, cu_seqlens given): the packed tensors go to the descriptors as one
+    batch, and the kernel gets the query tiles before each sequence (`varlen_tile_offsets`)."""
+    streamed = (q, k, v, out)
+    varlen = (None,) * 6
+    if pb.varlen:
+        streamed = tuple(t.unsqueeze(0) for t in streamed)
+        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m)
+        varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1))
     if prepared is None:
-        prepared = _prepare_forward(pb, route, q, k, v, out, lse)
+        prepared = _prepare_forward(pb, route, *streamed, lse)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
-    prepared((q, k, v, out), (lse, *prepared.args, _tile_counter(q.device)))
+    rest = (lse, *prepared.args, _tile_counter(q.device), *alibi_args(alibi_slopes), learnable_sink, *varlen)
+    prepared(streamed, rest)
     return prepared
+
+
+def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int) -> torch.Tensor:
+    """(batch + 1,) int32: the query tiles of block_m rows before each sequence (the last entry: all of
+    them), which the varlen forward walks as one list (kernels/triton/tiles.py)."""
+    from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
+
+    offsets = torch.empty(batch + 1, dtype=torch.int32, device=cu_seqlens.device)
+    launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, batch, BLOCK_M=block_m, BLOCK_B=1024)
+    return offsets
+
+
+def alibi_args(alibi_slopes) -> tuple:
+    """(slopes, batch stride) of the kernels' ALiBi arguments: slopes (nheads,) serve every batch (stride 0);
+    (None, None) without ALiBi, which compiles it out."""
+    if alibi_slopes is None:
+        return None, None
+    return alibi_slopes, (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+
+
+def band_args(pb) -> tuple:
+    """The kernels' band as (CAUSAL, left, right): a right side of 0 is CAUSAL, known at compile time (the
+    diagonal); a side that is -1 (unbounded) is None, which compiles its edge out."""
+    left, right = pb.spec.window
+    return right == 0, (left if left >= 0 else None), (right if right > 0 else None)
+
+
+def softcap_args(pb) -> tuple:
+    """(cap_in, cap_out): scale / softcap and softcap / ln 2, or (None, None) without a softcap."""
+    return (pb.scalars[1], pb.scalars[2]) if pb.spec.softcap else (None, None)
 
 
 def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse) -> Prepared:
@@ -120,17 +162,25 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse) -> Prepared:
 
     tiles = route.tiles
     n_bh = pb.batch * pb.nheads
-    n_work = host.cdiv(pb.seqlen_q, tiles.block_m) * n_bh
+    # varlen: at most every sequence's tiles at max_seqlen_q (the kernel reads the exact count), and one
+    # program even when no sequence has a row
+    n_work = max(host.cdiv(pb.seqlen_q, tiles.block_m) * n_bh, 1)
     n_programs = min(n_work, sm_count(q.device)) if route.persistent else n_work
-    specs = (_descriptor_spec(q, HALF_M, pb.d), _descriptor_spec(k, tiles.block_n, pb.d),
-             _descriptor_spec(v, tiles.block_n, pb.d), _descriptor_spec(out, HALF_M, pb.d))
-    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                  STAGES=tiles.num_stages, CAUSAL=pb.causal, DEFER_RELEASE=route.defer_release,
+    # Q's and K's head dim padded to the tile's width (TMA reads the columns past d as zeros); V's and O's,
+    # a power of two, as it is (routes.takes_gluon_forward)
+    d = host.block_d(pb.d)
+    specs = (_descriptor_spec(q, HALF_M, d), _descriptor_spec(k, tiles.block_n, d),
+             _descriptor_spec(v, tiles.block_n, pb.dv), _descriptor_spec(out, HALF_M, pb.dv))
+    causal, left, right = band_args(pb)
+    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                  STAGES=tiles.num_stages, CAUSAL=causal, DEFER_RELEASE=route.defer_release,
                   HALF_DIAG=route.half_diag, TREES=route.trees, num_warps=4, maxnreg=route.maxnreg)
+    # the LSE: (batch, nheads, seqlen_q), or (nheads, total_q) under varlen
+    lse_strides = (0, lse.stride(0)) if pb.varlen else (lse.stride(0), lse.stride(1))
     return Prepared(
         Bound(attn_fwd_ws_kernel, (n_programs,), kwargs), specs,
-        (lse.stride(0), lse.stride(1), pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh,
-         route.lpt_group),
+        (*lse_strides, pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, route.lpt_group, left, right,
+         *softcap_args(pb)),
     )
 
 
@@ -147,13 +197,14 @@ def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
-             prepared: Prepared | None = None) -> tuple[torch.Tensor, Prepared]:
+             prepared: Prepared | None = None, alibi_slopes=None) -> tuple[torch.Tensor, Prepared]:
     """dq, and fill dk and dv (attention_backward's contract), with the warp-specialised backward; stats and
-    dq_acc: as `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Returns
-    (dq, the launch prepared)."""
+    dq_acc: as `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. A learnable
+    sink changes nothing here: its gradient comes from the preprocess (attention.py). Returns (dq, the launch
+    prepared)."""
     if prepared is None:
         prepared = _prepare_backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
-    prepared((q, dout, k, v, dk, dv, dq_acc, stats), prepared.args)
+    prepared((q, dout, k, v, dk, dv, dq_acc, stats), (*prepared.args, *alibi_args(alibi_slopes)))
     return dq_acc.to(q.dtype), prepared
 
 
@@ -176,10 +227,12 @@ def _prepare_backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk
              *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
              _descriptor_spec(dq_acc, tiles.block_m, pb.d // 2, "float32"),
              (list(stats.shape), list(stats.stride()), [2, 1, tiles.block_m], _stats_layout()))
+    causal, left, right = band_args(pb)
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                  STAGES=tiles.num_stages, CAUSAL=pb.causal, DEFER_DQ=route.defer_dq, num_warps=4,
+                  STAGES=tiles.num_stages, CAUSAL=causal, DEFER_DQ=route.defer_dq, num_warps=4,
                   maxnreg=route.maxnreg)
     return Prepared(
         Bound(attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, tiles.block_n) * n_bhk,), kwargs), specs,
-        (pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, route.kv_group),
+        (pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left,
+         right, *softcap_args(pb)),
     )

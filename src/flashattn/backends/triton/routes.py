@@ -8,11 +8,13 @@ explicitly (`dataclasses.replace(route, ...)`) to time or check an alternative. 
 state but the expert tile overrides (`flashattn.config`), which the tile table applies.
 
 Routes of the dense and varlen attention:
-  forward:  `GluonForward` (the warp-specialised Hopper kernel, kernels/gluon/attn_fwd.py) for plain calls
-            (padded layout, 16-bit, d = dv = 64 or 128, no mask but causal, TMA-ready tensors on sm90+),
-            else `TritonForward` (kernels/triton/attn_fwd.py, every feature);
-  backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same plain calls unless deterministic or its
-            float32 dQ buffer would pass `DQ_BUFFER_CAP`, else `TritonBackward` (two programs: dK/dV and dQ).
+  forward:  `GluonForward` (the warp-specialised Hopper kernel, kernels/gluon/attn_fwd.py) for 16-bit calls
+            with TMA-ready tensors on sm90+, d (padded) and dv of 64, 128 or 256 with dv <= d (192 / 128
+            included), padded or varlen, with any window (causal included), softcap, ALiBi or sink, and no
+            dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature);
+  backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls in the padded layout at d = dv =
+            64 or 128 unless deterministic or its float32 dQ buffer would pass `DQ_BUFFER_CAP`, else
+            `TritonBackward` (two programs: dK/dV and dQ).
 This module imports neither torch nor Triton.
 """
 
@@ -36,7 +38,8 @@ DQ_BUFFER_CAP = 512 << 20
 # bytes of streamed tiles (K/V, or Q/dO in the dK/dV role) that one group of heads may keep live in L2
 # (50 MiB on the H200): interleaving every head lost 4-9% to L2 misses in the block-sparse kernels
 L2_BUDGET = 16 << 20
-GLUON_HEADDIMS = (64, 128)
+GLUON_HEADDIMS = (64, 128, 256)  # the Gluon forward's; the backward takes 64 and 128
+GLUON_BWD_HEADDIMS = (64, 128)
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -80,6 +83,12 @@ class Spec:
         return max(self.seqlen_q, self.seqlen_k)
 
     @property
+    def span(self) -> int:
+        """The most keys a query row sees: a two-sided window's width, else the longer sequence."""
+        left, right = self.window
+        return self.longest if min(left, right) < 0 else min(self.longest, left + right + 1)
+
+    @property
     def element_size(self) -> int:
         return _BYTES[self.dtype]
 
@@ -98,19 +107,22 @@ class Spec:
         return self.window != (-1, -1)
 
     @property
-    def plain(self) -> bool:
-        """No feature the Gluon kernels lack: padded layout, 16-bit, no mask but causal, no softcap, ALiBi,
-        dropout or sink, d = dv."""
-        return (not (self.varlen or self.softcap or self.alibi or self.dropout or self.sink)
-                and self.window in ((-1, -1), (-1, 0)) and self.headdim == self.headdim_v
-                and self.dtype in ("float16", "bfloat16"))
+    def gluon_features(self) -> bool:
+        """No option the Gluon kernels lack: 16-bit, no dropout. Windows (causal included), softcap, ALiBi,
+        sinks and the forward's varlen layout are compile-time variants of their bodies."""
+        return not self.dropout and self.dtype in ("float16", "bfloat16")
+
+    @property
+    def tma_ready(self) -> bool:
+        """The streamed tensors suit TMA descriptors: sm90+, 16-bit, aligned."""
+        return (self.cuda and self.capability[0] >= 9 and self.dtype in ("float16", "bfloat16")
+                and self.aligned)
 
     @property
     def tma(self) -> bool:
-        """The streamed tensors can go through TMA descriptors: sm90+, 16-bit, padded layout (a varlen tile
-        would read the next sequence's rows instead of zeros), aligned."""
-        return (self.cuda and self.capability[0] >= 9 and self.dtype in ("float16", "bfloat16")
-                and not self.varlen and self.aligned)
+        """The Triton kernels' streamed tiles can go through TMA descriptors: tma_ready in the padded layout
+        (a varlen tile would read the next sequence's rows instead of zeros; the Gluon forward masks them)."""
+        return self.tma_ready and not self.varlen
 
 
 @dataclass(frozen=True)
@@ -131,7 +143,8 @@ class GluonForward:
     lpt_group: int
     persistent: bool = True  # one program per SM, each taking its next tile from a shared counter
     defer_release: bool = True  # a tile's O store completes under the next tile's first QK^T
-    half_diag: bool = False  # causal: a warpgroup skips the upper half of its last key tile when it sees none
+    # a right edge: a warpgroup skips the upper half of its last key tile when it sees none of it
+    half_diag: bool = False
     trees: int = 3  # bit 0: the row max as a register tree (else a chain); bit 1: the per-lane row sums
     maxnreg: int = MAXNREG_TWO
     kernel = "gluon"
@@ -177,20 +190,30 @@ def _triton_tma(spec: Spec, tiles: TileConfig) -> bool:
 
 
 def gluon_forward_tiles(spec: Spec) -> TileConfig:
-    """The Gluon forward's tiles, held to what the kernel does: 128 keys a step (its half-diagonal step
-    assumes them), two or three consumer warpgroups of 64 rows, a K/V ring of 2+ slots."""
-    tiles = tile_config("fwd_ws", spec.headdim, spec.cuda, spec.longest, spec.causal)
-    if tiles.block_n != 128 or tiles.block_m not in (2 * HALF_M, 3 * HALF_M) or tiles.num_stages < 2:
+    """The Gluon forward's tiles, held to what the kernel does: 32, 64 or 128 keys a step (its half-diagonal
+    step only with 128), two or three consumer warpgroups of 64 rows (two at d = 256: two Q tiles of three
+    would fill the shared memory), a K/V ring of 2+ slots."""
+    # under a band a query tile's work is that of a causal tile at a length of about the band's width (not
+    # measured apart from causal masking): the causal rows at that length
+    tiles = tile_config("fwd_ws", spec.block_d, spec.cuda, spec.span, spec.banded)
+    rows = (2 * HALF_M,) if spec.block_d > 128 else (2 * HALF_M, 3 * HALF_M)
+    if tiles.block_n not in (32, 64, 128) or tiles.block_m not in rows or tiles.num_stages < 2:
         raise FlashAttnError(
             f"tile override fwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} is "
-            f"not a config of the Gluon forward, which takes block_m 128 or 192 (two or three consumer "
-            f"warpgroups of 64 rows), block_n 128 and 2 or more stages"
+            f"not a config of the Gluon forward at d = {spec.block_d}, which takes block_m "
+            f"{' or '.join(map(str, rows))} (consumer warpgroups of 64 rows), block_n 32, 64 or 128 and 2 or "
+            f"more stages"
         )
     return tiles
 
 
 def takes_gluon_forward(spec: Spec) -> bool:
-    return spec.plain and spec.tma and spec.headdim in GLUON_HEADDIMS
+    # Q and K padded to a tile width (TMA reads the columns past d as zeros); V and O staged in Q's buffer,
+    # hence no wider, and not padded (a varlen tile's last rows are stored by column-exact masked stores)
+    # (and a descriptor needs rows: a varlen batch of only empty sequences, max_seqlen 0, may have none)
+    return (spec.gluon_features and spec.tma_ready and block_d(spec.headdim) in GLUON_HEADDIMS
+            and spec.headdim_v in GLUON_HEADDIMS and spec.headdim_v <= block_d(spec.headdim)
+            and min(spec.seqlen_q, spec.seqlen_k) > 0)
 
 
 def dq_buffer_bytes(spec: Spec) -> int:
@@ -199,7 +222,10 @@ def dq_buffer_bytes(spec: Spec) -> int:
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
-    return (takes_gluon_forward(spec) and not spec.deterministic
+    # the padded layout at d = 64 and 128: the Gluon backward has no varlen variant, and d = 256 keeps the
+    # Triton backward
+    return (takes_gluon_forward(spec) and not spec.varlen and spec.headdim in GLUON_BWD_HEADDIMS
+            and spec.headdim_v == spec.headdim and not spec.deterministic
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 
 
@@ -209,11 +235,14 @@ def _stream_group(spec: Spec) -> int:
 
 
 def gluon_forward_route(spec: Spec) -> GluonForward:
-    """The Gluon forward's route for a plain spec (takes_gluon_forward)."""
+    """The Gluon forward's route for a spec it takes (takes_gluon_forward)."""
     tiles = gluon_forward_tiles(spec)
     three = tiles.block_m == 3 * HALF_M
-    # tree reductions: +5% with two consumers at d=64 1K causal, -2 to -4% with three
-    return GluonForward(tiles, _stream_group(spec), half_diag=spec.causal, trees=0 if three else 3,
+    # tree reductions: +5% with two consumers at d=64 1K causal, -2 to -4% with three. The half-diagonal
+    # step wherever the band has a right edge: a warpgroup's last key tile then often has its upper half
+    # masked for all its rows, as under causal masking (on 128-key tiles: the step splits one in halves)
+    half_diag = spec.window[1] >= 0 and tiles.block_n == 128
+    return GluonForward(tiles, _stream_group(spec), half_diag=half_diag, trees=0 if three else 3,
                         maxnreg=tiles.maxnreg or (MAXNREG_THREE if three else MAXNREG_TWO))
 
 
@@ -234,8 +263,10 @@ def _kv_group(spec: Spec) -> int:
 
 
 def gluon_backward_route(spec: Spec) -> GluonBackward:
-    """The Gluon backward's route for a plain spec (takes_gluon_backward)."""
-    tiles = tile_config("bwd_ws", spec.headdim, spec.cuda, causal=spec.causal)
+    """The Gluon backward's route for a spec it takes (takes_gluon_backward)."""
+    # the causal rows (at d = 64, 64-row steps) under any mask, and where a softcap or ALiBi holds more per
+    # step: 128-row steps spilled 0.4-1.1 KB with either
+    tiles = tile_config("bwd_ws", spec.headdim, spec.cuda, causal=spec.banded or spec.softcap or spec.alibi)
     # 64-row steps at d = 64 compute each step's dQ one step late: the four dS^T buffers this needs leave no
     # shared memory for 128-row steps
     return GluonBackward(tiles, _kv_group(spec), defer_dq=spec.headdim == 64 and tiles.block_m == 64,

@@ -15,9 +15,14 @@ pair, attn_bwd.py).
     leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here.
     DEFER_DQ (d = 64, 64-row steps): each step computes the previous step's dQ, so the dSᵀ hand-off no
     longer holds the two warpgroups in step.
+The options are compile-time variants of this one body, as in the forward (scores.py; None when off): a
+window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key tile visiting only the
+query tiles that see it (`_key_tile`) and masking only those at the band's edges; softcap (dS times
+1 − tanh²); ALiBi. A learnable sink needs nothing here: P is recomputed against the LSE that includes it, so
+dS is unchanged, and its gradient comes from the preprocess's row statistics (kernels/triton/attn_bwd.py).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
-Triton backward (as flash_attn's flag does). Only the plain case comes here (its route decides:
-backends/triton/routes.py).
+Triton backward (as flash_attn's flag does). Which calls come here is the routes' choice
+(backends/triton/routes.py).
 """
 
 from triton._C.libtriton import ir
@@ -33,7 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashattn.kernels.gluon.scores import softcapped, with_alibi
+
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @builtin
@@ -46,10 +54,11 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              CAUSAL: gl.constexpr):
+def _key_tile(problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(batch, kv head, first key, first query row, query tiles) of this program, in common.grouped_program's
-    order: rank 0 is the first key tile, which every query sees under causal masking."""
+    order: rank 0 is the first key tile, which every query sees under causal masking. The query tiles are
+    those with a row that sees a key of the tile."""
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right = problem
     n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
     per_group = lpt_group * n_tiles
     pid = gl.program_id(0)
@@ -58,13 +67,34 @@ def _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M: gl.conste
     heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
     off_bhk = g * lpt_group + r % heads
     start_n = (r // heads) * BLOCK_N
+    # query i sees key j iff j <= i + seqlen_k - seqlen_q + right (causal: right = 0): from the first key's
+    # first row; and iff j >= i + seqlen_k - seqlen_q - left: up to the last key's last row
     if CAUSAL:
-        # query i sees key j iff j <= i + seqlen_k - seqlen_q
         m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M) * BLOCK_M
+    elif right is not None:
+        m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q) - right, 0) // BLOCK_M) * BLOCK_M
     else:
         m_first = 0
-    n_m = gl.cdiv(gl.maximum(seqlen_q - m_first, 0), BLOCK_M)
+    m_end = seqlen_q
+    if left is not None:
+        m_end = gl.minimum(gl.maximum(start_n + BLOCK_N - (seqlen_k - seqlen_q) + left, 0), seqlen_q)
+    n_m = gl.cdiv(gl.maximum(m_end - m_first, 0), BLOCK_M)
     return off_bhk // nheads_k, off_bhk % nheads_k, start_n, m_first, n_m
+
+
+@gluon.jit
+def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
+    """The softcap's derivative over c, 1 - tanh², recovered after the dPᵀ wait from Pᵀ (log2 Pᵀ + lse =
+    tanh · cap_out − ALiBi's bias): tanh itself, or 1 - tanh² in 16 bits, held through the wait beside Pᵀ
+    spilled 0.4-0.5 KB in the loop at d = 128. LLVM folds the log2 into the exp2 that made Pᵀ, so no MUFU
+    instruction is spent. Where Pᵀ is 0 (masked or underflowed) log2 is -inf, and where the row saw no key
+    (lse = +inf) y is NaN: the clamp's maxnum returns -1 for both, a factor 0, and dS is 0 there anyway. The
+    softmax scale multiplies dK and dQ at the end."""
+    y = gl.log2(pt) + lse[None, :]
+    if slope is not None:
+        y = y + slope * gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
+    t = gl.minimum(gl.maximum(y * (1.0 / cap_out), -1.0), 1.0)
+    return 1.0 - t * t
 
 
 @gluon.jit
@@ -84,9 +114,8 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     q_desc, do_desc, k_desc, v_desc, stats_desc = descs
     q_smem, do_smem, k_smem, v_smem, stats_smem = smems
     kv_bar, ready, empty, ds_ready, done = bars
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
-    off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
-                                                     BLOCK_N, CAUSAL)
+    nheads_k = problem[0]
+    off_b, off_hk, start_n, m_first, n_m = _key_tile(problem, BLOCK_M, BLOCK_N, CAUSAL)
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
         row = start_n + w * HALF_N
@@ -124,10 +153,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars, scales,
      problem) = args
     kv_bar, ready, empty, ds_ready, done = bars
-    qk_scale, sm_scale = scales
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group = problem
-    off_b, off_hk, start_n, m_first, n_m = _key_tile(nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, BLOCK_M,
-                                                     BLOCK_N, CAUSAL)
+    qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right = problem
+    off_b, off_hk, start_n, m_first, n_m = _key_tile(problem, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, d); dQ: (queries, d / 2)
@@ -139,6 +167,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                         instr_shape=[16, HALF_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     diag = seqlen_k - seqlen_q
+    # the band's edges (scores.py), None where unbounded; CAUSAL's right edge is the diagonal
+    diag_r = None
+    if CAUSAL:
+        diag_r = diag
+    elif right is not None:
+        diag_r = diag + right
+    diag_l = None
+    if left is not None:
+        diag_l = diag - left
     key0 = start_n + WG * HALF_N
     offs_k = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     key_tail = key0 + HALF_N > seqlen_k
@@ -175,6 +212,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         s = c % STAGES
         b = c % NBUF
         offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        slope = None
+        if ALIBI is not None:
+            slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -182,19 +222,41 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         lse = stats_rows.index(2 * s).load(row_layout)
         st = warpgroup_mma_wait(1, deps=(st,))
-        # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
-        # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the causal cut
-        if key_tail or (CAUSAL and m0 + diag < key0 + HALF_N - 1):
-            keep = offs_k[:, None] < seqlen_k
+        # the scores as x · scale (scores.py)
+        x, scale = softcapped(st, qk_scale, cap_in, cap_out)
+        if slope is not None:
             if CAUSAL:
-                keep = keep & (offs_q[None, :] + diag >= offs_k[:, None])
-            pt = gl.exp2(gl.where(keep, st * qk_scale, float("-inf")) - lse[None, :])
+                # every key a row sees is at or before its diagonal: slope · |i + diag - j| is slope · (i +
+                # diag) - slope · j, a term per key and one per query, folded into the query's LSE (masked
+                # scores are -inf whatever their bias). A float vector of the queries beside Sᵀ, or the bias
+                # per score, spilled in the loop at d = 128 with a window
+                x = x * scale + (slope * offs_k.to(gl.float32))[:, None]
+                scale = 1.0
+                lse = lse + slope * (offs_q + diag).to(gl.float32)
+            else:
+                dist = gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
+                x, scale = with_alibi(x, scale, dist, slope)
+        # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
+        # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the band's edges: the
+        # first row's right edge before this warpgroup's last key, the last row's left edge past its first
+        if (key_tail or (diag_r is not None and m0 + diag_r < key0 + HALF_N - 1)
+                or (diag_l is not None and key0 < m0 + (BLOCK_M - 1) + diag_l)):
+            keep = offs_k[:, None] < seqlen_k
+            if diag_r is not None:
+                keep = keep & (offs_q[None, :] + diag_r >= offs_k[:, None])
+            if diag_l is not None:
+                keep = keep & (offs_q[None, :] + diag_l <= offs_k[:, None])
+            pt = gl.exp2(gl.where(keep, x * scale, float("-inf")) - lse[None, :])
         else:
-            pt = gl.exp2(st * qk_scale - lse[None, :])
+            pt = gl.exp2(x * scale - lse[None, :])
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         delta = stats_rows.index(2 * s + 1).load(row_layout)
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dst = pt * (dpt - delta[None, :])
+        if cap_in is not None:
+            dst = dst * _dtanh(pt, stats_rows.index(2 * s).load(row_layout), cap_out, slope, offs_q, offs_k,
+                               diag)
+        dst = dst.to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
         # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys.
         # In step order the barrier makes the warpgroups march in step (their softmaxes coincide); DEFER_DQ
@@ -261,10 +323,13 @@ def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 @gluon.jit
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
-    qk_scale, sm_scale, n_bhk, lpt_group,
+    qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
 ):
+    # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
+    # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
+    # b · stride_alibi_b + h
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
@@ -294,9 +359,9 @@ def attn_bwd_ws_kernel(
     for i in gl.static_range(NBUF):
         mbarrier.init(ds_ready.index(i), count=2)
     bars = (kv_bar, ready, empty, ds_ready, done)
-    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group)
+    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars,
-            (qk_scale, sm_scale), problem)
+            (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem)
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem), bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per

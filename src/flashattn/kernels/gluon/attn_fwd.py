@@ -17,9 +17,16 @@ With one program per tile (a grid of every tile) the counter hands out nothing. 
 phase come from a counter that runs on across tiles, identical in every partition. A tile's O is staged in
 its Q buffer for a TMA store; DEFER_RELEASE waits for that store, and returns the buffer to the loader,
 under the next tile's first QK^T rather than at the tile's end.
-Only the plain case comes here (16-bit, padded layout, causal or not, GQA, head dims 64 and 128: the
-launcher decides): every other feature keeps the Triton kernel (attn_fwd.py), whose online-softmax
-invariants this body shares.
+The options are compile-time variants of this one body (scores.py): a sliding window (left, right) alone
+or with causal, any seqlen_q and seqlen_k (bottom-right aligned), softcap, ALiBi and a learnable sink. A
+query tile's key tiles are [n_start, n_start + n_k · BLOCK_N), those that some row of the tile sees: the
+loader and every consumer take the same range (schedule.py's `tile`), so the ring's counters agree; per
+warpgroup, only the tiles at the band's edges run the masked softmax. The launcher passes None for each
+option that is off.
+The packed (varlen) layout is a variant too: its query tiles form one list for the persistent schedule
+(schedule.py), and a sequence's last rows are stored by masked stores rather than TMA. 16-bit, head dims 64
+and 128 (the routes decide); dropout, fp32 and other head dims keep the Triton kernel
+(kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
 """
 
 from triton.experimental import gluon
@@ -32,89 +39,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashattn.kernels.triton.common import (
-    grouped_program,  # scalar arithmetic: Gluon calls triton.jit helpers
-)
+from flashattn.kernels.gluon.schedule import next_tile, publish_tile, sequence_of, tile
+from flashattn.kernels.gluon.scores import HALF_M, ROW_PARTS, softmax_step
 
-HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup: the wgmma M of one warpgroup
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
-# A row's columns in a wgmma accumulator: column 8 j + 2 q + e sits in register (j, e) of lane q of the row's
-# quad (4 lanes). ROW_PARTS lays out [HALF_M, 4] per-lane partials of the rows of one warpgroup: row bit 3 in
-# a register, the quad's lanes along axis 1, the other row bits in lanes 2-4 and the warps, as the
-# accumulator has them (so converting between the two is free)
-ROW_PARTS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
-    block_bases=[], shape=[64, 4]))
-
-
-@gluon.jit
-def _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, head, kv head, first query row, key tiles) of tile t in common.grouped_program's order (heads
-    in groups, every head's heaviest tile first), the Triton forward's."""
-    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    off_bh, rank = grouped_program(t, n_bh, n_tiles, lpt_group)
-    # rank 0 is the last query tile, the one with the most keys under causal masking
-    start_m = (n_tiles - 1 - rank) * BLOCK_M
-    if CAUSAL:
-        n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
-    else:
-        n_end = seqlen_k
-    off_h = off_bh % nheads
-    return off_bh // nheads, off_h, off_h // GROUP, start_m, gl.cdiv(n_end, BLOCK_N)
-
-
-@gluon.jit
-def _combine(x, axis: gl.constexpr, MAX: gl.constexpr):
-    if MAX:
-        y = gl.max(x, axis)
-    else:
-        y = gl.sum(x, axis)
-    return y
-
-
-@gluon.jit
-def _lane_parts(x, MAX: gl.constexpr, TREE: gl.constexpr):
-    """[M, N] in a wgmma accumulator layout -> [M, 4] in ROW_PARTS: the max (MAX) or the sum of each row's
-    columns held by each lane of its quad. TREE: as a tree of log2(N / 4) levels; gl.max / gl.sum over a
-    thread's registers chain each instruction on the last (at N = 128, 32 dependent FMNMX or FADD per row,
-    each waiting out the previous one's latency), and halving the columns level by level keeps each level's
-    instructions independent. Two consumers gain 5% from the trees at d=64 1K causal; three, which run
-    serial steps, lose 2-4%, and keep the chains."""
-    M: gl.constexpr = x.shape[0]
-    J: gl.constexpr = x.shape[1] // 8
-    if TREE:
-        y = _combine(x.reshape([M, J, 4, 2]), 3, MAX)  # e
-        for _ in gl.static_range(4):  # j: columns j and j + J/2 paired, while J > 1 (J <= 16)
-            if y.shape[1] > 1:
-                y = _combine(y.reshape([M, 2, y.shape[1] // 2, 4]), 1, MAX)
-        y = gl.convert_layout(y.reshape([M, 4]), ROW_PARTS)
-    else:
-        # one chain per lane and row
-        y = _combine(x.reshape([M, J, 4, 2]).permute((0, 2, 1, 3)).reshape([M, 4, 2 * J]), 2, MAX)
-        y = gl.convert_layout(y, ROW_PARTS)
-    return y
-
-
-@gluon.jit
-def _new_max(x, m_i, qk_scale, TREES: gl.constexpr):
-    """max(m_i, each row's max of x * qk_scale) for x [M, N] in a wgmma accumulator layout (qk_scale > 0): the
-    lanes' partial maxima, then two shuffles across the quad."""
-    return gl.maximum(m_i, gl.convert_layout(gl.max(_lane_parts(x, True, (TREES & 1) != 0), 1),
-                                             m_i.type.layout) * qk_scale)
-
-
-@gluon.jit
-def _publish_tile(tile_smem, tile_ready, qb, t):
-    """Write tile index t into slot qb and release it to the consumers (the loader warp). The slot has its
-    own barrier, arrived by this warp alone, so the index does not wait for Q's bytes to land (q_ready's
-    phase ends with the TMA's). racecheck reports this hand-off all the same, and not the same protocol in a
-    kernel that does nothing but this hand-off: its reports here say nothing about a race."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    tile_smem.index(qb).store(gl.full([1], t, gl.int32, one))
-    # every lane's store before the one lane's arrive
-    gl.thread_barrier()
-    mbarrier.arrive(tile_ready.index(qb), count=1)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -123,32 +52,38 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
-    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
+    n_work = problem[5]
+    tile_counter = problem[6]
+    varlen: gl.constexpr = problem[9] is not None
     c = 0  # K/V tiles loaded so far, across query tiles: the ring slot and its phase
     i = 0  # query tiles taken so far: the Q buffer and its phase
     t = gl.program_id(0)
     while t < n_work:
-        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
-                                                   BLOCK_M, BLOCK_N, CAUSAL)
+        b = sequence_of(t, problem)
+        off_b, off_h, off_hk, start_m, n_start, n_k, q_start, k_start, _, _ = tile(t, b, problem, GROUP,
+                                                                                  BLOCK_M, BLOCK_N, CAUSAL)
+        # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
+        # rows past its end are the next sequence's (the consumers mask and never store them)
+        desc_b = 0 if varlen else off_b
         qb = i % 2
         # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
         mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
-        _publish_tile(tile_smem, tile_ready, qb, t)
+        publish_tile(tile_smem, tile_ready, qb, t, b)
         mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
         for w in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [off_b, start_m + w * HALF_M, off_h, 0],
+            tma.async_copy_global_to_shared(q_desc, [desc_b, q_start + start_m + w * HALF_M, off_h, 0],
                                             q_ready.index(qb), q_smem.index(CONSUMERS * qb + w))
         for j in range(n_k):
             s = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s),
-                                            k_smem.index(s))
+            tma.async_copy_global_to_shared(k_desc, [desc_b, k_start + n_start + j * BLOCK_N, off_hk, 0],
+                                            k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s),
-                                            v_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [desc_b, k_start + n_start + j * BLOCK_N, off_hk, 0],
+                                            v_ready.index(s), v_smem.index(s))
             c += 1
         i += 1
         # the next tile goes to whichever program asks first (the first num_programs are taken by program
@@ -157,7 +92,7 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     # no tile left: a slot holding n_work tells the consumers to stop
     qb = i % 2
     mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
-    _publish_tile(tile_smem, tile_ready, qb, n_work)
+    publish_tile(tile_smem, tile_ready, qb, n_work, 0)
     # the last program to get here zeroes the counter for the next launch, which saves the host a zeroing
     # launch per call: every program's last take precedes its arrival (release), and the last
     # arrival sees them all (acquire), so no take can follow the reset
@@ -165,50 +100,6 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     if arrived == gl.num_programs(0) - 1:
         gl.atomic_xchg(tile_counter, 0, sem="relaxed")
         gl.atomic_xchg(tile_counter + 1, 0, sem="relaxed")
-
-
-@gluon.jit
-def _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout: gl.constexpr,
-                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TREES: gl.constexpr):
-    """The masked tile's exponentials (keys past seqlen_k, and under CAUSAL past each row's diagonal, get 0):
-    (p, m_new, m_sub)."""
-    offs_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = offs_k[None, :] < seqlen_k
-    if CAUSAL:
-        keep = keep & (offs_k[None, :] <= offs_q[:, None] + diag)
-    # masked before the scale (qk_scale > 0): -inf * qk_scale - m_sub is -inf, so the exponent is one FFMA
-    # as the unmasked body's, not a multiply and a subtraction (64 instructions fewer per step)
-    sm = gl.where(keep, s, float("-inf"))
-    m_new = _new_max(sm, m_i, qk_scale, TREES)
-    # a row with no visible key so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN
-    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    return gl.exp2(sm * qk_scale - m_sub[:, None]), m_new, m_sub
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, offs_q, start_n, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
-             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TREES: gl.constexpr,
-             MASKED: gl.constexpr = False):
-    """One tile of the online softmax (base 2): (p, m_new, l_new, alpha). MASKED: the tile is known to need
-    the mask (the half-diagonal step: its keys reach past the diagonal of every row but the last), so the
-    unmasked body, dead there, is not compiled (224 SASS instructions fewer at d=64 causal)."""
-    if MASKED:
-        p, m_new, m_sub = _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout, BLOCK_N,
-                                      CAUSAL, TREES)
-    elif start_n + BLOCK_N > unmasked_to:
-        p, m_new, m_sub = _masked_exp(s, m_i, qk_scale, offs_q, start_n, seqlen_k, diag, s_layout, BLOCK_N,
-                                      CAUSAL, TREES)
-    else:
-        m_new = _new_max(s, m_i, qk_scale, TREES)
-        m_sub = m_new
-        p = gl.exp2(s * qk_scale - m_sub[:, None])
-    alpha = gl.exp2(m_i - m_sub)
-    # l_i: each lane's partial sums ([HALF_M, 4], ROW_PARTS), reduced across the quad at the query tile's end
-    # only, as FlashAttention-3's: the exponents need the row's max, never its sum, so no step waits for a
-    # shuffle of it
-    l_new = (l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ROW_PARTS))[:, None]
-             + _lane_parts(p, False, (TREES & 2) != 0))
-    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -221,20 +112,20 @@ def _release_q(q_empty, i):
 
 
 @gluon.jit
-def _halves(n_k, row0, diag, BLOCK_N: gl.constexpr):
-    """Whether this warpgroup's last key tile (of n_k > 1) has its upper half masked for all its rows: its
-    last row, row0 + HALF_M - 1, sees keys up to row0 + HALF_M - 1 + diag (HALF_DIAG)."""
-    return (n_k > 1) & (row0 + diag <= (n_k - 1) * BLOCK_N)
+def _halves(n_start, n_k, row0, diag_r, BLOCK_N: gl.constexpr):
+    """Whether this warpgroup's last key tile (of n_k > 1 from key n_start) has its upper half masked for all
+    its rows: its last row, row0 + HALF_M - 1, sees keys up to row0 + HALF_M - 1 + diag_r (HALF_DIAG)."""
+    return (n_k > 1) & (row0 + diag_r <= n_start + (n_k - 1) * BLOCK_N)
 
 
 @gluon.jit
 def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STAGES: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+             BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr):
     """A query tile's last PV (key step `step` of the K/V ring), alone: nothing is left to overlap it."""
     last = step % STAGES
     mbarrier.wait(v_ready.index(last), (step // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(last), count=1)
     return acc
@@ -242,9 +133,10 @@ def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STA
 
 @gluon.jit
 def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step, start_n,
-                    qk_scale, offs_q, seqlen_k, diag, unmasked_to, s_layout: gl.constexpr,
-                    p_layout: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, TREES: gl.constexpr):
+                    offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                    s_layout: gl.constexpr, p_layout: gl.constexpr,
+                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    HEAD_DIM_V: gl.constexpr, TREES: gl.constexpr):
     """The last key step of a query tile whose last key tile (ring step `step`) has its upper half masked
     for every row of this warpgroup (HALF_DIAG): QK^T, the softmax and PV over the tile's first
     BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
@@ -262,19 +154,20 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
                       use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((step - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
     mbarrier.arrive(k_empty.index(cur), count=1)
     # the row statistics change layout with S's width only in type: the rows sit in the same registers
-    p_h, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, rows_h), l_i, qk_scale,
-                                    gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, diag, unmasked_to,
-                                    h_layout, HALF_N, CAUSAL, TREES, True)
+    p_h, m_h, l_h, alpha = softmax_step(s, gl.convert_layout(m_i, rows_h), l_i,
+                                        gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, scores, slope,
+                                        diag, diag_r, diag_l, unmasked_from, unmasked_to, h_layout, HALF_N,
+                                        TREES, True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(cur), (step // STAGES) & 1)
     ph_op = gl.convert_layout(p_h.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(ph_op, v_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N), acc,
+    acc = warpgroup_mma(ph_op, v_smem.index(cur).reshape([BLOCK_N, HEAD_DIM_V]).slice(0, HALF_N), acc,
                         is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(cur), count=1)
@@ -283,9 +176,9 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
 
 @gluon.jit
 def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
-                 qk_scale, offs_q, seqlen_k, diag, unmasked_to, p_layout: gl.constexpr, N: gl.constexpr,
-                 STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                 TREES: gl.constexpr):
+                 offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                 p_layout: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, TREES: gl.constexpr):
     """One key step (ring step `step`, keys start_n..start_n + N) with nothing else of this warpgroup in
     flight (three consumer warpgroups): QK^T, the softmax, PV. Holds S or P, never both, beside
     O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
@@ -298,7 +191,7 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     stage = step % STAGES
     phase = (step // STAGES) & 1
     k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM_V])
     if N < BLOCK_N:
         k_tile = k_tile.slice(0, N)
         v_tile = v_tile.slice(0, N)
@@ -307,9 +200,10 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
                       is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p, m_n, l_n, alpha = _softmax(s, gl.convert_layout(m_i, rows_n), l_i, qk_scale,
-                                  gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, diag, unmasked_to,
-                                  st_layout, N, CAUSAL, TREES, N < BLOCK_N)
+    p, m_n, l_n, alpha = softmax_step(s, gl.convert_layout(m_i, rows_n), l_i,
+                                      gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, scores, slope,
+                                      diag, diag_r, diag_l, unmasked_from, unmasked_to, st_layout, N, TREES,
+                                      N < BLOCK_N)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(stage), phase)
     acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_tile, acc, is_async=True)
@@ -319,46 +213,78 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
 
 
 @gluon.jit
-def _next_tile(tile_smem, tile_ready, i):
-    """The consumers' i-th query tile, from the loader's slot (n_work: none left)."""
-    qb = i % 2
-    mbarrier.wait(tile_ready.index(qb), (i // 2) & 1)
-    rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.max(tile_smem.index(qb).load(rows), 0)
+def _store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh):
+    """Rows [0, n_rows) of a warpgroup's staged [HALF_M, d] tile (shared memory) to O's rows from `row` on, of
+    head off_h: 16 bytes a thread and store, no row past n_rows. Masked stores straight from the accumulator's
+    registers, with a 64-bit address per element, spilled 0.4 KB at d = 128."""
+    D: gl.constexpr = tile.shape[1]
+    VEC: gl.constexpr = 16 // tile.dtype.primitive_bitwidth * 8  # elements in 16 bytes
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC), D // VEC], [4, 1], [1, 0])
+    # every warp's rows staged before any thread reads another's
+    gl.thread_barrier()
+    rows = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptrs = O + (row + rows).to(gl.int64)[:, None] * stride_om + off_h * stride_oh + cols[None, :]
+    gl.store(ptrs, tile.load(layout), mask=(rows[:, None] < n_rows) & (cols[None, :] < D))
+    # these generic-proxy reads before the loader's TMA (async-proxy) write of the next Q into the buffer
+    fence_async_shared()
 
 
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
               HALF_DIAG: gl.constexpr, TREES: gl.constexpr, WG: gl.constexpr):
-    o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale, problem = args
+    (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features, problem,
+     out_rows) = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
-    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter = problem
+    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
+    scores, ALIBI, stride_alibi_b, SINK = features
+    O, stride_om, stride_oh = out_rows  # varlen only: O's rows past a sequence's end go by masked stores
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
+    # V's and O's head dim: HEAD_DIM or narrower (HEAD_DIM is Q's and K's, padded to the tile's width)
+    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+                                                        instr_shape=[16, HEAD_DIM_V, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    diag = seqlen_k - seqlen_q
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
 
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
     i = 0
-    t = _next_tile(tile_smem, tile_ready, i)
+    t, b = next_tile(tile_smem, tile_ready, i)
     while t < n_work:
-        off_b, off_h, off_hk, start_m, n_k = _tile(t, nheads, seqlen_q, seqlen_k, n_bh, lpt_group, GROUP,
-                                                   BLOCK_M, BLOCK_N, CAUSAL)
+        # rows, keys and lengths count within the tile's sequence (varlen: q_start is its first row in the
+        # packed tensors)
+        off_b, off_h, off_hk, start_m, n_start, n_k, q_start, _, len_q, len_k = tile(t, b, problem, GROUP,
+                                                                                   BLOCK_M, BLOCK_N, CAUSAL)
+        diag = len_k - len_q
+        # the band's edges (scores.py), None where unbounded; CAUSAL's right edge is the diagonal
+        diag_r = None
+        if CAUSAL:
+            diag_r = diag
+        elif right is not None:
+            diag_r = diag + right
+        diag_l = None
+        if left is not None:
+            diag_l = diag - left
         row0 = start_m + WG * HALF_M
         offs_q = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-        # tiles ending at or before unmasked_to need no predicate for any row of this warpgroup
-        unmasked_to = seqlen_k
-        if CAUSAL:
-            unmasked_to = gl.minimum(unmasked_to, row0 + diag + 1)
+        # tiles in [unmasked_from, unmasked_to) need no predicate for any row of this warpgroup: the first
+        # row sees every key before unmasked_to, the last every key from unmasked_from
+        unmasked_to = len_k
+        if diag_r is not None:
+            unmasked_to = gl.minimum(unmasked_to, row0 + diag_r + 1)
+        unmasked_from = None
+        if diag_l is not None:
+            unmasked_from = row0 + (HALF_M - 1) + diag_l
+        slope = None
+        if ALIBI is not None:
+            slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
         qb = i % 2
         q_buf = q_smem.index((BLOCK_M // HALF_M) * qb + WG)
         q = q_buf.reshape([HALF_M, HEAD_DIM])
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+        acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF_M, 4], gl.float32, ROW_PARTS)
         mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
@@ -370,18 +296,19 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             n_loop = n_k
             if HALF_DIAG:
                 # the last step on its key tile's first half only (below)
-                n_loop = n_k - _halves(n_k, row0, diag, BLOCK_N).to(gl.int32)
+                n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(0, n_loop):
                 acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                             v_empty, c + j, j * BLOCK_N, qk_scale, offs_q, seqlen_k, diag,
-                                             unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
-                                             CAUSAL, TREES)
+                                             v_empty, c + j, n_start + j * BLOCK_N, offs_q, seqlen_k, scores,
+                                             slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                                             p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V, TREES)
             if HALF_DIAG:
-                if _halves(n_k, row0, diag, BLOCK_N):
+                if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
                     acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                                 v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N, qk_scale, offs_q,
-                                                 seqlen_k, diag, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
-                                                 BLOCK_N, HEAD_DIM, CAUSAL, TREES)
+                                                 v_empty, c + n_k - 1, n_start + (n_k - 1) * BLOCK_N, offs_q,
+                                                 len_k, scores, slope, diag, diag_r, diag_l, unmasked_from,
+                                                 unmasked_to, p_layout, BLOCK_N // 2, STAGES, BLOCK_N,
+                                                 HEAD_DIM, HEAD_DIM_V, TREES)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
@@ -393,13 +320,14 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 _release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, 0, seqlen_k, diag, unmasked_to,
-                                          s_layout, BLOCK_N, CAUSAL, TREES)
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, len_k, scores, slope, diag,
+                                              diag_r, diag_l, unmasked_from, unmasked_to, s_layout, BLOCK_N,
+                                              TREES)
             n_loop = n_k
             if HALF_DIAG:
                 # the last key tile's upper half is masked for every row of this warpgroup (_halves): that
                 # step runs on the tile's first half only
-                n_loop = n_k - _halves(n_k, row0, diag, BLOCK_N).to(gl.int32)
+                n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(1, n_loop):
                 cur = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
@@ -409,53 +337,81 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc,
+                                    is_async=True)
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(cur), count=1)
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, offs_q, j * BLOCK_N, seqlen_k, diag,
-                                              unmasked_to, s_layout, BLOCK_N, CAUSAL, TREES)
+                p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start + j * BLOCK_N, len_k,
+                                                  scores, slope, diag, diag_r, diag_l, unmasked_from,
+                                                  unmasked_to, s_layout, BLOCK_N, TREES)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             if HALF_DIAG:
-                if _halves(n_k, row0, diag, BLOCK_N):
+                if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
                     acc, m_i, l_i = _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty,
-                                                    v_ready, v_empty, c + n_k - 1, (n_k - 1) * BLOCK_N,
-                                                    qk_scale, offs_q, seqlen_k, diag, unmasked_to,
-                                                    s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM,
-                                                    CAUSAL, TREES)
+                                                    v_ready, v_empty, c + n_k - 1,
+                                                    n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, scores,
+                                                    slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                                                    s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                                                    TREES)
                 else:
                     acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
-                                   HEAD_DIM)
+                                   HEAD_DIM_V)
             else:
                 acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
-                               HEAD_DIM)
+                               HEAD_DIM_V)
         elif DEFER_RELEASE:
             _release_q(q_empty, i)
         c += n_k
 
-        # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention)
         l_tot = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, s_layout))
+        if SINK is not None:
+            # the sink is one more logit in every row's denominator, with no value
+            sink = gl.load(SINK + off_h) * LOG2E
+            m_fin = gl.maximum(m_i, sink)
+            alpha = gl.exp2(m_i - m_fin)
+            l_tot = l_tot * alpha + gl.exp2(sink - m_fin)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            m_i = m_fin
+        # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention; with a sink, lse = sink)
         seen = l_tot > 0.0
         l_safe = gl.where(seen, l_tot, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        gl.store(LSE + off_b.to(gl.int64) * stride_lse_b + off_h.to(gl.int64) * stride_lse_h + offs_q, lse,
-                 mask=offs_q < seqlen_q)
+        if CU_Q is not None:
+            # the (nheads, total_q) LSE of the packed layout
+            gl.store(LSE + off_h.to(gl.int64) * stride_lse_h + q_start + offs_q, lse, mask=offs_q < len_q)
+        else:
+            lse_rows = LSE + off_b.to(gl.int64) * stride_lse_b
+            gl.store(lse_rows + off_h.to(gl.int64) * stride_lse_h + offs_q, lse, mask=offs_q < len_q)
         # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
         # past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE waits
         # for that under the next tile's first QK^T instead of here (the loader needs the buffer back only
-        # for the tile after that)
-        q.store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_buf)
+        # for the tile after that). An O narrower than Q takes the buffer's first bytes in O's layout
+        o_buf = q_buf
+        if HEAD_DIM_V != HEAD_DIM:
+            o_buf = q_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
+        o_tile = o_buf.reshape([HALF_M, HEAD_DIM_V])
+        o_tile.store(out.to(dtype))
+        if CU_Q is not None:
+            if row0 + HALF_M > len_q:
+                # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
+                # sequence's: the rows inside go from the staging buffer by masked stores
+                _store_rows(o_tile, O, q_start + row0, len_q - row0, off_h, stride_om, stride_oh)
+            else:
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [0, q_start + row0, off_h, 0], o_buf)
+        else:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], o_buf)
         if not DEFER_RELEASE:
             tma.store_wait(0)
             mbarrier.arrive(q_empty.index(qb), count=1)
         i += 1
-        t = _next_tile(tile_smem, tile_ready, i)
+        t, b = next_tile(tile_smem, tile_ready, i)
     if DEFER_RELEASE:
         _release_q(q_empty, i)
 
@@ -486,25 +442,41 @@ def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 @gluon.jit
 def attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
-    nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, tile_counter,
+    nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, left, right, cap_in, cap_out, tile_counter, ALIBI,
+    stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
 ):
+    # options, None when off: left / right, the window's sides (CAUSAL: right = 0, and `right` is None);
+    # cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at b · stride_alibi_b
+    # + h; SINK: float32 (nheads,) logits. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors
+    # (whose descriptors have one batch), PLAN the query tiles before each sequence (kernels/triton/tiles.py;
+    # its last entry, times nheads, is the work), O with its row and head strides for the rows of a
+    # sequence's last tile; seqlen_q and seqlen_k are then unused (the longest, for the host's grid)
+    gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")
+    # O is staged in Q's buffer: its head dim (V's) at most Q's
+    gl.static_assert(v_desc.block_type.shape[3] <= HEAD_DIM)
+    # the flags go to the partitions inline: a tuple bound to a name holds tensors, not constexprs
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
     # O in flight at once, so they run serial steps
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3))
-    n_work = gl.cdiv(seqlen_q, BLOCK_M) * n_bh
+    if CU_Q is not None:
+        n_work = gl.load(PLAN + n_bh // nheads) * nheads
+    else:
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * n_bh
 
     dtype: gl.constexpr = q_desc.dtype
     # two query tiles (the current one, the next one's prefetch) x the consumers' rows
     q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    # the query tile of each Q buffer, written by the loader (tile_counter's scheduling)
-    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # the work item of each Q buffer, written by the loader (tile_counter's scheduling), with its sequence
+    # under varlen
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2 if CU_Q is None else 4, 1],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -523,26 +495,32 @@ def attn_fwd_ws_kernel(
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready)
-    problem = (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter)
+    problem = (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K,
+               PLAN)
+    features = ((qk_scale, cap_in, cap_out), ALIBI, stride_alibi_b, SINK)
 
-    args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, qk_scale,
-            problem)
+    args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features,
+            problem, (O, stride_om, stride_oh))
     loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
-    flags = (DEFER_RELEASE, HALF_DIAG, TREES)
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240
         # per consumer thread and 24 for the loader's
         gl.warp_specialize([
-            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
-            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
+            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG,
+                          TREES)),
+            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
+                          HALF_DIAG, TREES)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
         ], [4, 1], [240, 24])
     else:
         # 128 x 16 warps fills the register file: 160 for the two worker consumers, 24 for the loader, and
         # what is left (168) for the default partition's consumer
         gl.warp_specialize([
-            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
-            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
-            (_consumer2, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL) + flags),
+            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG,
+                          TREES)),
+            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
+                          HALF_DIAG, TREES)),
+            (_consumer2, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
+                          HALF_DIAG, TREES)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
         ], [4, 4, 1], [160, 160, 24])

@@ -33,7 +33,7 @@ from flashattn.kernels.triton.common import (
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2,
+    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2, SINK, DSINK_ROWS,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
@@ -41,12 +41,15 @@ def attn_bwd_preprocess_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
     GLUON: tl.constexpr,
 ):
-    # GLUON: the Gluon backward's inputs (kernels/attn_bwd_ws.py). D goes with the LSE in base 2 (LSE2) into
-    # its TMA-read stats planes, whose rows are padded to delta_rows >= seqlen_q (the padding rows get D = 0
-    # and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing), and the float32 dQ buffer
+    # GLUON: the Gluon backward's inputs (kernels/gluon/attn_bwd.py). D goes with the LSE in base 2 (LSE2)
+    # into its TMA-read stats planes, whose rows are padded to delta_rows >= seqlen_q (the padding rows get
+    # D = 0 and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing), and the float32 dQ buffer
     # (contiguous (b, sq, h, d), padded layout, d = dv) is zeroed here, which saves a launch of its own:
     # ~15-30 us of host time on the H200 machine. Otherwise D is shaped like the LSE (delta_rows =
-    # seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read.
+    # seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read. SINK (Gluon only; None: no sink): each row's
+    # share of the sink's gradient goes to DSINK_ROWS, shaped like the LSE, from the statistics at hand:
+    # d loss / d sink = -P_sink · D with P_sink = exp(sink - lse), whose LSE includes the sink (the sink
+    # has no value, so dS and D are those of the keys alone)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = (off_bh % nheads).to(tl.int64)
@@ -68,6 +71,10 @@ def attn_bwd_preprocess_kernel(
         lse = tl.load(LSE + off_b64 * stride_lse_b + off_h * stride_lse_h + offs_m, mask=offs_m < seqlen_q,
                       other=0.0)
         tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < n_rows)
+        if SINK is not None:
+            p_sink = tl.exp(tl.load(SINK + off_h) - lse)
+            tl.store(DSINK_ROWS + off_b64 * stride_lse_b + off_h * stride_lse_h + offs_m, -p_sink * delta,
+                     mask=offs_m < seqlen_q)
         rows = (off_b64 * seqlen_q + offs_m) * nheads + off_h
         ptrs = DQ_ACC + rows[:, None] * HEAD_DIM_V + offs_d[None, :]
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),

@@ -1,0 +1,116 @@
+"""The Gluon forward's persistent schedule: which query tile a work item is, its keys, and the hand-off of
+each tile from the loader warp to the consumer warpgroups (kernels/gluon/attn_fwd.py).
+
+Padded layout: work item t is common.grouped_program's (heads in groups, every head's heaviest tile first),
+the Triton forward's order. Varlen (CU_Q given): the query tiles of all sequences form one list without
+holes (kernels/triton/tiles.py writes the tiles before each sequence, PLAN); work item t is tile t // nheads
+of it, head t % nheads, a sequence's last tile (its heaviest under causal masking) first. The loader finds a
+tile's sequence by bisection and hands it on with the tile, so the consumers do not search.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from flashattn.kernels.triton.common import (
+    grouped_program,  # scalar arithmetic: Gluon calls triton.jit helpers
+)
+
+
+@gluon.jit
+def _sequence_of(g, PLAN, batch):
+    """The sequence b of query tile g of the varlen list: PLAN[b] <= g < PLAN[b + 1], by bisection (a
+    sequence without tiles has PLAN[b] = PLAN[b + 1], so the search never stops on one)."""
+    lo = 0
+    hi = batch  # PLAN[lo] <= g < PLAN[hi] throughout
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if gl.load(PLAN + mid) <= g:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@gluon.jit
+def sequence_of(t, problem):
+    """The sequence of work item t (the loader's search; 0 in the padded layout, which derives it in
+    `tile`)."""
+    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
+    b = 0
+    if CU_Q is not None:
+        b = _sequence_of(t // nheads, PLAN, n_bh // nheads)
+    return b
+
+
+@gluon.jit
+def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+         CAUSAL: gl.constexpr):
+    """(batch, head, kv head, first query row, first key, key tiles, the sequence's first query and key rows
+    in the packed tensors, its query and key lengths) of work item t, of sequence b under varlen. Rows and
+    keys count from the sequence's start; the key tiles are those some row of the tile sees: [n_start,
+    n_start + n_k · BLOCK_N)."""
+    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
+    if CU_Q is not None:
+        q_start = gl.load(CU_Q + b)
+        seqlen_q = gl.load(CU_Q + b + 1) - q_start
+        k_start = gl.load(CU_K + b)
+        seqlen_k = gl.load(CU_K + b + 1) - k_start
+        n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        rank = t // nheads - gl.load(PLAN + b)
+        off_b = b
+        off_h = t % nheads
+    else:
+        q_start = 0
+        k_start = 0
+        n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        off_bh, rank = grouped_program(t, n_bh, n_tiles, lpt_group)
+        off_b = off_bh // nheads
+        off_h = off_bh % nheads
+    # rank 0 is the last query tile, the one with the most keys under causal masking
+    start_m = (n_tiles - 1 - rank) * BLOCK_M
+    # the last row's last key (+ 1), and the first row's first key
+    if CAUSAL:
+        n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+    elif right is not None:
+        n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q + right, 0), seqlen_k)
+    else:
+        n_end = seqlen_k
+    n_k = gl.cdiv(n_end, BLOCK_N)
+    n_start = 0
+    if left is not None:
+        # clamped before dividing: // truncates toward 0
+        first = gl.maximum(start_m + seqlen_k - seqlen_q - left, 0) // BLOCK_N
+        n_k = gl.maximum(n_k - first, 0)
+        n_start = first * BLOCK_N
+    return off_b, off_h, off_h // GROUP, start_m, n_start, n_k, q_start, k_start, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def publish_tile(tile_smem, tile_ready, qb, t, b):
+    """Write work item t (and under varlen its sequence b) into slot qb and release it to the consumers (the
+    loader warp). The slot has its own barrier, arrived by this warp alone, so the index does not wait for
+    Q's bytes to land (q_ready's phase ends with the TMA's). racecheck reports this hand-off all the same,
+    and not the same protocol in a kernel that does nothing but this hand-off: its reports here say nothing
+    about a race."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile_smem.index(qb).store(gl.full([1], t, gl.int32, one))
+    if tile_smem.shape[0] > 2:  # varlen: the sequences in a second pair of slots
+        tile_smem.index(2 + qb).store(gl.full([1], b, gl.int32, one))
+    # every lane's store before the one lane's arrive
+    gl.thread_barrier()
+    mbarrier.arrive(tile_ready.index(qb), count=1)
+
+
+@gluon.jit
+def next_tile(tile_smem, tile_ready, i):
+    """The consumers' i-th work item (n_work: none left) and under varlen its sequence (else 0), from the
+    loader's slot."""
+    qb = i % 2
+    mbarrier.wait(tile_ready.index(qb), (i // 2) & 1)
+    rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    t = gl.max(tile_smem.index(qb).load(rows), 0)
+    b = 0
+    if tile_smem.shape[0] > 2:
+        b = gl.max(tile_smem.index(2 + qb).load(rows), 0)
+    return t, b
