@@ -1,6 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
+        [ws_features]
 
 (default: the first four).
 
@@ -9,7 +10,9 @@ the opt-in checks off (the kernel clamps them: memcheck must stay clean) and on 
 launch), through flash_attn_with_kvcache and a DecodePlan.
 
 ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after
-the Triton forward's route) so that a hazard report names one of them.
+the Triton forward's route) so that a hazard report names one of them. ws_features runs their compile-time
+variants (windows, softcap, ALiBi, sinks, the forward's varlen layout) forward and backward at small odd
+shapes.
 """
 
 import sys
@@ -146,6 +149,47 @@ def ws_bwd():
             q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
             _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
     routes.forward_route = default
+
+
+def ws_features():
+    # each option at d = 64 (two and, past a 4K band, three consumer warpgroups), 128 and 256, GQA; among them
+    # query tiles with no key (sq > sk under a band), key tiles no query sees (sq < sk with a left edge),
+    # windows ending mid-tile, and persistent programs taking several tiles (70 heads)
+    h = 4
+    cases = [
+        ((1, 200, 137, 128), dict(window_size=(33, 17))),
+        ((1, 300, 100, 128), dict(window_size=(20, 10), learnable_sink=True)),
+        ((1, 100, 700, 64), dict(window_size=(50, 0), softcap=5.0)),
+        ((2, 67, 130, 64), dict(causal=True, window_size=(40, -1), alibi_slopes=(2, h))),
+        ((1, 257, 257, 128), dict(window_size=(-1, 3), softcap=3.0, alibi_slopes=(h,), learnable_sink=True)),
+        ((1, 4500, 130, 64), dict(window_size=(64, -1))),
+        ((1, 256, 256, 128), dict(causal=True, window_size=(100, -1), nheads=70)),
+        # d = 256: the forward's 32-key steps (its backward is the Triton one)
+        ((1, 257, 300, 256), dict(causal=True, window_size=(64, -1), softcap=5.0, learnable_sink=True)),
+    ]
+    for (b, sq, sk, d), options in cases:
+        options = dict(options)
+        heads = options.pop("nheads", h)
+        q, k, v = _qkv((b, sq, heads, d), (b, sk, 2, d), (b, sk, 2, d)) if heads == h else _qkv(
+            (b, sq, heads, d), (b, sk, heads, d), (b, sk, heads, d))
+        inputs = [q, k, v]
+        if "alibi_slopes" in options:
+            options["alibi_slopes"] = torch.rand(options["alibi_slopes"], device="cuda")
+        if options.get("learnable_sink"):
+            options["learnable_sink"] = torch.randn(heads, device="cuda", requires_grad=True)
+            inputs.append(options["learnable_sink"])
+        _grad_check(flash_attn_func(q, k, v, **options), *inputs)
+    # the varlen forward (its backward is the Triton one): empty sequences, a last tile ending mid-warpgroup,
+    # masked stores of those rows beside the next sequence's TMA stores
+    lens_q, lens_k = [0, 77, 1, 130, 64, 0, 191], [5, 77, 0, 200, 64, 3, 150]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for ls in (lens_q, lens_k))
+    for d in (64, 128):
+        q, k, v = _qkv((sum(lens_q), h, d), (sum(lens_k), 2, d), (sum(lens_k), 2, d))
+        sink = torch.randn(h, device="cuda", requires_grad=True)
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                     window_size=(50, -1), softcap=4.0, learnable_sink=sink)
+        _grad_check(out, q, k, v, sink)
 
 
 for name in sys.argv[1:] or ("dense", "decode", "decode_bad", "sparse"):

@@ -97,6 +97,24 @@ def _routes(q, k, v, fwd, bwd, causal=False, **kw):
     dense_ops.attention_backward(torch.ones_like(out), q, k, v, out, lse, route=b, **options)
 
 
+def _on_gluon(fn, *args, launchers=("backward", "forward"), **kw):
+    """fn(*args, **kw), which must launch the Gluon kernels named (both by default): a case meant for them
+    that the routes sent to the Triton kernels would compile those instead, and pass."""
+    ran = []
+    real = gluon.forward, gluon.backward
+
+    def spy(name, launcher):
+        return lambda *a, **k: (ran.append(name), launcher(*a, **k))[1]
+
+    gluon.forward, gluon.backward = spy("forward", real[0]), spy("backward", real[1])
+    try:
+        fn(*args, **kw)
+    finally:
+        gluon.forward, gluon.backward = real
+    if sorted(set(ran)) != sorted(launchers):
+        raise RuntimeError(f"the Gluon kernels {launchers} did not all run: {ran}")
+
+
 def _with_tiles(spec, fn, *args, **kw):
     with config.use_tiles(spec):
         fn(*args, **kw)
@@ -132,6 +150,63 @@ def dense_cases():
                     k, v = (_t(1, n, 2, d, dtype=dtype, grad=True) for _ in range(2))
                     yield f"dense gluon {dtype} d={d} causal={causal} n={n}", partial(
                         _fwd_bwd, flash_attn_func, q, k, v, causal=causal)
+    # the Gluon kernels' options, compile-time variants of both: every band shape (right edge at the diagonal,
+    # elsewhere, none; left edge or none), softcap, ALiBi slopes (h,) and (b, h), a sink; d = 64 on two
+    # consumer warpgroups (a band narrower than 4K) and three (the tile override), d = 128. The quick set
+    # covers each option once per configuration
+    two, three = (64, None), (64, "fwd_ws=192,128,4,3")
+    if QUICK:
+        cases = [(two, "swa+softcap", dict(causal=True, window_size=(255, -1), softcap=20.0)),
+                 (three, "window+alibi_bh+sink", dict(window_size=(100, 37), alibi=(1, 4), sink=True)),
+                 ((128, None), "right+softcap+alibi", dict(window_size=(-1, 8), softcap=20.0, alibi=(4,))),
+                 ((128, None), "left+sink", dict(window_size=(300, -1), sink=True))]
+    else:
+        options = {"swa": dict(causal=True, window_size=(255, -1)), "window": dict(window_size=(100, 37)),
+                   "left": dict(window_size=(300, -1)), "right": dict(window_size=(-1, 8)),
+                   "softcap": dict(softcap=20.0), "alibi": dict(alibi=(4,)), "alibi_bh": dict(alibi=(1, 4)),
+                   "sink": dict(sink=True),
+                   "all": dict(window_size=(100, 37), softcap=20.0, alibi=(1, 4), sink=True)}
+        cases = [(c, name, opts) for c in (two, three, (128, None)) for name, opts in options.items()]
+    for (d, tiles), name, opts in cases:
+        q = _t(1, 1100, 4, d, grad=True)
+        k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
+        opts = dict(opts)
+        if "alibi" in opts:
+            opts["alibi_slopes"] = torch.rand(opts.pop("alibi"))
+        if opts.pop("sink", False):
+            opts["learnable_sink"] = torch.zeros(4, requires_grad=True)
+        call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
+        yield f"dense gluon d={d} {tiles or 'table tiles'} {name}", (
+            partial(_with_tiles, tiles, call) if tiles else call)
+    # the Gluon forward at d = 256 (32-key steps; the backward is the Triton one), padded and varlen
+    cu, cu_k = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), torch.tensor([0, 5, 70, 70, 300],
+                                                                                  dtype=torch.int32)
+    d256 = [("causal", dict(causal=True)), ("swa+softcap+sink", dict(causal=True, window_size=(255, -1),
+                                                                      softcap=20.0, sink=True))]
+    if not QUICK:
+        d256 += [("full", {}), ("window+alibi_bh", dict(window_size=(100, 37), alibi=True))]
+    for varlen in (False, True):
+        for name, opts in d256:
+            opts = dict(opts)
+            if opts.pop("alibi", False):  # (batch, nheads): 4 sequences, or 1 batch
+                opts["alibi_slopes"] = torch.rand(4 if varlen else 1, 4)
+            if opts.pop("sink", False):
+                opts["learnable_sink"] = torch.zeros(4, requires_grad=True)
+            if varlen:
+                q, k, v = _t(208, 4, 256, grad=True), _t(300, 2, 256, grad=True), _t(300, 2, 256, grad=True)
+                args = (flash_attn_varlen_func, q, k, v, cu, cu_k, 130, 230)
+            else:
+                q = _t(1, 1100, 4, 256, grad=True)
+                k, v = (_t(1, 1100, 2, 256, grad=True) for _ in range(2))
+                args = (flash_attn_func, q, k, v)
+            yield f"{'varlen' if varlen else 'dense'} gluon d=256 {name}", partial(
+                _on_gluon, _fwd_bwd, *args, launchers=("forward",), **opts)
+    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward is the Triton one)
+    for d, dv in ((192, 128),) if QUICK else ((192, 128), (128, 64), (96, 64), (40, 64)):
+        q = _t(1, 1100, 4, d, grad=True)
+        k, v = _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
+        yield f"dense gluon d={d} dv={dv} causal softcap", partial(
+            _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=("forward",), causal=True, softcap=20.0)
     # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes,
     # so that program loads Q/dO through pointers
     for sq, causal in ((300, False), (300, True), (512, True)):
@@ -148,7 +223,18 @@ def dense_cases():
         alibi_slopes=torch.rand(4), learnable_sink=torch.zeros(4, requires_grad=True))
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 4, 64, grad=True), _t(208, 2, 64, grad=True), _t(208, 2, 64, grad=True)
-    yield "varlen causal", partial(_fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True)
+    yield "varlen causal", partial(_on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130,
+                                   causal=True, launchers=("forward",))
+    # the Gluon forward's varlen variant with the options (its backward is the Triton one), d = 64 on two and
+    # three consumer warpgroups, d = 128
+    cu_k = torch.tensor([0, 5, 70, 70, 300], dtype=torch.int32)
+    for d, tiles in ((64, None), (64, "fwd_ws=192,128,4,3"), (128, None)):
+        q, k, v = _t(208, 4, d, grad=True), _t(300, 2, d, grad=True), _t(300, 2, d, grad=True)
+        call = partial(_on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu_k, 130, 230,
+                       launchers=("forward",), window_size=(40, 3), softcap=10.0,
+                       alibi_slopes=torch.rand(4, 4), learnable_sink=torch.zeros(4, requires_grad=True))
+        yield f"varlen gluon d={d} {tiles or 'table tiles'} window softcap alibi sink", (
+            partial(_with_tiles, tiles, call) if tiles else call)
     # S_dmask (return_attn_probs with dropout): its key tiles are 128, 64 and 32 wide by head dim
     for d in (32, 64, 128, 256):
         q, k, v = _t(2, 150, 4, d), _t(2, 190, 2, d), _t(2, 190, 2, d)
