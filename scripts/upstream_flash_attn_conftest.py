@@ -2,10 +2,11 @@
 (scripts/upstream_flash_attn_tests.sh copies it next to that file as conftest.py).
 
 It makes `import flash_attn` resolve to flashattn (flashattn.compat.install) before the test module is
-imported, and with UPSTREAM_SUBSET=1 keeps a representative subset: of each test function's parametrizations,
-the QUOTA[name] (times UPSTREAM_SCALE, default 1) whose node ids hash lowest (CRC-32: the same subset on every run, spread uniformly over every
-parameter: dtypes, head dims, lengths, causal / window / ALiBi / dropout / softcap, GQA, packing); functions
-without a quota run whole. The quotas size the subset at about 10 minutes on an H200.
+imported, and with UPSTREAM_SUBSET=1 keeps a representative subset: of each test function's
+parametrizations, the QUOTA[name] (times UPSTREAM_SCALE, default 1) whose node ids hash lowest (CRC-32: the
+same subset on every run, spread uniformly over every parameter: dtypes, head dims, lengths, causal / window
+/ ALiBi / dropout / softcap, GQA, packing); functions without a quota run whole. The quotas size the subset
+at about 10 minutes on an H200.
 """
 
 import os
