@@ -6,8 +6,10 @@
 #
 # Stages, each named for what it measures:
 #   fa4-libs      unpack FlashAttention-4's libraries (call carrying .fa4a; see ../shared/tools/fa4-wheels.sh)
-#   gpu-tests     pytest -m gpu: every GPU test (or GPU_TESTS="paths"), its summary
+#   gpu-tests     pytest -m gpu: every GPU test (or GPU_TESTS="paths"), its summary; GPU_TESTS_N xdist workers
+#                 (default 8: the compiles are the cost, and they run on the host's cores)
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
+#                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, default all; SANITIZE_S: seconds a case)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #   features      the features suite (packed documents, windows, softcap, sinks, GQA, d=256) beside cuDNN/FA4
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
@@ -49,16 +51,20 @@ for stage in "$@"; do
       mkdir -p /tmp/fa4 && tar -C /tmp/fa4 -xJf .fa4a/libs.tar.xz && echo "FA4 libraries unpacked" ;;
     gpu-tests)
       # GPU_TESTS: the test paths (default: all of tests/)
-      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 \
-        | tee "$RES/pytest_gpu.log" | tail -25 ;;
+      # -v: each result is in the log as it lands, so a run cut off by its time limit still says what passed
+      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
+        ${GPU_TESTS:-tests} > "$RES/pytest_gpu.log" 2>&1
+      grep -E "FAILED|ERROR" "$RES/pytest_gpu.log" | head -30
+      grep -cE " PASSED " "$RES/pytest_gpu.log" | sed 's/^/passed so far: /'
+      tail -3 "$RES/pytest_gpu.log" ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
-      for case in dense decode decode_bad sparse ws_bwd; do
-        timeout 120 compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
+      for case in ${SANITIZE_MEMCHECK:-dense decode decode_bad sparse ws_bwd ws_features}; do
+        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/memcheck.log"
       done
-      for case in ws_fwd ws_bwd; do
-        timeout 120 compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
+      for case in ${SANITIZE_RACECHECK:-ws_fwd ws_bwd ws_features}; do
+        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/racecheck.log"
       done
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
