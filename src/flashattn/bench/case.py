@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("fwd", "bwd", "fwd+bwd")
+# the seed of Case.learnable_sink's values
+SINK_SEED = 1234
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -36,9 +38,11 @@ def torch_dtype(name: str):
 
 @dataclass(frozen=True)
 class Case:
-    """One attention problem: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim).
+    """One attention problem: q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
+    v (batch, seqlen_k, nheads_k, headdim_v).
 
-    `extra` carries suite-specific fields (a decode suite's kv_len, page_size, ...) into the result row.
+    `extra` carries suite-specific fields (a decode suite's kv_len, page_size, ...) into the result row, and
+    the options the providers and the oracle read from it (window, lengths, softcap, sink, headdim_v).
     """
 
     batch: int
@@ -77,6 +81,36 @@ class Case:
         return None if lengths is None else tuple(int(n) for n in lengths)
 
     @property
+    def headdim_v(self) -> int:
+        """v's (and the output's) head dim; suites set it through `extra` where it differs from headdim."""
+        return int(self.extra.get("headdim_v") or self.headdim)
+
+    @property
+    def softcap(self) -> float:
+        """flash_attn's softcap (0: none); suites set it through `extra`."""
+        return float(self.extra.get("softcap") or 0.0)
+
+    @property
+    def has_sink(self) -> bool:
+        """A learnable sink (one logit per query head in every softmax denominator), `extra` field `sink`."""
+        return bool(self.extra.get("sink"))
+
+    def learnable_sink(self, device, requires_grad: bool = False):
+        """The case's sink logits, float32 (nheads,), or None without one.
+
+        A fixed draw, so that every provider and the oracle see the same values. Of order one: a row that sees
+        a few keys (causal, the first rows; a short window) then gives the sink a large share of the softmax,
+        so a provider that drops it is told apart.
+        """
+        if not self.has_sink:
+            return None
+        import torch
+
+        gen = torch.Generator().manual_seed(SINK_SEED)
+        sink = torch.randn(self.nheads, generator=gen, dtype=torch.float32)
+        return sink.to(device).requires_grad_(requires_grad)
+
+    @property
     def masked(self) -> bool:
         """A mask beyond plain (causal) attention, which the oracle and the FLOP count must know about."""
         return self.lengths is not None or self.window != (-1, -1)
@@ -108,7 +142,12 @@ class Case:
             mask += f" varlen({len(self.lengths)} seqs)"
         if self.window != (-1, -1):
             mask += f" window={self.window}"
-        return f"b={self.batch} {h} {n} d={self.headdim}{' causal' if self.causal else ''}{mask} {self.dtype}"
+        if self.softcap:
+            mask += f" softcap={self.softcap:g}"
+        if self.has_sink:
+            mask += " sink"
+        d = f"d={self.headdim}" + (f" dv={self.headdim_v}" if self.headdim_v != self.headdim else "")
+        return f"b={self.batch} {h} {n} {d}{' causal' if self.causal else ''}{mask} {self.dtype}"
 
 
 def window_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] = (-1, -1)) -> float:

@@ -10,6 +10,10 @@ The oracle is fp64 and dense, so for large shapes it runs on a slice that is sti
 - packed sequences (case.lengths) are checked on the first two sequences, each row block against the keys
   of its own sequence only, so a checked row that reads another sequence shows up as a wrong output and as
   nonzero dk/dv outside its sequence;
+- softcap, a learnable sink (the slice's heads of it) and a v head dim of its own reach the oracle as the
+  provider gets them: none of them changes which keys a row sees, so the slicing above holds (the sink's own
+  gradient is not compared: the runner differentiates q, k and v; a sink a provider drops or misreads shows
+  in the output and in all three of their gradients);
 - gradients come from a backward with dout zero outside the checked rows and heads: then the provider's dk/dv
   hold exactly the contributions of the checked rows (summed over blocks), and everything else must be zero.
 The yardstick is the naive provider's own low-precision error on the same slice: a provider passes when its
@@ -47,6 +51,10 @@ class CheckSlice:
             heads += f" (kv heads 0-{self.heads_k - 1})"
         blocks = " & ".join(f"{a}-{b - 1}" for a, b in self.row_blocks)
         mask = f", window {case.window}" if case.window != (-1, -1) else ""
+        if case.softcap:
+            mask += f", softcap {case.softcap:g}"
+        if case.has_sink:
+            mask += ", learnable sink"
         if case.lengths is not None:
             seqs = sorted({_sequence_of(case.lengths, a)[2] for a, _ in self.row_blocks})
             which = ", ".join(str(i) for i in seqs)
@@ -143,24 +151,38 @@ def _row_blocks(seqlen_q: int, seqlen_k: int, heads_q: int, budget_bytes: int) -
     return ((0, half), (seqlen_q - half, seqlen_q))
 
 
-def _reference(q, k, v, causal, window=(-1, -1)):
-    """The package's dense oracle; float64 in, float64 out."""
+def _reference(q, k, v, causal, window=(-1, -1), **options):
+    """The package's dense oracle; float64 in, float64 out. `options`: softcap, learnable_sink."""
     from flashattn.reference import attention_ref
 
-    out = attention_ref(q, k, v, causal=causal, window_size=window, upcast=True)
+    out = attention_ref(q, k, v, causal=causal, window_size=window, upcast=True, **options)
     return first_tensor(out).to(torch.float64)
 
 
 REFERENCE = "flashattn.reference.attention_ref(upcast=True) on float64 inputs"
 
 
-def _naive_bshd(q, k, v, causal, window=(-1, -1)):
-    if window != (-1, -1):
-        # the same low-precision recipe as naive (scores in the input dtype, softmax in fp32), with the window
+def _naive_bshd(q, k, v, causal, window=(-1, -1), **options):
+    if window != (-1, -1) or options:
+        # the same low-precision recipe as naive (scores in the input dtype, softmax in fp32), with the
+        # window, softcap and sink that naive does not take
         from flashattn.reference import attention_ref
 
-        return first_tensor(attention_ref(q, k, v, causal=causal, window_size=window, upcast=False))
+        out = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False, **options)
+        return first_tensor(out)
     return naive_attention(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal).transpose(1, 2)
+
+
+def _options(case: Case, heads_q: int, device: torch.device) -> dict:
+    """The case's softcap and learnable sink as attention_ref's keywords, the sink cut to the checked heads;
+    none for a case without them, so the oracle's calls stay what they were."""
+    options: dict = {}
+    if case.softcap:
+        options["softcap"] = case.softcap
+    sink = case.learnable_sink(device)
+    if sink is not None:
+        options["learnable_sink"] = sink[:heads_q]
+    return options
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -217,22 +239,23 @@ class Oracle:
     def _run(self, fn, q, k, v, dout, dtype):
         """Output rows of every block (concatenated) and, if asked, dq rows / dk / dv summed over blocks."""
         s, case = self.slice, self.case
+        options = _options(case, s.heads_q, q.device)
         sub = [x[:1, :, : (s.heads_q if i in (0, 3) else s.heads_k)] for i, x in enumerate((q, k, v, dout))]
         outs, dqs = [], []
         dk = torch.zeros(sub[1].shape, dtype=torch.float64, device=q.device)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros(sub[2].shape, dtype=torch.float64, device=q.device)
         for r0, r1 in s.row_blocks:
             k0, k1, causal, window = s.key_range(case, r0, r1)
             if k1 <= k0:
                 # causal with sk < sq (or a window past the keys): no key is visible, so output and dq are 0
-                outs.append(torch.zeros(sub[0][:, r0:r1].shape, dtype=torch.float64, device=q.device))
-                dqs.append(torch.zeros_like(outs[-1]))
+                outs.append(torch.zeros(sub[3][:, r0:r1].shape, dtype=torch.float64, device=q.device))
+                dqs.append(torch.zeros(sub[0][:, r0:r1].shape, dtype=torch.float64, device=q.device))
                 continue
             qb = sub[0][:, r0:r1].to(dtype).requires_grad_(self.grads)
             kb = sub[1][:, k0:k1].to(dtype).requires_grad_(self.grads)
             vb = sub[2][:, k0:k1].to(dtype).requires_grad_(self.grads)
             with torch.enable_grad():
-                ob = fn(qb, kb, vb, causal, window)
+                ob = fn(qb, kb, vb, causal, window, **options)
             outs.append(ob.detach().double())
             if self.grads:
                 gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), sub[3][:, r0:r1].to(ob.dtype))

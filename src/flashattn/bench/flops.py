@@ -27,10 +27,24 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
 
 
 def attention_flops(
-    batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool, mode: str = "fwd"
+    batch: int,
+    nheads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    headdim: int,
+    causal: bool,
+    mode: str = "fwd",
+    headdim_v: int | None = None,
 ) -> float:
     """Forward = 4·b·h·pairs·d (QKᵀ and PV, 2 flops per multiply-add); bwd 2.5x, fwd+bwd 3.5x."""
-    return 4.0 * batch * nheads * visible_pairs(seqlen_q, seqlen_k, causal) * headdim * MODE_FACTOR[mode]
+    return pair_flops(batch * nheads * visible_pairs(seqlen_q, seqlen_k, causal), headdim, headdim_v, mode)
+
+
+def pair_flops(head_pairs: float, headdim: int, headdim_v: int | None = None, mode: str = "fwd") -> float:
+    """FLOPs of `head_pairs` (query, key) pairs summed over heads: 2·pairs·(d + dv) forward (QKᵀ over d, PV
+    over dv; 4·pairs·d when they agree), the same 2.5x / 3.5x for backward and forward+backward."""
+    dv = headdim if headdim_v is None else headdim_v
+    return 2.0 * head_pairs * (headdim + dv) * MODE_FACTOR[mode]
 
 
 def tflops(flops: float, ms: float | None) -> float | None:

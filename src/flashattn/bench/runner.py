@@ -15,7 +15,7 @@ from . import providers as provider_registry
 from . import results
 from .case import Case, torch_dtype
 from .check import CHECK_BUDGET_BYTES, Oracle
-from .flops import MODE_FACTOR, attention_flops, tflops
+from .flops import attention_flops, pair_flops, tflops
 from .progress import Progress
 from .providers.base import Prepared, from_bshd, to_bshd
 from .suites import Suite
@@ -104,8 +104,10 @@ class Runner:
             return torch.randn(*shape, generator=gen, device=dev, dtype=dtype)
 
         q_shape = (case.batch, case.seqlen_q, case.nheads, case.headdim)
-        kv_shape = (case.batch, case.seqlen_k, case.nheads_k, case.headdim)
-        return _Inputs(randn(*q_shape), randn(*kv_shape), randn(*kv_shape), randn(*q_shape))
+        k_shape = (case.batch, case.seqlen_k, case.nheads_k, case.headdim)
+        v_shape = (case.batch, case.seqlen_k, case.nheads_k, case.headdim_v)
+        out_shape = (case.batch, case.seqlen_q, case.nheads, case.headdim_v)
+        return _Inputs(randn(*q_shape), randn(*k_shape), randn(*v_shape), randn(*out_shape))
 
     def _run_case(self, case: Case, progress: Progress) -> None:
         names = [n for n in self.cfg.providers if self._applies(case, n)]
@@ -216,10 +218,11 @@ class Runner:
             return
         if case.masked:
             # windows and packed sequences: only the pairs that take part count
-            flops = 4.0 * case.nheads * case.visible_pairs() * case.headdim * MODE_FACTOR[mode]
+            flops = pair_flops(case.nheads * case.visible_pairs(), case.headdim, case.headdim_v, mode)
         else:
             flops = attention_flops(
-                case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim, case.causal, mode
+                case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.headdim, case.causal, mode,
+                case.headdim_v,
             )
         row["tflops"] = tflops(flops, row["ms"])
 

@@ -1,5 +1,6 @@
-"""`flashattn` (this project, through its public API) and, for A/B timing, the same attention on other routes
-(flashattn.backends.triton.routes) through the launchers with an explicit route:
+"""`flashattn` (this project, through its public API, with the case's window, packing, softcap and sink) and,
+for A/B timing, the same attention on other routes (flashattn.backends.triton.routes) through the launchers
+with an explicit route:
 `flashattn-triton` (the Triton kernels forward and backward), `flashattn-triton-bwd` (the Triton backward
 only), `flashattn-ptr` (the Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor`
 (the default routes with the launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one
@@ -14,6 +15,21 @@ import torch
 
 from ..case import Case
 from .base import Prepared, Provider, first_tensor, make_leaves
+from .features import _require_packed, cu_seqlens
+
+
+def flash_attn_options(case: Case, device: torch.device) -> dict:
+    """The case's window, softcap and learnable sink as flash_attn's keywords; none at all for a plain case,
+    so that the call every other suite times is the one it always was."""
+    options: dict = {}
+    if case.window != (-1, -1):
+        options["window_size"] = case.window
+    if case.softcap:
+        options["softcap"] = case.softcap
+    sink = case.learnable_sink(device, requires_grad=True)
+    if sink is not None:
+        options["learnable_sink"] = sink
+    return options
 
 
 def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -21,8 +37,23 @@ def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
     leaves = make_leaves(q, k, v, "bshd")
     qb, kb, vb = leaves
+    options = flash_attn_options(case, q.device)
+    if case.lengths is not None:
+        # packed documents: the public varlen call, one cu_seqlens for q and k (as flashattn-varlen)
+        lengths = _require_packed(case)
+        cu, longest = cu_seqlens(lengths, q.device), max(lengths)
+
+        def fwd() -> torch.Tensor:
+            # the (1, total, h, d) leaves indexed to (total, h, d): views, so the timed call copies nothing
+            out = flashattn.flash_attn_varlen_func(
+                qb[0], kb[0], vb[0], cu, cu, longest, longest, causal=case.causal, **options
+            )
+            return first_tensor(out).unsqueeze(0)
+
+        return Prepared(fwd=fwd, leaves=leaves)
     return Prepared(
-        fwd=lambda: first_tensor(flashattn.flash_attn_func(qb, kb, vb, causal=case.causal)), leaves=leaves
+        fwd=lambda: first_tensor(flashattn.flash_attn_func(qb, kb, vb, causal=case.causal, **options)),
+        leaves=leaves,
     )
 
 
@@ -106,7 +137,9 @@ def _providers() -> list[Provider]:
 
 
 PROVIDERS = [
-    Provider("flashattn", _setup_public, "this project: flashattn.flash_attn_func, automatic backend choice"),
+    Provider("flashattn", _setup_public,
+             "this project: flashattn.flash_attn_func (flash_attn_varlen_func on packed cases) with the "
+             "case's window, softcap and sink, automatic backend choice"),
     *_providers(),
     Provider("torch-backend", _setup_torch_backend,
              "this project's chunked pure-PyTorch backend (flash_attn_func with the torch backend forced)"),
