@@ -554,3 +554,12 @@ def test_dv_below_d_varlen(ws_calls, ws_bwd_calls):
     torch.manual_seed(0)
     _check_varlen(ws_calls, ws_bwd_calls, [0, 65, 1, 300, 129], [7, 65, 2, 200, 300], 4, 2, 192, dv=128,
                   causal=True)
+
+
+def test_option_off_after_on_at_the_same_shape(ws_calls, ws_bwd_calls):
+    # a softcap's float and None (compiled out) are different kernels: the second call must not take the
+    # first one's launch plan
+    torch.manual_seed(0)
+    q, k, v = _qkv(1, 700, 700, 4, 2, 128)
+    for softcap in (20.0, 0.0, 20.0):
+        check_against_oracle(q, k, v, causal=True, softcap=softcap)

@@ -28,13 +28,14 @@ def _values():
     base = torch.empty(64, dtype=torch.float32)
     tensors = [base, base[1:], base[4:], base.to(torch.float16), base.to(torch.float16)[8:],
                base.to(torch.bfloat16)[3:], base.to(torch.int32)]
-    return ints + floats + [True, False] + tensors
+    return ints + floats + [True, False, None] + tensors
 
 
 def test_spec_never_merges_what_triton_tells_apart():
+    # across kinds too: a launcher may pass a float in one call and None (a feature compiled out) in the next
     values = _values()
     for a, b in itertools.combinations(values, 2):
-        if type(a) is type(b) and launch_mod._spec(a) == launch_mod._spec(b):
+        if launch_mod._spec(a) == launch_mod._spec(b):
             assert _native(a) == _native(b), (a, b)
     # and it tells apart the cases that matter: 16 | x, x = 1, 32-bit range, alignment, dtype
     assert launch_mod._spec(16) != launch_mod._spec(17) != launch_mod._spec(1)
@@ -96,7 +97,8 @@ def test_plan_misses_where_the_specialisation_changes(fake_cuda):
     launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=128, FLAG=True)  # another constexpr
     launch_mod.launch(kernel, (1,), x[1:], 32, 0.5, BLOCK=64, FLAG=True)  # misaligned pointer
     launch_mod.launch(kernel, (1,), x, 32, 0.5, BLOCK=64, FLAG=True, num_warps=8)  # another option
-    assert len(kernel.jit_calls) == 5
+    launch_mod.launch(kernel, (1,), x, 32, None, BLOCK=64, FLAG=True)  # a float argument passed as None
+    assert len(kernel.jit_calls) == 6
     assert all(not c.runs for c in kernel.compiled.values())
 
 

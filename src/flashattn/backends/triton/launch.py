@@ -7,7 +7,8 @@ kernels per layer, and at N <= 2K that host time outlasts the kernels. `launch` 
 Triton 3.6 specialises on, so a plan is reused only where the JIT would pick the same compiled kernel:
   - an int: 1 is a constant; otherwise its width (i32 / i64 / u64) and whether 16 divides it;
   - a tensor (pointer): its dtype and whether its address is 16-byte aligned;
-  - a float or bool: nothing (not specialised);
+  - a float or bool: its type alone (not specialised);
+  - None: a constant (a feature compiled out), so never the plan of a call that passed a value there;
   - a Gluon tensor descriptor: its dtype, block shape and layout, which the call's constexprs fix (the
     launchers build them from the config), and its dtype is in the key;
 and on every keyword (constexprs and options such as num_warps). The first call of a signature goes through
@@ -39,9 +40,15 @@ class Plan(NamedTuple):
 
 
 def _spec(x):
-    # mirrors triton's native_specialize_impl (checked against it in the launch tests)
-    if isinstance(x, bool) or isinstance(x, float):
+    # mirrors triton's native_specialize_impl (checked against it in the launch tests); each kind of value
+    # has specs of its own, so an argument that changes kind between calls (a softcap's float, then None)
+    # never finds the other's plan
+    if isinstance(x, float):
         return None
+    if isinstance(x, bool):
+        return "u1"
+    if x is None:
+        return "constexpr None"
     if isinstance(x, int):
         return 1 if x == 1 else (x % 16 == 0, _I32[0] <= x < _I32[1], x < _I64_END)
     if isinstance(x, torch.Tensor):
