@@ -11,7 +11,10 @@
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
 #                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, default all; SANITIZE_S: seconds a case)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
-#   features      the features suite (packed documents, windows, softcap, sinks, GQA, d=256) beside cuDNN/FA4
+#                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384)
+#   features      the features suite (packed documents against equal batches, windows against full)
+#   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
+#                 cuDNN (and FA4)
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
 #   sparse        the sparse suite at 16K beside flex
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
@@ -70,7 +73,9 @@ for stage in "$@"; do
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     train-table)
       bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
-        --providers "flashattn,sdpa-cudnn$FA4" ;;
+        ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "flashattn,sdpa-cudnn$FA4" ;;
+    workloads)
+      bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     features)
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)
