@@ -9,7 +9,7 @@
 #   gpu-tests     pytest -m gpu: every GPU test (or GPU_TESTS="paths"), its summary; GPU_TESTS_N xdist workers
 #                 (default 8: the compiles are the cost, and they run on the host's cores)
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
-#                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, default all; SANITIZE_S: seconds a case)
+#                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, unset all, empty none; SANITIZE_S: seconds a case)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384)
 #   features      the features suite (packed documents against equal batches, windows against full)
@@ -62,11 +62,11 @@ for stage in "$@"; do
       tail -3 "$RES/pytest_gpu.log" ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
-      for case in ${SANITIZE_MEMCHECK:-dense decode decode_bad sparse ws_bwd ws_features}; do
+      for case in ${SANITIZE_MEMCHECK-dense decode decode_bad sparse ws_bwd ws_features}; do
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/memcheck.log"
       done
-      for case in ${SANITIZE_RACECHECK:-ws_fwd ws_bwd ws_features}; do
+      for case in ${SANITIZE_RACECHECK-ws_fwd ws_bwd ws_features}; do
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/racecheck.log"
       done
