@@ -54,11 +54,12 @@ for stage in "$@"; do
       mkdir -p /tmp/fa4 && tar -C /tmp/fa4 -xJf .fa4a/libs.tar.xz && echo "FA4 libraries unpacked" ;;
     gpu-tests)
       # GPU_TESTS: the test paths (default: all of tests/)
-      # -v: each result is in the log as it lands, so a run cut off by its time limit still says what passed
-      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
-        ${GPU_TESTS:-tests} > "$RES/pytest_gpu.log" 2>&1
-      grep -E "FAILED|ERROR" "$RES/pytest_gpu.log" | head -30
-      grep -cE " PASSED " "$RES/pytest_gpu.log" | sed 's/^/passed so far: /'
+      # --results-log (tests/conftest.py): each outcome, its duration and a failure's report land as the
+      # test ends, so a run cut off by its time limit still says what passed, what failed and why
+      timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
+        --results-log "$RES/gpu_results.log" ${GPU_TESTS:-tests} > "$RES/pytest_gpu.log" 2>&1
+      grep -A15 -E "^(FAILED|ERROR)" "$RES/gpu_results.log" | head -60
+      cut -d' ' -f1 "$RES/gpu_results.log" | sort | uniq -c
       tail -3 "$RES/pytest_gpu.log" ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads

@@ -22,7 +22,29 @@ from utils import BACKENDS, DEVICE, DTYPE_NAMES, HAS_CUDA, backend_dtypes
 from flashattn import config as flashattn_config
 
 
+def pytest_addoption(parser):
+    parser.addoption("--results-log", metavar="PATH", default=None,
+                     help="append each test's outcome, duration and (on failure) the end of its report to "
+                          "PATH as it finishes: a run cut off by a time limit still says what failed and why")
+
+
+def pytest_runtest_logreport(report):
+    path = _RESULTS_LOG.get("path")
+    if path is None or not (report.when == "call" or report.outcome != "passed"):
+        return
+    lines = [f"{report.outcome.upper()} {report.when} {report.duration:.1f}s {report.nodeid}"]
+    if report.failed:
+        lines += ["    " + line for line in report.longreprtext.splitlines()[-15:]]
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+_RESULTS_LOG: dict = {}
+
+
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # under xdist the controller writes (it gets every report)
+        _RESULTS_LOG["path"] = config.getoption("--results-log")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device with `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running")
     config.addinivalue_line("markers", "dtypes(*dtypes): restrict the dtypes a backend/dtype test runs with")
