@@ -16,7 +16,7 @@
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 cuDNN (and FA4)
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
-#   sparse        the sparse suite at 16K beside flex
+#   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
 #                 process, beside SDPA-cuDNN (scripts/host_ab.py)
@@ -82,7 +82,8 @@ for stage in "$@"; do
     decode)
       bench "${DECODE_S:-200}" decode --suite decode ;;
     sparse)
-      bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd ;;
+      bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
+        --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
     host-time)
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
     host-ab)

@@ -492,3 +492,15 @@ def test_program_mapping_covers_every_tile_once(n_bh, n_blocks, subtiles):
     assert all(t < hoist for _, t in pairs[:lead]) and all(t >= hoist for _, t in pairs[lead:])
     rest = pairs[lead:]
     assert [b for b, _ in rest] == sorted(b for b, _ in rest)  # head by head
+
+
+def test_flex_fa4_provider_needs_cuda_and_says_so():
+    # flex on FlashAttention-4's kernels (kernel_options BACKEND=FLASH) runs only where FA4 is installed on
+    # a GPU: elsewhere its setup fails with one line the bench reports as the row's error
+    from flashattn.bench import providers
+
+    provider = providers.get("flex-fa4-sparse")
+    case = _sparse_cases()[0]
+    q, k, v = (torch.randn(1, case.seqlen_q, case.nheads, case.headdim) for _ in range(3))
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        provider.setup(case, q, k, v)

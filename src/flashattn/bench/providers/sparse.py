@@ -1,4 +1,5 @@
-"""Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex.
+"""Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex (on its
+Triton kernels, or on FlashAttention-4's where FA4 is installed).
 
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (`flashattn-sparse-bits`:
 the same through the launchers on a route whose partial blocks read bitmasks even where the mask has a rule);
@@ -217,6 +218,23 @@ def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                     layout="bhsd")
 
 
+def _setup_flex_fa4_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    """flex-sparse on FlashAttention-4's kernels: flex_attention runs its block mask and mask_mod there with
+    kernel_options BACKEND=FLASH, which needs CUDA and flash_attn.cute (FA4's wheels) in the process."""
+    if q.device.type != "cuda":
+        raise RuntimeError("flex-fa4-sparse needs a CUDA device (flex's FLASH backend is FlashAttention-4)")
+    import flash_attn.cute  # noqa: F401  (an ImportError here says FA4 is missing, not a flex error later)
+
+    fmask = flex_block_mask(MaskSpec.of(case), q.device)
+    flex = _compiled_flex()
+    leaves = make_leaves(q, k, v, "bhsd")
+    qh, kh, vh = leaves
+    gqa = case.nheads != case.nheads_k
+    options = {"BACKEND": "FLASH"}
+    return Prepared(fwd=lambda: flex(qh, kh, vh, block_mask=fmask, enable_gqa=gqa, kernel_options=options),
+                    leaves=leaves, layout="bhsd")
+
+
 PROVIDERS = [
     Provider("flashattn-sparse", _setup_flashattn_sparse,
              "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
@@ -225,4 +243,6 @@ PROVIDERS = [
              "(A/B timing)"),
     Provider("flex-sparse", _setup_flex_sparse,
              "torch.compile(flex_attention) with our BlockMask's block lists and the same element rule"),
+    Provider("flex-fa4-sparse", _setup_flex_fa4_sparse,
+             "flex-sparse on FlashAttention-4's kernels: kernel_options BACKEND=FLASH (needs FA4)"),
 ]
