@@ -359,6 +359,10 @@ def test_workloads_suite_smoke_on_cpu(tmp_path, monkeypatch):
             assert cudnn["error"] is not None
             assert cudnn["error"].startswith("skipped") == (name not in SDPA_RUNS), (name, cudnn["error"])
     assert by[("d192-dv128", "flashattn", "fwd")]["headdim_v"] == 128
+    # each of our rows names the kernels it timed (the torch backend here), the other providers' none
+    ours = [r for r in rows if r["provider"] == "flashattn"]
+    assert ours and all((r["route_fwd"], r["route_bwd"]) == ("torch", "torch") for r in ours)
+    assert not any("route_fwd" in r for r in rows if r["provider"] != "flashattn")
     # FA4 got the options in its own spelling: varlen for the documents, None for an unbounded side
     assert sum(c["varlen"] for c in calls) > 0 and all(c["window_size"] == (None, None) for c in calls
                                                        if c["varlen"])
@@ -369,3 +373,19 @@ def test_workloads_suite_smoke_on_cpu(tmp_path, monkeypatch):
     assert "## fwd: flashattn speedup" in md and "## bwd: TFLOP/s" in md
     assert "| docs-longtail |" in md and "| d192-dv128 |" in md
     assert "flashattn / fa4:" in md
+
+
+def test_routes_info_names_the_kernels_of_the_call(monkeypatch):
+    # the row fields come from the routing spec of the call as the provider makes it: under the interpreter
+    # CPU tensors take the Triton kernels' routes (the Gluon ones need sm90), a forced torch backend its own
+    from flashattn.bench.providers.ours import routes_info
+
+    q, k, v = (torch.randn(1, 64, 2, 32) for _ in range(3))
+    monkeypatch.setattr(flashattn_config, "backend", "torch")
+    assert routes_info(q, k, v, causal=True) == {"route_fwd": "torch", "route_bwd": "torch"}
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    monkeypatch.setattr(flashattn_config, "INTERPRET", True)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    for info in (routes_info(q, k, v, causal=True, window_size=(16, 0)),
+                 routes_info(q[0], k[0], v[0], cu_seqlens_q=cu, max_seqlen_q=44, max_seqlen_k=44)):
+        assert info == {"route_fwd": "TritonForward", "route_bwd": "TritonBackward"}

@@ -169,6 +169,8 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - a provider that cannot run is a result, not a crash
             fail_all(describe_error(exc))
             return
+        for row in rows.values():
+            row.update(prepared.info)
         try:
             with prepared.context():
                 self._check_and_time(case, name, prepared, inputs, oracle, rows)

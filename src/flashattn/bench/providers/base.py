@@ -22,13 +22,15 @@ class Prepared:
     in the factory, outside it. `leaves` are q, k, v as `fwd` reads them (the layout of its output too),
     requiring grad; the runner differentiates with `torch.autograd.grad(out, leaves, dout)`.
     `context` is entered once around the first call, the check and the timing, rather than per call, so that
-    forcing an SDPA backend, say, costs nothing inside the timed region.
+    forcing an SDPA backend, say, costs nothing inside the timed region. `info`: fields the provider adds to
+    each of its result rows (which kernels this project's call runs, for one).
     """
 
     fwd: Callable[[], torch.Tensor]
     leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     layout: str = "bshd"
     context: Callable[[], AbstractContextManager] = field(default=contextlib.nullcontext)
+    info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -32,16 +32,35 @@ def flash_attn_options(case: Case, device: torch.device) -> dict:
     return options
 
 
+def routes_info(q, k, v, **call) -> dict:
+    """`route_fwd` / `route_bwd`: the kernel families a public call on these tensors runs (routes.Spec's
+    default routes, e.g. GluonForward / TritonBackward), or "torch" on the pure-PyTorch backend: a result
+    row then says which kernels it timed, so a call that fell back to the slower kernels shows as such."""
+    from flashattn import backends
+
+    if backends.backend_name(q) != "triton":
+        return {"route_fwd": "torch", "route_bwd": "torch"}
+    from flashattn.backends.triton import attention, routes
+
+    # dout's alignment counts for the backward's route too: the runner's is contiguous like q
+    spec = attention.spec_of(q, k, v, **call)
+    return {"route_fwd": type(routes.forward_route(spec)).__name__,
+            "route_bwd": type(routes.backward_route(spec)).__name__}
+
+
 def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
     import flashattn
 
     leaves = make_leaves(q, k, v, "bshd")
     qb, kb, vb = leaves
     options = flash_attn_options(case, q.device)
+    routed = {key: options[key] for key in ("window_size", "softcap", "learnable_sink") if key in options}
     if case.lengths is not None:
         # packed documents: the public varlen call, one cu_seqlens for q and k (as flashattn-varlen)
         lengths = _require_packed(case)
         cu, longest = cu_seqlens(lengths, q.device), max(lengths)
+        info = routes_info(qb[0], kb[0], vb[0], causal=case.causal, cu_seqlens_q=cu, max_seqlen_q=longest,
+                           max_seqlen_k=longest, **routed)
 
         def fwd() -> torch.Tensor:
             # the (1, total, h, d) leaves indexed to (total, h, d): views, so the timed call copies nothing
@@ -50,10 +69,10 @@ def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
             )
             return first_tensor(out).unsqueeze(0)
 
-        return Prepared(fwd=fwd, leaves=leaves)
+        return Prepared(fwd=fwd, leaves=leaves, info=info)
     return Prepared(
         fwd=lambda: first_tensor(flashattn.flash_attn_func(qb, kb, vb, causal=case.causal, **options)),
-        leaves=leaves,
+        leaves=leaves, info=routes_info(qb, kb, vb, causal=case.causal, **routed),
     )
 
 
