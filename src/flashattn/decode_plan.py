@@ -27,9 +27,9 @@ import numbers
 import torch
 from torch import Tensor
 
-from flashattn import _validate, config
+from flashattn import _validate
 from flashattn.errors import FlashAttnError
-from flashattn.kvcache import Launch, check_call, tensor_key, through_op
+from flashattn.kvcache import Launch, check_call, inputs_key, through_op
 from flashattn.ops import kvcache as kvcache_ops
 from flashattn.ops import registry
 
@@ -179,12 +179,8 @@ class DecodePlan:
         key = launch = None
         if registry.eager():
             try:
-                key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
-                       tensor_key(rotary_cos), tensor_key(rotary_sin),
-                       type(cache_seqlens) if seqlens_is_int else tensor_key(cache_seqlens),
-                       tensor_key(cache_batch_idx), tensor_key(cache_leftpad), tensor_key(block_table),
-                       tensor_key(alibi_slopes), tensor_key(key_padding_mask), config.backend,
-                       config.generation)
+                key = inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask)
                 launch = self._launches.get(key)
             except (AttributeError, TypeError):
                 key = None

@@ -30,6 +30,19 @@ def tensor_key(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+               cache_leftpad, block_table, alibi_slopes, key_padding_mask) -> tuple:
+    """The part of a decode call's signature its tensor arguments make (cache_seqlens may be an int), which
+    flash_attn_with_kvcache and DecodePlan.run key their prepared launches on; the backend and the tile
+    overrides too. Raises AttributeError / TypeError for an argument that is not a tensor."""
+    seqlens = type(cache_seqlens) if cache_seqlens is not None and not isinstance(cache_seqlens, Tensor) \
+        else tensor_key(cache_seqlens)
+    return (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
+            tensor_key(rotary_cos), tensor_key(rotary_sin), seqlens, tensor_key(cache_batch_idx),
+            tensor_key(cache_leftpad), tensor_key(block_table), tensor_key(alibi_slopes),
+            tensor_key(key_padding_mask), config.backend, config.generation)
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -127,12 +140,9 @@ def flash_attn_with_kvcache(
     key = launch = None
     if registry.eager():
         try:
-            key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
-                   tensor_key(rotary_cos), tensor_key(rotary_sin),
-                   type(cache_seqlens) if seqlens_is_int else tensor_key(cache_seqlens),
-                   tensor_key(cache_batch_idx), tensor_key(cache_leftpad), tensor_key(block_table),
-                   tensor_key(alibi_slopes), tensor_key(key_padding_mask), softmax_scale, causal, window_size,
-                   softcap, rotary_interleaved, num_splits, config.backend, config.generation)
+            key = (inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask),
+                   softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
             launch = _calls.get(key)
         except (AttributeError, TypeError):  # an argument that is not a tensor, a window given as a list
             key = None
