@@ -497,11 +497,12 @@ def test_opcheck(monkeypatch):
     kc, vc = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
     q, kn, vn = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
     seqlens = _i32(10, 50)
-    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None, None,
+    args = (q, kc, vc, kn, vn, None, None, seqlens, 0, None, None, None, None, None, None,
             0.25, True, -1, 0, 0.0, None, True, 0, False)
     torch.library.opcheck(kvcache_fwd.library_op, args)
     mask = torch.rand(2, 64) > 0.3
-    args = (q, kc, vc, seqlens, 0, None, None, None, mask, 0.25, False, -1, -1, 0.0, None, 0, False)
+    args = (q, kc, vc, seqlens, 0, None, None, None, mask, None, None, 0.25, False, -1, -1, 0.0, None, 0,
+            False)
     torch.library.opcheck(kvcache_attn.library_op, args)
 
 

@@ -4,6 +4,10 @@ device-side indices (one device-to-host copy).
 
 Without the range checks a bad index value never reaches memory: the kernels clamp every index they read
 (kernels/triton/decode.py, backends/torch/decode.py), so the call gives a wrong result instead of an error.
+
+An FP8 cache holds keys and values in torch.float8_e4m3fn, with float32 descales (the real value is x_fp8 ·
+descale): per tensor, shape (1,), or per sequence and KV head, shape (batch, nheads_k), indexed by q's batch
+entry (FlashAttention-3's convention, cache_batch_idx or not).
 """
 
 import numbers
@@ -13,6 +17,7 @@ from torch import Tensor
 
 from flashattn import _validate, config
 from flashattn.errors import FlashAttnError
+from flashattn.fp8 import FP8
 
 
 def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(batch,)") -> None:
@@ -53,26 +58,82 @@ def check_block_table(block_table, b: int, q: Tensor) -> None:
                              f"last dimension (call .contiguous() on it)")
 
 
+def check_cache_tensor(name: str, t, layout: str) -> None:
+    """_validate.check_tensor for a cache, which may also be e4m3 (an FP8 cache)."""
+    if not isinstance(t, Tensor) or t.dtype != FP8:
+        if isinstance(t, Tensor) and t.is_floating_point() and t.element_size() == 1:
+            raise FlashAttnError(f"{name} has dtype {t.dtype}; an FP8 cache is {FP8} (e4m3), with "
+                                 f"k_descale and v_descale")
+        _validate.check_tensor(name, t, 4, layout)
+        return
+    # the checks check_tensor makes of a 16-bit cache, but the dtype's
+    if t.dim() != 4:
+        raise FlashAttnError(f"{name} must have 4 dimensions {layout}, got {t.dim()} (shape "
+                             f"{tuple(t.shape)})")
+    if 0 in t.shape:
+        raise FlashAttnError(f"{name} is empty (shape {tuple(t.shape)}); expected {layout} with every "
+                             f"dimension >= 1")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise FlashAttnError(f"{name} must have a contiguous last dimension (stride 1), got strides "
+                             f"{tuple(t.stride())}; call .contiguous() on it")
+
+
+def check_descale(name: str, descale, b: int, hk: int, q: Tensor) -> None:
+    """A descale of an FP8 cache: float32 (1,) or (batch, nheads_k), on q's device (any strides)."""
+    if not isinstance(descale, Tensor) or descale.dtype != torch.float32:
+        got = f"dtype {descale.dtype}" if isinstance(descale, Tensor) else type(descale).__name__
+        raise FlashAttnError(f"{name} must be a float32 tensor of shape (1,) or ({b}, {hk}) = (batch, "
+                             f"nheads_k), got {got}")
+    if tuple(descale.shape) not in ((1,), (b, hk)):
+        raise FlashAttnError(f"{name} has shape {tuple(descale.shape)}; expected (1,) (per tensor) or "
+                             f"({b}, {hk}) = (batch, nheads_k) (per sequence and KV head)")
+    if descale.device != q.device:
+        raise FlashAttnError(f"{name} is on {descale.device} but q is on {q.device}; they must share a "
+                             f"device")
+
+
+def _check_cache_dtypes(q, k_cache, v_cache, k_descale, v_descale, b: int) -> None:
+    """Both caches in q's dtype without descales, or both e4m3 with both descales."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in (q.dtype, FP8):
+            raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype "
+                                 f"(or the cache be {FP8}, with k_descale and v_descale)")
+    if k_cache.dtype != v_cache.dtype:
+        raise FlashAttnError(f"v_cache has dtype {v_cache.dtype} but k_cache {k_cache.dtype}; an FP8 cache "
+                             f"holds both keys and values in {FP8}")
+    if k_cache.dtype == FP8:
+        for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if descale is None:
+                raise FlashAttnError(f"{name} is None but the cache is {FP8}: an FP8 cache needs k_descale "
+                                     f"and v_descale, float32 (1,) or ({b}, {k_cache.shape[2]}) (real value "
+                                     f"= x_fp8 · descale; flashattn.fp8.quantize makes them)")
+            check_descale(name, descale, b, k_cache.shape[2], q)
+        return
+    for name, descale in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale is not None:
+            raise FlashAttnError(f"{name} is given but the cache has dtype {k_cache.dtype}; descales go with "
+                                 f"an FP8 cache ({FP8}) only")
+
+
 def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-               block_table, alibi_slopes, key_mask=None):
+               block_table, alibi_slopes, key_mask=None, k_descale=None, v_descale=None):
     """The checks that read shapes, dtypes and devices only; returns (batch, seqlen_q, nheads, headdim,
     paged)."""
     paged = block_table is not None
     cache_layout = ("(num_pages, page_size, nheads_k, headdim)" if paged
                     else "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _validate.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _validate.check_tensor("k_cache", k_cache, 4, cache_layout)
-    _validate.check_tensor("v_cache", v_cache, 4, cache_layout)
+    check_cache_tensor("k_cache", k_cache, cache_layout)
+    check_cache_tensor("v_cache", v_cache, cache_layout)
     b, sq, h, d = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise FlashAttnError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must share a dtype")
         if t.device != q.device:
             raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
     if v_cache.shape != k_cache.shape:
         raise FlashAttnError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; "
                              f"they must match")
     hk = k_cache.shape[2]
+    _check_cache_dtypes(q, k_cache, v_cache, k_descale, v_descale, b)
     if k_cache.shape[3] != d:
         raise FlashAttnError(f"k_cache has headdim {k_cache.shape[3]} but q has {d}; they must match")
     if d > _validate.MAX_HEADDIM:

@@ -27,8 +27,9 @@ import numbers
 import torch
 from torch import Tensor
 
-from flashattn import _validate
+from flashattn import _validate, _validate_cache
 from flashattn.errors import FlashAttnError
+from flashattn.fp8 import FP8
 from flashattn.kvcache import Launch, check_call, inputs_key, through_op
 from flashattn.ops import kvcache as kvcache_ops
 from flashattn.ops import registry
@@ -58,7 +59,11 @@ class DecodePlan:
             block_table, page_size a multiple of 16.
         max_seqlen_k: int, keyword, required. The longest sequence (keys before the step plus new ones) the
             plan will see; it sets the split count. Longer sequences are still attended exactly.
-        dtype: torch.float16 / bfloat16 / float32, keyword, default bfloat16. q's and the caches' dtype.
+        dtype: torch.float16 / bfloat16 / float32, keyword, default bfloat16. q's dtype (and that of the new
+            k/v and the output).
+        cache_dtype: torch.dtype or None, keyword, default None = dtype. The caches' dtype: dtype, or
+            torch.float8_e4m3fn for an FP8 cache (each run then takes k_descale / v_descale). The route's
+            tiles are sized for it.
         device: torch.device or str, keyword, default the current CUDA device (the CPU without CUDA).
         seqlen_q: int, keyword, default 1. Query tokens per sequence and run (speculative verification: more).
         softmax_scale, causal, window_size, softcap, rotary_interleaved: keyword, flash_attn_with_kvcache's
@@ -73,7 +78,8 @@ class DecodePlan:
     """
 
     def __init__(self, batch: int, nheads: int, nheads_k: int, headdim: int, *, page_size: int | None = None,
-                 max_seqlen_k: int, dtype: torch.dtype = torch.bfloat16, device=None, seqlen_q: int = 1,
+                 max_seqlen_k: int, dtype: torch.dtype = torch.bfloat16,
+                 cache_dtype: torch.dtype | None = None, device=None, seqlen_q: int = 1,
                  softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                  softcap: float = 0.0, rotary_interleaved: bool = True, num_splits: int = 0,
                  check_inputs: bool | None = None, _workspace=None):
@@ -92,6 +98,10 @@ class DecodePlan:
         if dtype not in _DTYPES:
             raise FlashAttnError(f"dtype={dtype}; expected one of {', '.join(map(str, _DTYPES))}")
         self.dtype = dtype
+        if cache_dtype not in (None, dtype, FP8):
+            raise FlashAttnError(f"cache_dtype={cache_dtype}; expected None or {dtype} (q's dtype), or {FP8} "
+                                 f"(an FP8 cache)")
+        self.cache_dtype = dtype if cache_dtype is None else cache_dtype
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -105,13 +115,13 @@ class DecodePlan:
         self.rotary_interleaved, self.check_inputs = bool(rotary_interleaved), check_inputs
         left, right = self.window_size
         window = (max(left, -1), 0) if self.causal else (max(left, -1), max(right, -1))
-        element_size = torch.empty(0, dtype=dtype).element_size()
         self.route, self._workspace = kvcache_ops.plan(
-            self.batch, self.nheads, self.nheads_k, self.seqlen_q, self.headdim, element_size,
+            self.batch, self.nheads, self.nheads_k, self.seqlen_q, self.headdim, dtype, self.cache_dtype,
             page_size is not None, self.max_seqlen_k, window, self.num_splits_request, self.device,
             _workspace)
         self._launches: dict = {}
-        self._options = dict(page_size=page_size, max_seqlen_k=max_seqlen_k, dtype=dtype, device=self.device,
+        self._options = dict(page_size=page_size, max_seqlen_k=max_seqlen_k, dtype=dtype,
+                             cache_dtype=cache_dtype, device=self.device,
                              seqlen_q=seqlen_q, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved,
                              num_splits=num_splits, check_inputs=check_inputs)
@@ -131,9 +141,10 @@ class DecodePlan:
 
     def __repr__(self) -> str:
         paged = f"page_size={self.page_size}" if self.page_size is not None else "contiguous"
+        cache = f"cache_dtype={self.cache_dtype}, " if self.cache_dtype != self.dtype else ""
         return (f"DecodePlan(batch={self.batch}, nheads={self.nheads}, nheads_k={self.nheads_k}, "
                 f"headdim={self.headdim}, {paged}, max_seqlen_k={self.max_seqlen_k}, dtype={self.dtype}, "
-                f"seqlen_q={self.seqlen_q}, num_splits={self.num_splits})")
+                f"{cache}seqlen_q={self.seqlen_q}, num_splits={self.num_splits})")
 
     def _check_plan(self, q, k_cache, block_table) -> None:
         """What a run's tensors must share with the plan (then flash_attn_with_kvcache's own checks)."""
@@ -144,6 +155,9 @@ class DecodePlan:
         if q.dtype != self.dtype or q.device != self.device:
             raise FlashAttnError(f"q is {q.dtype} on {q.device}; the plan expects {self.dtype} on "
                                  f"{self.device}")
+        if k_cache.dtype != self.cache_dtype:
+            raise FlashAttnError(f"k_cache has dtype {k_cache.dtype}; the plan expects cache_dtype "
+                                 f"{self.cache_dtype}")
         if k_cache.shape[2] != self.nheads_k:
             raise FlashAttnError(f"k_cache has {k_cache.shape[2]} heads; the plan expects nheads_k = "
                                  f"{self.nheads_k}")
@@ -157,13 +171,15 @@ class DecodePlan:
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens=None, block_table=None, *,
             k=None, v=None, rotary_cos=None, rotary_sin=None, cache_leftpad=None, cache_batch_idx=None,
-            alibi_slopes=None, key_padding_mask=None, return_softmax_lse: bool = False):
+            alibi_slopes=None, key_padding_mask=None, return_softmax_lse: bool = False, k_descale=None,
+            v_descale=None):
         """One step: append k/v (rotated) to the caches, attend, merge the splits; one kernel launch.
 
         Arguments are flash_attn_with_kvcache's, with the shapes the plan fixes:
             q: (batch, seqlen_q, nheads, headdim) in the plan's dtype, on its device.
             k_cache, v_cache: (num_pages, page_size, nheads_k, headdim) with a block_table (paged plans), or
-                (batch_cache, seqlen_cache, nheads_k, headdim). Updated in place when k/v are given.
+                (batch_cache, seqlen_cache, nheads_k, headdim), in the plan's cache_dtype. Updated in place
+                when k/v are given (quantised with the descales into an FP8 cache).
             cache_seqlens: (batch,) int32 tensor or int, default None = full caches. Keys before the step.
             block_table: (batch, max_pages) int32, paged plans only.
             k, v: (batch, seqlen_new, nheads_k, headdim), default None: the keys/values to append.
@@ -172,6 +188,8 @@ class DecodePlan:
             alibi_slopes: (nheads,) or (batch, nheads) float32, default None.
             key_padding_mask: (batch, capacity) bool, default None: False = never attended.
             return_softmax_lse: bool, default False.
+            k_descale, v_descale: float32 (1,) or (batch, nheads_k), default None: an FP8 cache's descales
+                (required with one, refused otherwise; see flash_attn_with_kvcache).
         Returns out (batch, seqlen_q, nheads, headdim), and lse (batch, nheads, seqlen_q) float32 when asked.
         The device indices are checked only with the plan's check_inputs (see flash_attn_with_kvcache).
         """
@@ -180,32 +198,36 @@ class DecodePlan:
         if registry.eager():
             try:
                 key = inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask)
+                                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+                                 k_descale, v_descale)
                 launch = self._launches.get(key)
             except (AttributeError, TypeError):
                 key = None
         if launch is None:
             _validate.check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-            _validate.check_tensor("k_cache", k_cache, 4, "(num_pages, page_size, nheads_k, headdim)"
-                                   if self.page_size else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+            _validate_cache.check_cache_tensor("k_cache", k_cache, "(num_pages, page_size, nheads_k, headdim)"
+                                               if self.page_size else "(batch_cache, seqlen_cache, nheads_k, "
+                                               "headdim)")
             self._check_plan(q, k_cache, block_table)
             checked = check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
-                                 self.softmax_scale, self.causal, self.window_size, self.softcap,
-                                 self.num_splits_request)
+                                 k_descale, v_descale, self.softmax_scale, self.causal, self.window_size,
+                                 self.softcap, self.num_splits_request)
             if key is None:
                 return through_op(checked, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
-                                  self.causal, self.rotary_interleaved, self.num_splits, self.check_inputs,
-                                  return_softmax_lse)
+                                  k_descale, v_descale, self.causal, self.rotary_interleaved, self.num_splits,
+                                  self.check_inputs, return_softmax_lse)
             prepared = kvcache_ops.prepare(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, None if seqlens_is_int else cache_seqlens,
-                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale,
+                v_descale,
                 softmax_scale=checked[0], causal=self.causal, window_size=checked[1:3], softcap=checked[3],
                 rotary_interleaved=self.rotary_interleaved, num_splits=self.num_splits, route=self.route)
             if len(self._launches) >= _CACHED_SIGNATURES:
                 self._launches.clear()
             launch = self._launches[key] = Launch(checked, prepared, self._workspace)
         out, lse = launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                          cache_leftpad, block_table, alibi_slopes, key_padding_mask, self.check_inputs)
+                          cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale,
+                          self.check_inputs)
         return (out, lse) if return_softmax_lse else out

@@ -1,8 +1,9 @@
 """flash_attn_with_kvcache: attention of a few new query tokens against a (paged) KV cache, for inference.
 
 Same name, arguments, defaults and semantics as flash_attn 2.x, so `from flashattn import
-flash_attn_with_kvcache` replaces `from flash_attn import flash_attn_with_kvcache`; two keyword-only
-extensions (key_padding_mask, check_inputs). A call is one kernel launch and never synchronises with the
+flash_attn_with_kvcache` replaces `from flash_attn import flash_attn_with_kvcache`; keyword-only extensions:
+key_padding_mask, check_inputs, and an FP8 (e4m3) cache with FlashAttention-3's k_descale / v_descale. A
+call is one kernel launch and never synchronises with the
 device (docs/decode.md); flashattn.DecodePlan is the same machinery with the split count and buffers fixed
 once for a serving loop.
 """
@@ -31,7 +32,7 @@ def tensor_key(t):
 
 
 def inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-               cache_leftpad, block_table, alibi_slopes, key_padding_mask) -> tuple:
+               cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale) -> tuple:
     """The part of a decode call's signature its tensor arguments make (cache_seqlens may be an int), which
     flash_attn_with_kvcache and DecodePlan.run key their prepared launches on; the backend and the tile
     overrides too. Raises AttributeError / TypeError for an argument that is not a tensor."""
@@ -40,7 +41,8 @@ def inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
     return (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(k), tensor_key(v),
             tensor_key(rotary_cos), tensor_key(rotary_sin), seqlens, tensor_key(cache_batch_idx),
             tensor_key(cache_leftpad), tensor_key(block_table), tensor_key(alibi_slopes),
-            tensor_key(key_padding_mask), config.backend, config.generation)
+            tensor_key(key_padding_mask), tensor_key(k_descale), tensor_key(v_descale), config.backend,
+            config.generation)
 
 
 def flash_attn_with_kvcache(
@@ -66,6 +68,8 @@ def flash_attn_with_kvcache(
     *,
     key_padding_mask=None,
     check_inputs=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of q against a KV cache, after appending new keys/values to it in place.
 
@@ -83,11 +87,14 @@ def flash_attn_with_kvcache(
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 (float32 accepted). headdim <= 256.
         k_cache: (batch_cache, seqlen_cache, nheads_k, headdim) without block_table, or the page pool
-            (num_pages, page_size, nheads_k, headdim) with one; page_size a multiple of 16. Same dtype as q.
-            nheads must be a multiple of nheads_k (GQA/MQA). Updated in place when k is given.
-        v_cache: same shape as k_cache. Updated in place when v is given.
-        k, v: (batch, seqlen_new, nheads_k, headdim), default None: new keys/values to append first.
-            Both or neither; seqlen_new at most the cache capacity.
+            (num_pages, page_size, nheads_k, headdim) with one; page_size a multiple of 16. q's dtype, or
+            torch.float8_e4m3fn (an FP8 cache, with k_descale / v_descale). nheads must be a multiple of
+            nheads_k (GQA/MQA). Updated in place when k is given.
+        v_cache: same shape and dtype as k_cache. Updated in place when v is given.
+        k, v: (batch, seqlen_new, nheads_k, headdim), q's dtype, default None: new keys/values to append
+            first. Both or neither; seqlen_new at most the cache capacity. Into an FP8 cache they go
+            quantised: (rotated) k / k_descale in fp32, clamped to ±448, rounded to the nearest e4m3 value;
+            the attention of the same call reads them as the cache now holds them.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), default None. Rotary embedding applied to q and
             to the new k (only together with k/v). rotary_dim <= headdim, even; seqlen_ro at least the cache
             capacity (seqlen_cache, or max_pages · page_size). The new k[i, j] is rotated at position
@@ -119,6 +126,11 @@ def flash_attn_with_kvcache(
         check_inputs: bool or None, keyword only, default None = flashattn.config's check_indices (off
             unless FLASHATTN_CHECK_INDICES=1). True range-checks the device-side indices (below) with one
             device-to-host copy per call, and raises an error naming the bad entry.
+        k_descale, v_descale: float32 (1,) (per tensor) or (batch, nheads_k) (per sequence and KV head, the
+            row of q's batch entry b, cache_batch_idx or not), on q's device, keyword only, default None.
+            Required with an FP8 cache, refused otherwise: the cache holds x_fp8 with real value
+            x_fp8 · descale, so scores are q · (k_fp8 · k_descale) · softmax_scale and the output
+            P · (v_fp8 · v_descale). flashattn.fp8.quantize(k, "head") gives a (batch, nheads_k) descale.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype. 0 for rows that see no key.
@@ -141,7 +153,8 @@ def flash_attn_with_kvcache(
     if registry.eager():
         try:
             key = (inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask),
+                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+                              k_descale, v_descale),
                    softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
             launch = _calls.get(key)
         except (AttributeError, TypeError):  # an argument that is not a tensor, a window given as a list
@@ -149,32 +162,35 @@ def flash_attn_with_kvcache(
     if launch is None:
         checked = check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                              cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
-                             softmax_scale, causal, window_size, softcap, num_splits)
+                             k_descale, v_descale, softmax_scale, causal, window_size, softcap, num_splits)
         if key is None:
             return through_op(checked, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
-                              causal, rotary_interleaved, num_splits, check_inputs, return_softmax_lse)
+                              k_descale, v_descale, causal, rotary_interleaved, num_splits, check_inputs,
+                              return_softmax_lse)
         launch = Launch(checked, kvcache_ops.prepare(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, None if seqlens_is_int else cache_seqlens,
-            cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
+            cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale,
             softmax_scale=checked[0], causal=bool(causal), window_size=checked[1:3], softcap=checked[3],
             rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits)))
         if len(_calls) >= _CACHED_SIGNATURES:
             _calls.clear()
         _calls[key] = launch
     out, lse = launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, block_table, alibi_slopes, key_padding_mask, check_inputs)
+                      cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale,
+                      check_inputs)
     return (out, lse) if return_softmax_lse else out
 
 
 def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-               cache_leftpad, block_table, alibi_slopes, key_padding_mask, softmax_scale, causal, window_size,
-               softcap, num_splits) -> tuple:
+               cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale,
+               softmax_scale, causal, window_size, softcap, num_splits) -> tuple:
     """Every check that reads no device value; returns (scale, window left, window right, softcap, capacity,
     seqlen_new)."""
     b, sq, h, d, paged = _validate_cache.check_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                                     cache_seqlens, cache_batch_idx, cache_leftpad,
-                                                    block_table, alibi_slopes, key_padding_mask)
+                                                    block_table, alibi_slopes, key_padding_mask, k_descale,
+                                                    v_descale)
     _validate.check_scale(softmax_scale)
     left, right = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
@@ -220,7 +236,7 @@ class Launch:
         self.prepared, self.workspace = prepared, workspace
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                 block_table, alibi_slopes, key_mask, check_inputs):
+                 block_table, alibi_slopes, key_mask, k_descale, v_descale, check_inputs):
         if cache_seqlens is None or isinstance(cache_seqlens, Tensor):
             seqlens_t, cache_len = cache_seqlens, self.capacity
         else:
@@ -231,12 +247,13 @@ class Launch:
             _validate_cache.check_indices(q, k_cache, k, seqlens_t, cache_len, cache_batch_idx, cache_leftpad,
                                           block_table)
         return self.prepared(q, k_cache, v_cache, k, v, cos, sin, seqlens_t, cache_len, cache_batch_idx,
-                             cache_leftpad, block_table, alibi_slopes, key_mask, self.workspace)
+                             cache_leftpad, block_table, alibi_slopes, key_mask, k_descale, v_descale,
+                             self.workspace)
 
 
 def through_op(checked: tuple, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask, causal,
-               rotary_interleaved, num_splits, check_inputs, return_softmax_lse):
+               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask, k_descale, v_descale,
+               causal, rotary_interleaved, num_splits, check_inputs, return_softmax_lse):
     """The call through the registered ops (under torch.compile, or with arguments that key no cache)."""
     scale, left, right, softcap, capacity, s_new = checked
     seqlens_t = cache_seqlens if isinstance(cache_seqlens, Tensor) else None
@@ -245,6 +262,6 @@ def through_op(checked: tuple, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin
     check = config.check_indices if check_inputs is None else bool(check_inputs)
     out, lse = kvcache_ops.kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_t, cache_len, cache_batch_idx,
-        cache_leftpad, block_table, key_mask, scale, bool(causal), left, right, softcap, alibi_slopes,
-        bool(rotary_interleaved), int(num_splits), check)
+        cache_leftpad, block_table, key_mask, k_descale, v_descale, scale, bool(causal), left, right, softcap,
+        alibi_slopes, bool(rotary_interleaved), int(num_splits), check)
     return (out, lse) if return_softmax_lse else out

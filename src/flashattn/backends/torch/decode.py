@@ -2,6 +2,10 @@
 attention per sequence. Same signature as flashattn.backends.triton.decode.kvcache_forward (num_splits and
 the route are irrelevant here), and the same clamping of device indices as the Triton kernel: a bad value
 gives a wrong result, never an index error.
+
+An FP8 cache (e4m3, with float32 descales (1,) or (b, h_k)): the appended keys/values are quantised as the
+kernel does (x / descale in fp32, clamped to ±448, rounded to nearest e4m3), the gathered ones dequantised to
+fp32 (x_fp8 · descale), and the attention runs in fp32.
 """
 
 import math
@@ -9,6 +13,7 @@ import math
 import torch
 
 from flashattn.backends.torch.attention import attention_forward
+from flashattn.fp8 import FP8, FP8_MAX
 
 _QUERY_CHUNK = 64  # query rows per dense score block of a masked call: (rows, heads, keys) fp32 scores
 
@@ -29,6 +34,18 @@ def rotary_torch(x, cos, sin, positions, interleaved: bool):
         a, bb = xr[..., : rd // 2], xr[..., rd // 2 :]
         rot = torch.cat((a * c - bb * s, bb * c + a * s), dim=-1)
     return torch.cat((rot, rest), dim=-1)
+
+
+def _per_head(descale, b: int, hk: int):
+    """A descale (1,) or (b, h_k) as (b, h_k) float32."""
+    return descale.float().reshape(1, 1).expand(b, hk) if descale.dim() == 1 else descale.float()
+
+
+def quantize_new(x, descale):
+    """New keys/values x (b, s, h_k, d) as an FP8 cache stores them: x / descale in fp32 (descale (b, h_k)),
+    clamped to ±FP8_MAX, then rounded to the nearest e4m3 value (the clamp first: the cast itself does not
+    saturate)."""
+    return (x.float() / descale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def _slots(k_cache, block_table, rows, positions):
@@ -88,11 +105,16 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
                     cache_seqlens=None, cache_len=0, cache_batch_idx=None, cache_leftpad=None,
                     block_table=None, *, softmax_scale: float, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                    rotary_interleaved: bool = True, num_splits: int = 0, key_mask=None):
+                    rotary_interleaved: bool = True, num_splits: int = 0, key_mask=None, k_descale=None,
+                    v_descale=None):
     """(out, lse) as the Triton launcher returns them."""
     del num_splits
     b, sq, h, d = q.shape
     dev = q.device
+    fp8 = k_cache.dtype == FP8
+    if fp8:
+        hk = k_cache.shape[2]
+        k_descale, v_descale = _per_head(k_descale, b, hk), _per_head(v_descale, b, hk)
     s_new = k.shape[1] if k is not None else 0
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     # the kernel's clamps: start into [0, capacity - s_new], leftpad into [0, start], rows into the cache
@@ -109,8 +131,12 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
         if rotary_cos is not None:
             k = rotary_torch(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
         first, second = _slots(k_cache, block_table, rows, pos)
-        k_cache[first, second] = k.to(k_cache.dtype)
-        v_cache[first, second] = v.to(v_cache.dtype)
+        if fp8:
+            k_cache[first, second] = quantize_new(k, k_descale)
+            v_cache[first, second] = quantize_new(v, v_descale)
+        else:
+            k_cache[first, second] = k.to(k_cache.dtype)
+            v_cache[first, second] = v.to(v_cache.dtype)
 
     out = torch.zeros((b, sq, h, d), dtype=q.dtype, device=dev)
     lse = torch.full((b, h, sq), math.inf, dtype=torch.float32, device=dev)
@@ -126,21 +152,27 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
         bt_row = i if block_table is not None else row_list[i]
         ki = _gather(k_cache, block_table, bt_row, lo, end)
         vi = _gather(v_cache, block_table, bt_row, lo, end)
+        qi = q[i]
+        if fp8:
+            # the cache's real values, and q in fp32 to meet them (exact: q is 16-bit or fp32)
+            ki = ki.float() * k_descale[i].view(1, -1, 1)  # (n, h_k, d)
+            vi = vi.float() * v_descale[i].view(1, -1, 1)
+            qi = qi.float()
         slopes = alibi_slopes
         if alibi_slopes is not None and alibi_slopes.dim() == 2:
             slopes = alibi_slopes[i]
         if key_mask is not None:
-            o_i, l_i = _masked_attention(q[i], ki, vi, key_mask[i, lo:end], lo, end - sq,
+            o_i, l_i = _masked_attention(qi, ki, vi, key_mask[i, lo:end], lo, end - sq,
                                          softmax_scale=softmax_scale, window=(left, right), softcap=softcap,
                                          slopes=slopes)
             out[i], lse[i] = o_i.to(q.dtype), l_i
             continue
         # relative positions inside [lo, end) keep the bottom-right alignment of absolute ones
         o_i, l_i = attention_forward(
-            q[i : i + 1], ki.unsqueeze(0), vi.unsqueeze(0), softmax_scale=softmax_scale, causal=causal,
+            qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, softcap=softcap, alibi_slopes=slopes,
         )
-        out[i] = o_i[0]
+        out[i] = o_i[0].to(q.dtype)
         lse[i] = l_i[0].float()
     return out, lse
 
@@ -155,18 +187,19 @@ class DecodeLaunch:
         self.options = options
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, cache_len, batch_idx, leftpad,
-                 block_table, alibi, key_mask, workspace=None):
+                 block_table, alibi, key_mask, k_descale=None, v_descale=None, workspace=None):
         del workspace
         return kvcache_forward(q, k_cache, v_cache, k, v, cos, sin, seqlens, cache_len, batch_idx, leftpad,
-                               block_table, alibi_slopes=alibi, key_mask=key_mask, **self.options)
+                               block_table, alibi_slopes=alibi, key_mask=key_mask, k_descale=k_descale,
+                               v_descale=v_descale, **self.options)
 
 
 def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, alibi_slopes, key_mask, *, softmax_scale: float, causal: bool = False,
-            window_size=(-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True, num_splits: int = 0,
-            route=None) -> DecodeLaunch:
+            block_table, alibi_slopes, key_mask, k_descale, v_descale, *, softmax_scale: float,
+            causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
+            num_splits: int = 0, route=None) -> DecodeLaunch:
     """The DecodeLaunch of calls like this one (the Triton launcher's signature)."""
-    del route
+    del route, k_descale, v_descale
     return DecodeLaunch(dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                              softcap=softcap, rotary_interleaved=rotary_interleaved, num_splits=num_splits))
 

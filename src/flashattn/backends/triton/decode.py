@@ -20,6 +20,9 @@ so it serves launch after launch, in order on one stream); a call without one al
 zeroed counters, so that it holds no state between calls: nothing to race on between streams, nothing
 allocated in a CUDA graph's pool that outlives the graph's own bookkeeping.
 
+An FP8 cache (e4m3 k_cache/v_cache with float32 descales k_descale/v_descale, (1,) or (b, h_k)) is the
+kernel's FP8_CACHE variant; its tiles are routed for the cache's element size.
+
 The tiles and split count are the route's (routes.decode_route); backends/torch/decode.py is the same
 computation in plain torch.
 """
@@ -30,6 +33,8 @@ from flashattn import config
 from flashattn.backends.triton import host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.merge import sm_count
+from flashattn.errors import FlashAttnError
+from flashattn.fp8 import FP8
 from flashattn.kernels.triton.decode import decode_kernel
 
 LOG2E = 1.4426950408889634
@@ -67,6 +72,20 @@ def capacity_of(k_cache, block_table) -> int:
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
+def kv_element_size(dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    """The element size the route sizes the tiles for: the cache's (the K/V tiles hold its bytes), but an
+    fp32 q's, whose fp32 tiles in registers set the warps."""
+    q_size, cache_size = (torch.empty(0, dtype=t).element_size() for t in (dtype, cache_dtype))
+    return q_size if q_size > 2 else cache_size
+
+
+def _descale_strides(descale) -> tuple[int, int]:
+    """(batch, kv head) strides of a descale: 0, 0 for one per tensor ((1,), or none)."""
+    if descale is None or descale.dim() == 1:
+        return 0, 0
+    return descale.stride(0), descale.stride(1)
+
+
 def decode_spec(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, element_size: int,
                 paged: bool, capacity: int, window: tuple[int, int], num_splits: int,
                 device: torch.device) -> routes.DecodeSpec:
@@ -99,7 +118,7 @@ class DecodeLaunch:
         self.bound = launch_mod.Bound(decode_kernel, grid, kwargs) if direct else None
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, cache_len, batch_idx, leftpad,
-                 block_table, alibi, key_mask, workspace=None):
+                 block_table, alibi, key_mask, k_descale=None, v_descale=None, workspace=None):
         device = q.device
         # sizes unpacked: torch.empty parses separate ints faster than a tuple
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=device)
@@ -116,7 +135,8 @@ class DecodeLaunch:
                 q if sin is None else sin, out, lse, work, counters, q if seqlens is None else seqlens,
                 q if batch_idx is None else batch_idx, q if leftpad is None else leftpad,
                 q if block_table is None else block_table, q if alibi is None else alibi,
-                q if key_mask is None else key_mask, cache_len, *self.consts)
+                q if key_mask is None else key_mask, q if k_descale is None else k_descale,
+                q if v_descale is None else v_descale, cache_len, *self.consts)
         if self.bound is not None:
             self.bound(args)
         else:
@@ -125,9 +145,9 @@ class DecodeLaunch:
 
 
 def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, alibi_slopes, key_mask, *, softmax_scale: float, causal: bool = False,
-            window_size=(-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True, num_splits: int = 0,
-            route: routes.DecodeRoute | None = None) -> DecodeLaunch:
+            block_table, alibi_slopes, key_mask, k_descale, v_descale, *, softmax_scale: float,
+            causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
+            num_splits: int = 0, route: routes.DecodeRoute | None = None) -> DecodeLaunch:
     """The DecodeLaunch of calls like this one (the tensors give shapes, strides and dtypes; their values are
     not read). route: a plan's route instead of the default one for the cache's capacity."""
     b, sq, h, d = q.shape
@@ -136,8 +156,14 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     capacity = capacity_of(k_cache, block_table)
     window = _window(causal, window_size)
     window_on = window != (-1, -1)
+    fp8 = k_cache.dtype == FP8
+    if fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(q.device)
+        raise FlashAttnError(f"an FP8 (e4m3) cache needs a GPU of compute capability 8.9 or later (Ada, "
+                             f"Hopper); {q.device} is {major}.{minor}: use a 16-bit cache")
     if route is None:
-        spec = decode_spec(b, h, hk, sq, d, q.element_size(), paged, capacity, window, num_splits, q.device)
+        spec = decode_spec(b, h, hk, sq, d, kv_element_size(q.dtype, k_cache.dtype), paged, capacity, window,
+                           num_splits, q.device)
         route = routes.decode_route(spec)
     cfg, block_m, splits = route.tiles, route.block_m, route.num_splits
     group = h // hk
@@ -157,6 +183,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         block_table.stride(0) if paged else 0,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         key_mask.stride(0) if key_mask is not None else 0,
+        *_descale_strides(k_descale), *_descale_strides(v_descale),
         hk, sq, s_new, capacity, k_cache.shape[0], rotary_cos.shape[0] if rotate else 1, splits,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, left, right,
     )
@@ -167,7 +194,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         HAS_KEY_MASK=key_mask is not None, APPEND=k is not None,
         ROT_DIM=2 * rotary_cos.shape[1] if rotate else 0, INTERLEAVED=bool(rotary_interleaved),
         Q_PER_ROW=window_on, WINDOW=window_on, SOFTCAP=softcap > 0, ALIBI_ON=alibi_slopes is not None,
-        SPLIT=splits > 1, DOT_PREC=host.dot_precision(q.dtype),
+        SPLIT=splits > 1, FP8_CACHE=fp8, DOT_PREC=host.dot_precision(q.dtype),
         # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
         num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -182,34 +209,38 @@ def _sig(t):
 def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                     cache_len=0, cache_batch_idx=None, cache_leftpad=None, block_table=None, *,
                     softmax_scale: float, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                    alibi_slopes=None, rotary_interleaved: bool = True, num_splits: int = 0, key_mask=None):
+                    alibi_slopes=None, rotary_interleaved: bool = True, num_splits: int = 0, key_mask=None,
+                    k_descale=None, v_descale=None):
     """See the module docstring for shapes; returns (out, lse)."""
     key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
            v_cache.shape, v_cache.stride(), v_cache.dtype,
            _sig(k), _sig(v), _sig(rotary_cos), _sig(rotary_sin), cache_seqlens is None,
            cache_batch_idx is None, cache_leftpad is None, _sig(block_table), _sig(alibi_slopes),
-           _sig(key_mask), softmax_scale, causal, tuple(window_size), softcap, rotary_interleaved, num_splits,
-           config.generation)
+           _sig(key_mask), _sig(k_descale), _sig(v_descale), softmax_scale, causal, tuple(window_size),
+           softcap, rotary_interleaved, num_splits, config.generation)
     launch = _launches.get(key)
     if launch is None:
         launch = prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                         cache_leftpad, block_table, alibi_slopes, key_mask, softmax_scale=softmax_scale,
+                         cache_leftpad, block_table, alibi_slopes, key_mask, k_descale, v_descale,
+                         softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          rotary_interleaved=rotary_interleaved, num_splits=num_splits)
         if len(_launches) >= _CACHED_SIGNATURES:
             _launches.clear()
         _launches[key] = launch
     return launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len,
-                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask)
+                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask, k_descale, v_descale)
 
 
-def plan_route(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, element_size: int,
-               paged: bool, max_seqlen_k: int, window: tuple[int, int], num_splits: int, device: torch.device,
+def plan_route(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, dtype: torch.dtype,
+               cache_dtype: torch.dtype, paged: bool, max_seqlen_k: int, window: tuple[int, int],
+               num_splits: int, device: torch.device,
                workspace: Workspace | None = None) -> tuple[routes.DecodeRoute, Workspace | None]:
-    """A plan's route for sequences of at most max_seqlen_k keys, and a workspace of its own: `workspace`
-    where it is large enough (a replan), else a new one (None when the route does not split)."""
-    spec = decode_spec(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, max_seqlen_k, window,
-                       num_splits, device)
+    """A plan's route for sequences of at most max_seqlen_k keys (q in dtype, caches in cache_dtype), and a
+    workspace of its own: `workspace` where it is large enough (a replan), else a new one (None when the
+    route does not split)."""
+    spec = decode_spec(batch, nheads, nheads_k, seqlen_q, headdim, kv_element_size(dtype, cache_dtype), paged,
+                       max_seqlen_k, window, num_splits, device)
     route = routes.decode_route(spec)
     floats, counters = workspace_size(route, batch, nheads_k, spec.rows, headdim)
     if not counters:

@@ -15,6 +15,12 @@ seqlen_new new ones take positions [start_b, end_b). Query i is aligned with key
 seqlen_q (causal is the window (∞, 0), bottom-right aligned); it sees [max(lo_b, i + diag − left),
 min(end_b, i + diag + right + 1)), and only the keys KEY_MASK keeps, when given.
 
+FP8_CACHE: the caches hold e4m3 values whose real value is x_fp8 · descale, one K and one V descale per
+program (per tensor, or per (batch, kv head): a pointer and two strides, 0 for one per tensor). Tiles are
+converted to q's dtype for the dots (exact), k_descale is folded into the score scale and v_descale into the
+normalised output; new keys/values are quantised with the same descales on their way into the cache, and
+the attention reads them quantised, as the cache now holds them.
+
 Every index read from the device is clamped into range before it addresses memory: start_b into
 [0, capacity − seqlen_new], lo_b into [0, start_b], cache rows into [0, rows), pages into [0, pages), rotary
 positions into the table. A bad value gives a wrong result, never an access outside a tensor (the host-side
@@ -52,6 +58,39 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
+def _e4m3(x, descale):
+    """x / descale clamped to ±448 and rounded to the nearest e4m3 value (ties to even), in fp32: the value an
+    FP8 cache stores for x, so the cast to e4m3 that follows is exact. Rounded here on the bits rather than by
+    the cast because the Triton interpreter's fp32 -> fp8 cast (3.6) neither rounds ties to even nor carries
+    a rounded-up mantissa into the exponent, and the CPU tests run this kernel there; it costs a few integer
+    ops per new key element."""
+    y = tl.math.div_rn(x, descale)  # IEEE division, as torch's (x / descale)
+    y = _clamp(y, -448.0, 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    biased = mag >> 23  # fp32's biased exponent; e4m3 normals have 121 (2^-6) and up
+    m = (mag & 0x7FFFFF) | 0x800000  # the 24-bit significand, value m · 2^(biased - 150)
+    # -- e4m3 keeps 3 of the 23 mantissa bits; below 2^-6 (subnormals, quantum 2^-9) one fewer per binade;
+    # past 25 dropped bits everything rounds to 0
+    drop = tl.minimum(20 + tl.maximum(121 - biased, 0), 25)
+    n = (m + ((1 << (drop - 1)) - 1) + ((m >> drop) & 1)) >> drop  # quanta, rounded to nearest even
+    quantum = ((tl.maximum(biased, 121) - 3) << 23).to(tl.float32, bitcast=True)  # 2^(max(e, -6) - 3)
+    r = (n.to(tl.float32) * quantum).to(tl.int32, bitcast=True)
+    return (r | (bits ^ mag)).to(tl.float32, bitcast=True)  # x's sign bit back (-0.0 included)
+
+
+@triton.jit
+def _cache_value(x, descale, FP8_CACHE: tl.constexpr):
+    """x as the cache stores it, before the cast to the cache's dtype: quantised, in fp32, for an FP8 cache;
+    else unchanged."""
+    if FP8_CACHE:
+        y = _e4m3(x.to(tl.float32), descale)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def _cache_rows(BLOCK_TABLE, bt_row, pos, ok, cache_row, n_cache_rows,
                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """(page, slot), int64, of cache positions pos (< capacity where ok): the first two indices into the
@@ -72,13 +111,14 @@ def _attend_tile(
     K, V, KN, VN, COS, SIN, KEY_MASK, BLOCK_TABLE,
     k_head, v_head, kn_head, vn_head, bt_row, km_row, cache_row, n_cache_rows,
     stride_kb, stride_kn, stride_vb, stride_vn, stride_knm, stride_vnm, stride_cs, stride_ss, seqlen_ro,
-    qk_scale, softcap_in, softcap_out, window_left, window_right,
+    qk_scale, softcap_in, softcap_out, window_left, window_right, k_descale, v_descale,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MIXED: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr, ROT_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, DOT_PREC: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FP8_CACHE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One key tile (positions offs_n) folded into the running state (m_i, l_i, acc). MIXED: the tile may
-    hold new keys (positions >= start), which come from KN/VN instead of the cache."""
+    hold new keys (positions >= start), which come from KN/VN instead of the cache. FP8_CACHE: K/V tiles in
+    q's dtype hold x_fp8 (the descales are applied by the caller's scales)."""
     ok_n = (offs_n >= lo) & (offs_n < hi)
     if HAS_KEY_MASK:
         ok_n = ok_n & (tl.load(KEY_MASK + km_row + offs_n, mask=ok_n, other=0) != 0)
@@ -91,14 +131,17 @@ def _attend_tile(
     mask_c = ok_c[:, None] & ok_d[None, :]
     k = tl.load(k_head + (page * stride_kb + slot * stride_kn)[:, None] + offs_d[None, :], mask=mask_c,
                 other=0.0)
+    if FP8_CACHE:
+        k = k.to(q.dtype)  # exact: every e4m3 value is a 16-bit float
     if MIXED:
         ok_new = ok_n & is_new
         rel = tl.where(ok_new, offs_n - start, 0).to(tl.int64)
         mask_new = ok_new[:, None] & ok_d[None, :]
         k_new = rotated(kn_head + rel[:, None] * stride_knm + offs_d[None, :], mask_new, offs_d, COS, SIN,
                         offs_n, stride_cs, stride_ss, seqlen_ro, ROT_DIM, INTERLEAVED)
-        # rounded to the cache's dtype: what the cache now holds and a later call would read
-        k = tl.where(is_new[:, None], k_new.to(k.dtype), k)
+        # rounded to the cache's dtype (quantised for an FP8 one): what the cache now holds and a later call
+        # would read
+        k = tl.where(is_new[:, None], _cache_value(k_new, k_descale, FP8_CACHE).to(k.dtype), k)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
     if SOFTCAP:
         s = _tanh(qk * softcap_in) * softcap_out
@@ -120,9 +163,11 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + (page * stride_vb + slot * stride_vn)[:, None] + offs_d[None, :], mask=mask_c,
                 other=0.0)
+    if FP8_CACHE:
+        v = v.to(q.dtype)
     if MIXED:
         v_new = tl.load(vn_head + rel[:, None] * stride_vnm + offs_d[None, :], mask=mask_new, other=0.0)
-        v = tl.where(is_new[:, None], v_new.to(v.dtype), v)
+        v = tl.where(is_new[:, None], _cache_value(v_new, v_descale, FP8_CACHE).to(v.dtype), v)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
     return m_new, l_i, acc
@@ -131,7 +176,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["cache_len"])
 def decode_kernel(
     Q, K, V, KN, VN, COS, SIN, O, LSE, WORK, COUNTERS,
-    SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, KEY_MASK,
+    SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, KEY_MASK, K_DESCALE, V_DESCALE,
     cache_len,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -141,6 +186,7 @@ def decode_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_lm,
     stride_cs, stride_ss, stride_bt, stride_ab, stride_mb,
+    stride_kdb, stride_kdh, stride_vdb, stride_vdh,
     nheads_k, seqlen_q, seqlen_new, capacity, n_cache_rows, seqlen_ro, num_splits,
     qk_scale, softcap_in, softcap_out, window_left, window_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -148,7 +194,7 @@ def decode_kernel(
     PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, APPEND: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     Q_PER_ROW: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, FP8_CACHE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     off_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,6 +228,15 @@ def decode_kernel(
     v_head = V + off_hk.to(tl.int64) * stride_vh
     kn_head = KN + off_b64 * stride_knb + off_hk.to(tl.int64) * stride_knh
     vn_head = VN + off_b64 * stride_vnb + off_hk.to(tl.int64) * stride_vnh
+    if FP8_CACHE:
+        # this program's descales (q's batch entry, its kv head); k's is folded into the score scale
+        k_descale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+        v_descale = tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
+        qk_scale = qk_scale * k_descale
+        softcap_in = softcap_in * k_descale
+    else:
+        k_descale = 1.0
+        v_descale = 1.0
 
     # -- 1. append: the programs of this (batch, kv head) take BLOCK_N new rows in turn
     if APPEND:
@@ -195,11 +250,11 @@ def decode_kernel(
             k = rotated(kn_head + rows[:, None].to(tl.int64) * stride_knm + offs_d[None, :], mask, offs_d,
                         COS, SIN, pos, stride_cs, stride_ss, seqlen_ro, ROT_DIM, INTERLEAVED)
             tl.store(k_head + (page * stride_kb + slot * stride_kn)[:, None] + offs_d[None, :],
-                     k.to(K.dtype.element_ty), mask=mask)
+                     _cache_value(k, k_descale, FP8_CACHE).to(K.dtype.element_ty), mask=mask)
             v = tl.load(vn_head + rows[:, None].to(tl.int64) * stride_vnm + offs_d[None, :], mask=mask,
                         other=0.0)
             tl.store(v_head + (page * stride_vb + slot * stride_vn)[:, None] + offs_d[None, :],
-                     v.to(V.dtype.element_ty), mask=mask)
+                     _cache_value(v, v_descale, FP8_CACHE).to(V.dtype.element_ty), mask=mask)
 
     # -- packed rows: r = query position * GROUP + head within the group
     n_rows = seqlen_q * GROUP
@@ -253,8 +308,8 @@ def decode_kernel(
             offs_d, ok_d, K, V, KN, VN, COS, SIN, KEY_MASK, BLOCK_TABLE, k_head, v_head, kn_head, vn_head,
             bt_row, km_row, cache_row, n_cache_rows, stride_kb, stride_kn, stride_vb, stride_vn, stride_knm,
             stride_vnm, stride_cs, stride_ss, seqlen_ro, qk_scale, softcap_in, softcap_out, window_left,
-            window_right, PAGED, PAGE_SIZE, False, HAS_KEY_MASK, WINDOW, SOFTCAP, ALIBI_ON, ROT_DIM,
-            INTERLEAVED, DOT_PREC,
+            window_right, k_descale, v_descale, PAGED, PAGE_SIZE, False, HAS_KEY_MASK, WINDOW, SOFTCAP,
+            ALIBI_ON, ROT_DIM, INTERLEAVED, FP8_CACHE, DOT_PREC,
         )
     if APPEND:
         # one or two tiles in a decode step: not worth pipeline buffers of their own
@@ -264,8 +319,8 @@ def decode_kernel(
                 offs_d, ok_d, K, V, KN, VN, COS, SIN, KEY_MASK, BLOCK_TABLE, k_head, v_head, kn_head,
                 vn_head, bt_row, km_row, cache_row, n_cache_rows, stride_kb, stride_kn, stride_vb, stride_vn,
                 stride_knm, stride_vnm, stride_cs, stride_ss, seqlen_ro, qk_scale, softcap_in, softcap_out,
-                window_left, window_right, PAGED, PAGE_SIZE, True, HAS_KEY_MASK, WINDOW, SOFTCAP, ALIBI_ON,
-                ROT_DIM, INTERLEAVED, DOT_PREC,
+                window_left, window_right, k_descale, v_descale, PAGED, PAGE_SIZE, True, HAS_KEY_MASK, WINDOW,
+                SOFTCAP, ALIBI_ON, ROT_DIM, INTERLEAVED, FP8_CACHE, DOT_PREC,
             )
 
     o_ptrs = (O + off_b64 * stride_ob + offs_i[:, None].to(tl.int64) * stride_om
@@ -283,7 +338,10 @@ def decode_kernel(
         work_o = WORK + offs_m[:, None] * BLOCK_D + offs_d[None, :]
         work_l = WORK + (num_splits * rows_all).to(tl.int64) * (BLOCK_M * BLOCK_D) + offs_m
         part = (split * rows_all + row).to(tl.int64)
-        tl.store(work_o + part * (BLOCK_M * BLOCK_D), acc / l_safe[:, None], mask=mask_o)
+        o_part = acc / l_safe[:, None]
+        if FP8_CACHE:
+            o_part = o_part * v_descale  # in real units: the merge needs no descale
+        tl.store(work_o + part * (BLOCK_M * BLOCK_D), o_part, mask=mask_o)
         tl.store(work_l + part * BLOCK_M, lse2, mask=ok_r)
         # every thread's stores are issued before the ticket; the atomic's release orders them for the
         # program that takes the last ticket, whose acquire makes them visible to its loads (which skip L1)
@@ -315,5 +373,8 @@ def decode_kernel(
         # -- epilogue: out 0 and lse +inf for a row that sees no key (flash_attn's convention)
         seen = l_i > 0.0
         l_safe = tl.where(seen, l_i, 1.0)
-        tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=mask_o)
+        o = acc / l_safe[:, None]
+        if FP8_CACHE:
+            o = o * v_descale
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_o)
         tl.store(lse_ptrs, tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf")), mask=ok_r)
