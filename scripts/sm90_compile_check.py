@@ -272,6 +272,23 @@ def decode_cases():
         cache_seqlens=torch.tensor([5, 700], dtype=torch.int32), cache_leftpad=torch.tensor([1, 0],
                                                                                             dtype=torch.int32),
         cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32), key_padding_mask=torch.rand(2, cap) > 0.5)
+    # an FP8 cache (e4m3, the FP8_CACHE variant): per-head descales, append with rotary, split; paged and
+    # contiguous, and per tensor with softcap
+    fp8 = torch.float8_e4m3fn
+    descale = torch.rand(2, hk) + 0.5
+    for page in (None, 64):
+        pool = (2, cap) if page is None else (2 * cap // page, page)
+        table = None if page is None else torch.arange(pool[0], dtype=torch.int32).view(2, -1)
+        cos, sin = torch.rand(cap, d // 2), torch.rand(cap, d // 2)
+        yield f"decode fp8 cache page={page}", partial(
+            flash_attn_with_kvcache, _t(2, 1, hk * 4, d), _t(*pool, hk, d).to(fp8), _t(*pool, hk, d).to(fp8),
+            _t(2, 1, hk, d), _t(2, 1, hk, d), rotary_cos=cos, rotary_sin=sin,
+            cache_seqlens=torch.tensor([5, 700], dtype=torch.int32), block_table=table, k_descale=descale,
+            v_descale=descale)
+    yield "decode fp8 cache per tensor softcap sq=4", partial(
+        flash_attn_with_kvcache, _t(2, 4, hk * 8, d), _t(2, cap, hk, d).to(fp8), _t(2, cap, hk, d).to(fp8),
+        cache_seqlens=torch.tensor([5, 700], dtype=torch.int32), softcap=5.0, causal=True,
+        k_descale=torch.rand(1), v_descale=torch.rand(1))
     yield "decode d=256 window softcap alibi", partial(
         flash_attn_with_kvcache, _t(1, 1, 8, 256), _t(1, 512, 8, 256), _t(1, 512, 8, 256),
         cache_seqlens=torch.tensor([300], dtype=torch.int32), window_size=(64, 0), softcap=5.0,
