@@ -82,6 +82,12 @@ class Runner:
                 self._run_case(case, progress)
         finally:
             progress.close()
+        # rows a suite measures beside its sweep rather than per provider and case (fp8: the accuracy of
+        # each quantisation recipe against the unquantised inputs)
+        extra_rows = getattr(cfg.suite, "extra_rows", None)
+        if extra_rows is not None:
+            self.rows.extend(extra_rows(cfg))
+            self._save()
         return self.document()
 
     def document(self) -> dict:
@@ -181,6 +187,13 @@ class Runner:
         self, case: Case, name: str, prep: Prepared, inputs: _Inputs, oracle: Oracle, rows: dict
     ) -> None:
         dev, layout = self.cfg.device, prep.layout
+        if prep.oracle is not None:
+            try:
+                oracle = prep.oracle(self.cfg.check_budget_bytes)
+            except Exception as exc:  # noqa: BLE001 - the reason goes into every row of this provider
+                for row in rows.values():
+                    row["error"] = f"could not check: the oracle failed with {describe_error(exc)}"
+                return
         try:
             out, fwd_s = time_first_call(prep.fwd, dev)
         except torch.OutOfMemoryError:

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,7 +24,10 @@ class Prepared:
     requiring grad; the runner differentiates with `torch.autograd.grad(out, leaves, dout)`.
     `context` is entered once around the first call, the check and the timing, rather than per call, so that
     forcing an SDPA backend, say, costs nothing inside the timed region. `info`: fields the provider adds to
-    each of its result rows (which kernels this project's call runs, for one).
+    each of its result rows (which kernels this project's call runs, for one). `oracle`: for a provider that
+    does not compute on the case's inputs but on a copy of its own (FP8: their e4m3 quantisation), the check
+    of its output against that copy, called with the run's check budget in bytes and used instead of the
+    case's oracle (check.Fp8Oracle is one); None: the case's.
     """
 
     fwd: Callable[[], torch.Tensor]
@@ -31,6 +35,7 @@ class Prepared:
     layout: str = "bshd"
     context: Callable[[], AbstractContextManager] = field(default=contextlib.nullcontext)
     info: dict = field(default_factory=dict)
+    oracle: Callable[[int], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
