@@ -221,6 +221,7 @@ def dense_cases():
     yield "dense all features", partial(
         _fwd_bwd, flash_attn_func, q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
         alibi_slopes=torch.rand(4), learnable_sink=torch.zeros(4, requires_grad=True))
+    yield from fp8_cases()
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 4, 64, grad=True), _t(208, 2, 64, grad=True), _t(208, 2, 64, grad=True)
     yield "varlen causal", partial(_on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130,
@@ -242,6 +243,32 @@ def dense_cases():
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 70, 150], [0, 90, 190]))
     yield "S_dmask varlen", partial(flash_attn_varlen_func, q[0], k[0], v[0], cu_q, cu_k, 80, 100, 0.1,
                                     return_attn_probs=True)
+
+
+def fp8_cases():
+    """The FP8 forward (inference): e4m3 q, k, v with per-head descales, V with its seqlen dim contiguous
+    (the layout the GPU launcher gives it), at the head dims of the FP8 targets."""
+    from flashattn import flash_attn_func, flash_attn_varlen_func, fp8
+
+    def quantized(b, s, h, hk, d):
+        q8, qd = fp8.quantize(_t(b, s, h, d), "head")
+        k8, kd = fp8.quantize(_t(b, s, hk, d), "head")
+        v8, vd = fp8.quantize(_t(b, s, hk, d), "head", seq_contiguous=True)
+        return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            qkv, descales = quantized(1, 300, 4, 2, d)
+            yield f"fp8 forward d={d} causal={causal}", partial(flash_attn_func, *qkv, causal=causal,
+                                                                **descales)
+    qkv, descales = quantized(2, 190, 4, 2, 128)
+    yield "fp8 forward window softcap alibi sink", partial(
+        flash_attn_func, *qkv, window_size=(40, 3), softcap=10.0, alibi_slopes=torch.rand(4),
+        learnable_sink=torch.zeros(4), **descales)
+    cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
+    q8, k8, v8 = (fp8.quantize(_t(1, 208, h, 128), "tensor")[0][0] for h in (4, 2, 2))
+    yield "fp8 forward varlen causal", partial(flash_attn_varlen_func, q8, k8, v8, cu, cu, 130, 130,
+                                               causal=True)
 
 
 def decode_cases():

@@ -62,3 +62,18 @@ def test_rotation_leaves_scores_unchanged_and_spreads_outliers():
 def test_bad_arguments(call, message):
     with pytest.raises(FlashAttnError, match=message):
         call()
+
+
+def test_seq_contiguous_layout_holds_the_same_values():
+    x = _x(2, 37, 3, 64, seed=3)
+    x8, d = fp8.quantize(x, "head")
+    y8, e = fp8.quantize(x, "head", seq_contiguous=True)
+    assert y8.shape == x8.shape and y8.stride(1) == 1 and x8.stride(-1) == 1
+    assert torch.equal(y8.view(torch.uint8), x8.view(torch.uint8)) and torch.equal(d, e)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_an_empty_sequence_quantizes_with_unit_descale(granularity):
+    x8, descale = fp8.quantize(torch.zeros(2, 0, 3, 16), granularity)
+    assert x8.shape == (2, 0, 3, 16) and (descale == 1).all()
+    assert descale.shape == ((1,) if granularity == "tensor" else (2, 3))

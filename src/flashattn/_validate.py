@@ -10,6 +10,7 @@ from flashattn.errors import FlashAttnError
 
 MAX_HEADDIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the FP8 (inference) calls' q, k, v
 # q/k/v signatures that passed check_qkv (~1 KB each); past this many the set is emptied rather than grown
 # (lengths that vary from batch to batch add one each)
 _PASSED_SIGNATURES = 1024
@@ -20,19 +21,20 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def check_tensor(name: str, t, ndim: int, layout: str, may_be_empty: tuple[int, ...] = ()) -> None:
-    """t: a tensor of ndim dimensions in a supported dtype with a contiguous last dimension. may_be_empty:
-    the dimensions that may be 0 (batch and sequence axes: an empty batch gives empty outputs); every other
-    dimension must be >= 1."""
+def check_tensor(name: str, t, ndim: int, layout: str, may_be_empty: tuple[int, ...] = (),
+                 dtypes: tuple = _DTYPES, contiguous_dim: int | None = None) -> None:
+    """t: a tensor of ndim dimensions in one of `dtypes` with a contiguous last dimension (or, when given,
+    a contiguous dimension `contiguous_dim` instead). may_be_empty: the dimensions that may be 0 (batch and
+    sequence axes: an empty batch gives empty outputs); every other dimension must be >= 1."""
     if not isinstance(t, torch.Tensor):
         raise FlashAttnError(f"{name} must be a torch.Tensor of layout {layout}, got {type(t).__name__}")
     if t.dim() != ndim:
         raise FlashAttnError(f"{name} must have {ndim} dimensions {layout}, got {t.dim()} ({_describe(t)})")
-    if t.dtype not in _DTYPES:
+    if t.dtype not in dtypes:
         f64 = t.dtype == torch.float64
         hint = " (float64 is not supported on GPU; use bfloat16 or float16)" if f64 else ""
         raise FlashAttnError(
-            f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in _DTYPES)}{hint}"
+            f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}{hint}"
         )
     for axis, size in enumerate(t.shape):
         if size == 0 and axis not in may_be_empty:
@@ -41,6 +43,8 @@ def check_tensor(name: str, t, ndim: int, layout: str, may_be_empty: tuple[int, 
                 f"sequence dimensions may be 0"
             )
     # a dimension of size 1 has no stride to speak of (only element 0 is read)
+    if contiguous_dim is not None and (t.shape[contiguous_dim] <= 1 or t.stride(contiguous_dim) == 1):
+        return
     if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise FlashAttnError(
             f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(t.stride())}; "
@@ -48,33 +52,37 @@ def check_tensor(name: str, t, ndim: int, layout: str, may_be_empty: tuple[int, 
         )
 
 
-def check_qkv(q, k, v, varlen: bool = False) -> None:
+def check_qkv(q, k, v, varlen: bool = False, fp8: bool = False) -> None:
     """q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv) (varlen: without the batch dimension): same
-    dtype and device, matching batch, lengths and head dims; h a multiple of h_k."""
+    dtype and device, matching batch, lengths and head dims; h a multiple of h_k. fp8: the dtype is e4m3,
+    and v may have its seqlen dim contiguous instead of its last."""
     # every check reads only the tensors' shapes, strides, dtypes and devices: a signature that passed once
     # passes again (~1.5 us to look up against ~7 us to check). Not while torch.compile traces: the sizes
     # may be symbolic there
     key = None
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
             and not torch.compiler.is_compiling()):
-        key = (varlen, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+        key = (varlen, fp8, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device)
         if key in _passed:
             return
-    _check_qkv(q, k, v, varlen)
+    _check_qkv(q, k, v, varlen, fp8)
     if key is not None:
         if len(_passed) >= _PASSED_SIGNATURES:
             _passed.clear()
         _passed.add(key)
 
 
-def _check_qkv(q, k, v, varlen: bool) -> None:
+def _check_qkv(q, k, v, varlen: bool, fp8: bool) -> None:
     ndim = 3 if varlen else 4
     b = "" if varlen else "batch, "
     empty = (0,) if varlen else (0, 1)
-    check_tensor("q", q, ndim, f"({b}{'total_q' if varlen else 'seqlen_q'}, nheads, headdim)", empty)
-    check_tensor("k", k, ndim, f"({b}{'total_k' if varlen else 'seqlen_k'}, nheads_k, headdim)", empty)
-    check_tensor("v", v, ndim, f"({b}{'total_k' if varlen else 'seqlen_k'}, nheads_k, headdim_v)", empty)
+    dtypes = FP8_DTYPES if fp8 else _DTYPES
+    sq, sk = ("total_q", "total_k") if varlen else ("seqlen_q", "seqlen_k")
+    check_tensor("q", q, ndim, f"({b}{sq}, nheads, headdim)", empty, dtypes)
+    check_tensor("k", k, ndim, f"({b}{sk}, nheads_k, headdim)", empty, dtypes)
+    check_tensor("v", v, ndim, f"({b}{sk}, nheads_k, headdim_v)", empty, dtypes,
+                 (0 if varlen else 1) if fp8 else None)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise FlashAttnError(

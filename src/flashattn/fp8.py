@@ -36,7 +36,8 @@ def _check_input(x, name: str) -> None:
         raise FlashAttnError(f"{name} has dtype {x.dtype}; expected float16, bfloat16 or float32 to quantize")
 
 
-def quantize(x: Tensor, granularity: str = "tensor", *, name: str = "x") -> tuple[Tensor, Tensor]:
+def quantize(x: Tensor, granularity: str = "tensor", *, seq_contiguous: bool = False,
+             name: str = "x") -> tuple[Tensor, Tensor]:
     """(x_fp8, descale) with x ≈ x_fp8 · descale, the scale chosen so that the largest |x| maps to e4m3's
     largest value (448).
 
@@ -44,22 +45,29 @@ def quantize(x: Tensor, granularity: str = "tensor", *, name: str = "x") -> tupl
         x: (batch, seqlen, nheads, headdim), float16 / bfloat16 / float32.
         granularity: "tensor" (one scale, descale shape (1,)) or "head" (one per (batch, head), descale
             shape (batch, nheads)), default "tensor".
+        seq_contiguous: bool, keyword only, default False. True lays x_fp8 out with its seqlen dim
+            contiguous (storage (batch, nheads, headdim, seqlen)): V as the FP8 P·V product takes it
+            (K-major), which an FP8 attention call reads without transposing its tiles.
+        name: the argument's name in error messages.
     Returns:
-        x_fp8: like x, torch.float8_e4m3fn (contiguous).
+        x_fp8: like x, torch.float8_e4m3fn; contiguous, or seqlen-contiguous.
         descale: float32, (1,) or (batch, nheads); an all-zero x gets descale 1.
     """
     _check_input(x, name)
     if granularity not in GRANULARITIES:
         raise FlashAttnError(f"granularity is {granularity!r}; expected one of {', '.join(GRANULARITIES)}")
     xf = x.float()
+    empty = xf.numel() == 0  # (an empty sequence: descale 1)
     if granularity == "tensor":
-        amax = xf.abs().amax().reshape(1)
+        amax = xf.new_zeros(1) if empty else xf.abs().amax().reshape(1)
         scale = _scale(amax)
         x8 = (xf * scale).to(FP8)
     else:
-        amax = xf.abs().amax(dim=(1, 3))  # (batch, nheads)
+        amax = xf.new_zeros(x.shape[0], x.shape[2]) if empty else xf.abs().amax(dim=(1, 3))  # (batch, nheads)
         scale = _scale(amax)
         x8 = (xf * scale[:, None, :, None]).to(FP8)
+    if seq_contiguous:
+        return x8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), (1.0 / scale).float()
     return x8.contiguous(), (1.0 / scale).float()
 
 

@@ -16,9 +16,14 @@ Beyond flash_attn 2.x, every function takes two keyword arguments current models
   learnable_sink: (nheads,) float32, default None. Attention sinks: each head's softmax gets one more logit
       that takes probability mass but contributes no value; its gradient is returned.
   v with its own head dim (e.g. d_qk = 192, d_v = 128): out has v's head dim.
+and flash_attn_func / flash_attn_varlen_func take FP8 (e4m3) q, k, v for inference, FlashAttention-3's way:
+  q_descale, k_descale, v_descale: float32 (1,) or (batch, nheads_k) (q's also (batch, nheads)), keyword
+      only, default None = 1. The value of x is x_fp8 · x_descale (flashattn.fp8.quantize).
+  out_dtype: torch.dtype, keyword only, default None = bfloat16 for FP8 calls. See flashattn.interface_fp8.
 """
 
-from flashattn import _validate
+from flashattn import _validate, interface_fp8
+from flashattn.errors import FlashAttnError
 from flashattn.ops.attention import attention, default_scale
 from flashattn.ops.probs import attention_probs
 
@@ -92,6 +97,10 @@ def flash_attn_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Exact softmax attention, computed tile by tile without materialising the score matrix.
 
@@ -118,9 +127,15 @@ def flash_attn_func(
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask (for testing; with
             dropout it costs one more kernel, which writes the O(seqlen_q·seqlen_k) S_dmask).
         learnable_sink: (nheads,) float32, keyword only, default None. See the module docstring.
+        q_descale, k_descale, v_descale: float32 (1,) or (batch, nheads_k), q_descale also (batch, nheads),
+            keyword only, default None = 1. With torch.float8_e4m3fn q, k, v: an FP8 call (inference only:
+            no dropout, no gradients), x = x_fp8 · x_descale. v may have its seqlen dim contiguous instead
+            of its last (the K-major layout of the FP8 P·V product; either is read in place).
+        out_dtype: torch.dtype, keyword only, default None = q's dtype, bfloat16 for an FP8 call (which
+            takes bfloat16, float16 or float32).
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim_v), q's dtype.
+        out: (batch, seqlen_q, nheads, headdim_v), q's dtype (out_dtype for an FP8 call).
         softmax_lse (if return_attn_probs): (batch, nheads, seqlen_q) float32, natural-log log-sum-exp of each
             row's scores (without dropout; including the sink); +inf for rows that see no key.
         S_dmask (if return_attn_probs): flash_attn's. Without dropout an empty tensor (shape (0,), q's dtype).
@@ -131,9 +146,21 @@ def flash_attn_func(
             on -0.0) where the dropout dropped the entry; 0 where the query sees no key and past seqlen_q /
             seqlen_k. ~torch.signbit(S_dmask) is the keep mask the kernels used.
     """
+    if interface_fp8.wanted(q, q_descale, k_descale, v_descale):
+        interface_fp8.check_dtypes(q, k, v)
+        _validate.check_qkv(q, k, v, fp8=True)
+        window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes,
+                               learnable_sink, q.shape[0])
+        return interface_fp8.attention(
+            q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p=dropout_p,
+            softmax_scale=softmax_scale, causal=causal, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, return_attn_probs=return_attn_probs,
+            batch=q.shape[0])
     _validate.check_qkv(q, k, v)
     window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
                             q.shape[0])
+    if out_dtype is not None and out_dtype != q.dtype:
+        raise FlashAttnError(f"out_dtype is {out_dtype}; a 16-bit call returns q's dtype ({q.dtype})")
     return _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink)
 

@@ -6,17 +6,22 @@ ALiBi distance) is applied per sequence with its own lengths; zero-length sequen
 flashattn.interface for the causal alignment and the extra keyword arguments.
 """
 
-from flashattn import _validate, paged
+from flashattn import _validate, interface_fp8, paged
+from flashattn.errors import FlashAttnError
 from flashattn.interface import _run, check_options
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
+                 fp8: bool = False):
     """The varlen layout's checks (flash_attn_varlen_func's docstring says what is checked when); with a
     block_table the keys are gathered from its pages. Returns (k, v, max_seqlen_q, max_seqlen_k), k and v
-    packed (total_k, nheads_k, headdim[_v])."""
-    _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,))
+    packed (total_k, nheads_k, headdim[_v]). fp8: e4m3 q, k, v (an FP8 call)."""
+    if fp8:
+        _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,), _validate.FP8_DTYPES)
+    else:
+        _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,))
     if block_table is None:
-        _validate.check_qkv(q, k, v, varlen=True)
+        _validate.check_qkv(q, k, v, varlen=True, fp8=fp8)
     # with a block_table the keys' bound is the pages' (check_paged), and the gather sizes k
     max_seqlen_q, max_seqlen_k = _validate.check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, None if block_table is not None else k)
@@ -46,6 +51,10 @@ def flash_attn_varlen_func(
     block_table=None,
     *,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention over packed sequences.
 
@@ -69,19 +78,35 @@ def flash_attn_varlen_func(
         block_table: (batch, max_pages) int32, default None. Paged KV for varlen prefill: key p of sequence b
             (p < cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is k[block_table[b, p // page_size], p % page_size].
             The keys are gathered into the packed layout first (flashattn.paged); gradients reach the pools.
+        q_descale, k_descale, v_descale, out_dtype: as flash_attn_func's (an FP8 call), batch being the
+            number of sequences; v may have its token dim (0) contiguous. No block_table with FP8.
 
     Returns:
-        out: (total_q, nheads, headdim_v).
+        out: (total_q, nheads, headdim_v), q's dtype (out_dtype for an FP8 call).
         softmax_lse (if return_attn_probs): (nheads, total_q) float32 natural log, +inf for rows that see no
             key (flash_attn's varlen layout).
         S_dmask (if return_attn_probs): as flash_attn_func's, shaped (batch, nheads, max_seqlen_q rounded up
             to 128, max_seqlen_k rounded up to 128); sequence b's entries in [b, :, :len_q, :len_k].
     """
+    fp8 = interface_fp8.wanted(q, q_descale, k_descale, v_descale)
+    if fp8:
+        interface_fp8.check_dtypes(q, k, v)
+        if block_table is not None:
+            raise FlashAttnError("block_table is given with FP8 q, k, v; paged keys take 16-bit calls only")
     k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                    max_seqlen_k, block_table)
+                                                    max_seqlen_k, block_table, fp8)
     batch = cu_seqlens_q.shape[0] - 1
     window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
                             batch)
+    if fp8:
+        return interface_fp8.attention(
+            q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p=dropout_p,
+            softmax_scale=softmax_scale, causal=causal, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, return_attn_probs=return_attn_probs,
+            batch=batch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k)
+    if out_dtype is not None and out_dtype != q.dtype:
+        raise FlashAttnError(f"out_dtype is {out_dtype}; a 16-bit call returns q's dtype ({q.dtype})")
     return _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 

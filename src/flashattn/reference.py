@@ -397,3 +397,60 @@ def masked_attention_ref(q, k, v, mask, *, softmax_scale=None, softcap=0.0, keep
         p = p * keep / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)  # (b, h, sq, sk) x (b, sk, h, dv)
     return out.to(dtype), lse
+
+
+def dequantize_fp8(x8, descale, dtype=torch.float64):
+    """x8 · descale in `dtype`: x8 (batch, seqlen, heads, d) e4m3, descale (1,) or (batch, heads'), heads' a
+    divisor of heads (each group of x8's heads shares one, as q's per-kv-head descale)."""
+    x = x8.to(dtype)
+    d = descale.to(dtype)
+    if d.numel() == 1:
+        return x * d.reshape(())
+    return x * d.repeat_interleave(x8.shape[2] // d.shape[1], dim=1)[:, None, :, None]
+
+
+def attention_ref_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, upcast=True, out_dtype=torch.bfloat16,
+                      causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                      learnable_sink=None):
+    """An FP8 call's oracle, or plain PyTorch computing it at FP8's precision.
+
+    q8, k8, v8: e4m3 (batch, seqlen, heads, d) with descales (1,) or (batch, heads) (q's may be per kv head);
+    the options as :func:`attention_ref`.  upcast: :func:`attention_ref` in float64 of the dequantised
+    inputs, returned in float64.  upcast=False: the baseline of the tolerance rule, what an FP8 kernel
+    computes without its tiling: q·k of the dequantised values in float32, the softmax numerators
+    exp(s - row max) rounded to e4m3 (in [0, 1], as an FP8 P·V product takes them), P·V in float32 over
+    the raw e4m3 values of v, divided by the unrounded row sum, times v's descale, out in out_dtype.
+
+    Returns ``(out, lse)`` as :func:`attention_ref`'s.
+    """
+    kwargs = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                  alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    if upcast:
+        return attention_ref(dequantize_fp8(q8, q_descale), dequantize_fp8(k8, k_descale),
+                             dequantize_fp8(v8, v_descale), upcast=True, **kwargs)
+    q, k = dequantize_fp8(q8, q_descale, torch.float32), dequantize_fp8(k8, k_descale, torch.float32)
+    b, h, _, d = _check_inputs(q, k, v8, alibi_slopes, learnable_sink)
+    sq, sk = q.shape[1], k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scores = torch.einsum("bthd,bshd->bhts", q, _repeat_kv(k, h)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows, cols = torch.arange(sq, device=q.device), torch.arange(sk, device=q.device)
+    offset = _offsets(b, sq, sk, None, None, q.device)
+    if alibi_slopes is not None:
+        scores = scores + _alibi_bias(alibi_slopes, rows, cols, offset, b, h, torch.float32)
+    vis = _visible(rows, cols, offset, causal=causal, window_size=window_size, query_padding_mask=None,
+                   key_padding_mask=None)
+    scores = scores.masked_fill(~vis, -math.inf)
+    m = scores.amax(-1, keepdim=True) if sk else scores.new_full((b, h, sq, 1), -math.inf)
+    sink = _sink_view(learnable_sink, h, torch.float32)
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    numer = torch.exp(scores - m)  # in [0, 1]: what the kernel rounds to e4m3
+    denom = numer.sum(-1, keepdim=True) + (torch.exp(sink - m) if sink is not None else 0.0)
+    lse = torch.where(denom == 0, math.inf, m + torch.log(denom)).squeeze(-1)
+    out = torch.einsum("bhts,bshd->bthd", numer.to(torch.float8_e4m3fn).float(), _repeat_kv(v8.float(), h))
+    out = out / torch.where(denom == 0, 1.0, denom).transpose(1, 2)
+    return (out * dequantize_fp8(torch.ones_like(v8[:, :1, :, :1]), v_descale, torch.float32)
+            .repeat_interleave(h // v8.shape[2], dim=2)).to(out_dtype), lse

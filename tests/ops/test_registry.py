@@ -10,7 +10,7 @@ from utils import DEVICE
 
 from flashattn import _validate, flash_attn_func
 from flashattn.ops import attention as attention_ops
-from flashattn.ops import block_sparse, kvcache, merge
+from flashattn.ops import attention_fp8, block_sparse, kvcache, merge
 from flashattn.ops.registry import Op, through_registered_ops
 
 
@@ -20,12 +20,13 @@ def _qkv(requires_grad):
 
 
 def test_every_op_is_made_with_the_helper():
-    ops = [attention_ops.attn_fwd, attention_ops.attn_bwd, block_sparse.block_sparse_fwd,
-           block_sparse.block_sparse_bwd, kvcache.kvcache_fwd, merge.merge_states]
+    ops = [attention_ops.attn_fwd, attention_ops.attn_bwd, attention_fp8.attn_fwd_fp8,
+           block_sparse.block_sparse_fwd, block_sparse.block_sparse_bwd, kvcache.kvcache_fwd,
+           merge.merge_states]
     assert all(isinstance(op, Op) for op in ops)
     assert {op.name for op in ops} == {
-        "flashattn::attn_fwd", "flashattn::attn_bwd", "flashattn::block_sparse_fwd",
-        "flashattn::block_sparse_bwd", "flashattn::kvcache_fwd", "flashattn::merge_states"}
+        "flashattn::attn_fwd", "flashattn::attn_bwd", "flashattn::attn_fwd_fp8",
+        "flashattn::block_sparse_fwd", "flashattn::block_sparse_bwd", "flashattn::kvcache_fwd", "flashattn::merge_states"}
 
 
 def test_the_eager_path_equals_the_registered_op(backend, monkeypatch):

@@ -16,7 +16,7 @@ from flashattn.backends.torch.forward import forward_group
 from flashattn.backends.torch.tiles import Spec, Tiles, compute_dtype
 from flashattn.errors import FlashAttnError
 
-__all__ = ["attention_forward", "attention_backward"]
+__all__ = ["attention_forward", "attention_forward_fp8", "attention_backward"]
 
 
 def _check_common(q, k, v, alibi_slopes, learnable_sink, dropout_p, nbatch):
@@ -172,6 +172,38 @@ def attention_forward(
         tiles = _tiles(spec, qg, kg, slopes, idx, mq, mk, kw)
         forward_group(tiles, qg, kg, vg, _tokens(out, qsl), _lse_view(lse, qsl))
     return out, lse
+
+
+def _dequantize(x8, descale, cu_seqlens):
+    """x8 · descale in float32: descale (1,) or (batch, heads), heads dividing x8's (a group of x8's heads
+    shares one); batch indexes sequences (cu_seqlens, varlen) or dim 0."""
+    x = x8.float()
+    if descale.numel() == 1:
+        return x * descale.float().reshape(())
+    d = descale.float().repeat_interleave(x8.shape[-2] // descale.shape[1], dim=1)  # (batch, x8's heads)
+    if cu_seqlens is None:
+        return x * d[:, None, :, None]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    per_token = d.repeat_interleave(lengths, dim=0)  # (tokens in sequences, heads)
+    rows = per_token.shape[0]
+    # rows past the last sequence are never attended; they keep their raw values
+    return torch.cat((x[:rows] * per_token[:, :, None], x[rows:]))
+
+
+def attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, softmax_scale: float,
+                          causal: bool, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                          max_seqlen_k=None, route=None):
+    """The FP8 semantics exactly: dequantise e4m3 q, k, v with their descales, attend in float32, out in
+    out_dtype (the kernels also round P to e4m3). Same signature as the Triton launcher's."""
+    del route
+    out, lse = attention_forward(
+        _dequantize(q, q_descale, cu_seqlens_q), _dequantize(k, k_descale, cu_seqlens_k),
+        _dequantize(v, v_descale, cu_seqlens_k), softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k)
+    return out.to(out_dtype), lse
 
 
 def attention_backward(

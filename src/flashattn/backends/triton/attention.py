@@ -38,7 +38,8 @@ _INT32_MAX = 2**31 - 1
 _CACHED_SIGNATURES = 256
 _forward_cache: dict = {}
 _backward_cache: dict = {}
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                torch.float8_e4m3fn: "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,12 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         batch, sq, h, d = q.shape
         sk, hk = k.shape[1], k.shape[2]
     for name, t, n in (("q", q, sq), ("k", k, sk), ("v", v, sk)):
-        # in-sequence offsets (row · row stride) are 32-bit in the kernels; batch/head/start ones 64-bit
+        # in-sequence offsets (row · row stride, and column · column stride: an FP8 V may have its seqlen
+        # dim contiguous) are 32-bit in the kernels; batch/head/start ones 64-bit
         row_stride = t.stride(0) if varlen else t.stride(1)
-        if n * row_stride > _INT32_MAX:
+        if n * row_stride > _INT32_MAX or t.shape[-1] * t.stride(-1) > _INT32_MAX:
             raise FlashAttnError(
-                f"{name} has seqlen {n} with row stride {row_stride}: in-sequence offsets exceed 2^31 "
+                f"{name} has seqlen {n} with strides {tuple(t.stride())}: in-sequence offsets exceed 2^31 "
                 f"elements; split the sequence or use a layout with a smaller row stride"
             )
     left, right = window_size
@@ -167,11 +169,13 @@ def _remember(cache: dict, key: tuple, entry: tuple) -> None:
 def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                      route=None):
+                      route=None, descales=None, out_dtype=None):
     """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key).
-    route: routes.GluonForward / routes.TritonForward to run instead of the default one."""
+    route: routes.GluonForward / routes.TritonForward to run instead of the default one.
+    descales, out_dtype: FP8 calls only (attention_forward_fp8)."""
     key = None
-    if route is None and _cacheable(q, (q, k, v), cu_seqlens_q, softmax_scale, window_size):
+    if descales is None and route is None and _cacheable(q, (q, k, v), cu_seqlens_q, softmax_scale,
+                                                         window_size):
         # everything down to the launch's arguments but the tensors depends on these
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
@@ -189,7 +193,7 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     if route is None:
         route = routes.forward_route(pb.spec)
     out_shape = (*q.shape[:-1], pb.dv)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape, dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if isinstance(route, routes.GluonForward):
@@ -203,17 +207,47 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     n_bh = pb.batch * pb.nheads
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
     descs = [tma.descriptor(t, cfg.block_n) for t in (k, v)] if route.tma else [None, None]
+    scales, scale_strides = _descale_args(descales, pb, q)
     launch(
         attn_fwd_kernel, (host.cdiv(pb.seqlen_q, cfg.block_m) * n_bh,),
         q, k, v, out, lse,
         cu_seqlens_q if pb.varlen else q, cu_seqlens_k if pb.varlen else q, alibi,
-        learnable_sink if learnable_sink is not None else q, *descs,
-        *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(out), *pb.lse_strides(lse), stride_alibi,
-        pb.nheads, *pb.bounds(q, k), pb.seqlen_q, pb.seqlen_k, *pb.scalars, n_bh, route.lpt_group,
+        learnable_sink if learnable_sink is not None else q, *descs, *scales,
+        *pb.rows(q), *pb.rows(k), *pb.rows(v), v.stride(-1), *pb.rows(out), *pb.lse_strides(lse),
+        stride_alibi, *scale_strides, pb.nheads, *pb.bounds(q, k), pb.seqlen_q, pb.seqlen_k, *pb.scalars,
+        n_bh, route.lpt_group,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SINK=learnable_sink is not None, USE_TMA=route.tma,
-        **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        FP8=descales is not None, **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
     )
     return out, lse
+
+
+def _descale_args(descales, pb: _Problem, dummy) -> tuple[tuple, tuple]:
+    """The kernel's (Q_SCALE, K_SCALE, V_SCALE) and their (batch, head) strides with q_scale_group: a (1,)
+    descale has strides 0; q's (batch, nheads_k) one is shared by each group of query heads."""
+    if descales is None:
+        return (dummy,) * 3, (0,) * 6 + (1,)
+    strides = []
+    for t in descales:
+        strides += (0, 0) if t.numel() == 1 else (t.stride(0), t.stride(1))
+    q_group = pb.nheads // pb.nheads_k if descales[0].numel() > 1 and descales[0].shape[1] != pb.nheads else 1
+    return tuple(descales), (*strides, q_group)
+
+
+def attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, out_dtype, softmax_scale: float,
+                          causal: bool, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                          max_seqlen_k=None, route=None):
+    """(out in out_dtype, lse float32) of e4m3 q, k, v with float32 descales, each (1,) or (batch, heads):
+    q's per query head or per kv head, k's and v's per kv head. v is read in place in either layout (its
+    last dim contiguous, or its seqlen dim: the K-major operand of FP8 P·V, which Triton otherwise makes
+    with byte permutes in registers)."""
+    return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, route=route,
+                             descales=(q_descale, k_descale, v_descale), out_dtype=out_dtype)
 
 
 def _dsink(dsink_rows):

@@ -5,7 +5,11 @@ interpreter (TRITON_INTERPRET=1) it also makes the interpreter's FP8 casts round
 (interpreter.py)."""
 
 from flashattn import config
-from flashattn.backends.triton.attention import attention_backward, attention_forward
+from flashattn.backends.triton.attention import (
+    attention_backward,
+    attention_forward,
+    attention_forward_fp8,
+)
 from flashattn.backends.triton.block_sparse import block_sparse_backward, block_sparse_forward
 from flashattn.backends.triton.decode import kvcache_forward
 from flashattn.backends.triton.decode import plan_route as kvcache_plan
@@ -18,5 +22,6 @@ if config.INTERPRET:
 
     interpreter.install()
 
-__all__ = ["attention_backward", "attention_forward", "attention_probs", "block_sparse_backward",
-           "block_sparse_forward", "kvcache_forward", "kvcache_plan", "kvcache_prepare", "merge_partials"]
+__all__ = ["attention_backward", "attention_forward", "attention_forward_fp8", "attention_probs",
+           "block_sparse_backward", "block_sparse_forward", "kvcache_forward", "kvcache_plan",
+           "kvcache_prepare", "merge_partials"]

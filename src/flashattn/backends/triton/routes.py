@@ -11,7 +11,8 @@ Routes of the dense and varlen attention:
   forward:  `GluonForward` (the warp-specialised Hopper kernel, kernels/gluon/attn_fwd.py) for 16-bit calls
             with TMA-ready tensors on sm90+, d (padded) and dv of 64, 128 or 256 with dv <= d (192 / 128
             included), padded or varlen, with any window (causal included), softcap, ALiBi or sink, and no
-            dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature);
+            dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature, and the FP8 inference
+            calls);
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls in the padded layout at d = dv =
             64 or 128 unless deterministic or its float32 dQ buffer would pass `DQ_BUFFER_CAP`, else
             `TritonBackward` (two programs: dK/dV and dQ).
@@ -40,7 +41,7 @@ DQ_BUFFER_CAP = 512 << 20
 L2_BUDGET = 16 << 20
 GLUON_HEADDIMS = (64, 128, 256)  # the Gluon forward's; the backward takes 64 and 128
 GLUON_BWD_HEADDIMS = (64, 128)
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)

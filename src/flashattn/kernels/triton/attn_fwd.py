@@ -7,6 +7,12 @@ Invariants of the online softmax (base 2, the scale folded into the scores):
   acc  sum of exp2(s - m_i)·keep·v.
 Only O = acc / l_i / (1 - p) and LSE = (m_i + log2 l_i)·ln 2 reach HBM. Features are constexpr flags; a
 disabled one compiles to nothing.
+
+FP8 (inference): q, k, v in e4m3 with float32 descales (x = x_fp8 · descale, one per program's (batch, head)
+or per tensor). Both products run on FP8 operands with fp32 accumulation: q·k's descales fold into the
+score scale, P is rounded to e4m3 for P·V (its values lie in [0, 1]) and v's descale multiplies the output.
+V is addressed with a column stride, so a V whose seqlen dim is contiguous (the K-major operand FP8 P·V
+wants) is read in place.
 """
 
 import triton
@@ -38,7 +44,7 @@ def _fwd_tile(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
     k_desc=None, v_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
-    glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False,
+    glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False, stride_vd=1,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
     # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
@@ -74,12 +80,13 @@ def _fwd_tile(
                             max_seqlen_k, dropout_p)
         p = tl.where(keep, p, 0.0)
     if MASK_BITS:
-        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True)
+        v = load_tile(v_base, offs_n, offs_dv, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_DV, True, stride_vd)
     else:
         v = load_rows(v_base, v_desc, desc_b, desc_h, start_n, offs_n, offs_dv, stride_vn, seqlen_k,
-                      HEAD_DIM_V, BLOCK_DV, MASKED, USE_TMA)
+                      HEAD_DIM_V, BLOCK_DV, MASKED, USE_TMA, stride_vd)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, dv)
+    # (BLOCK_M, BLOCK_N) x (BLOCK_N, dv); FP8: P in e4m3 (l_i keeps the unrounded sum)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
@@ -105,12 +112,13 @@ def fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK: tl.constexpr, HA
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINK, K_DESC, V_DESC,
+    Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINK, K_DESC, V_DESC, Q_SCALE, K_SCALE, V_SCALE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
+    stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh, q_scale_group,
     nheads, seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k,
     qk_scale, cap_in, cap_out, left, right, dropout_p, rng_seed, rng_offset, n_bh, lpt_group,
     GROUP: tl.constexpr,
@@ -118,7 +126,7 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
 ):
     n_tiles = tl.cdiv(max_seqlen_q, BLOCK_M)
     off_bh, rank = grouped_program(tl.program_id(0), n_bh, n_tiles, lpt_group)
@@ -142,6 +150,12 @@ def attn_fwd_kernel(
     v_base = V + off_b64 * stride_vb + k_start.to(tl.int64) * stride_vn + off_hk64 * stride_vh
     q = load_tile(q_base, offs_m, offs_d, stride_qm, seqlen_q, HEAD_DIM, BLOCK_D, True)
 
+    if FP8:
+        # the descales of q (per head, or per kv head: q_scale_group heads share one) and k scale every score
+        q_ds = tl.load(Q_SCALE + off_b64 * stride_qsb + (off_h64 // q_scale_group) * stride_qsh)
+        k_ds = tl.load(K_SCALE + off_b64 * stride_ksb + off_hk64 * stride_ksh)
+        qk_scale = qk_scale * (q_ds * k_ds)
+        cap_in = cap_in * (q_ds * k_ds)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
@@ -162,6 +176,7 @@ def attn_fwd_kernel(
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
             k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
+            stride_vd=stride_vd,
         )
     # -- tiles every row of this block sees entirely: no predicate
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -172,6 +187,7 @@ def attn_fwd_kernel(
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
             k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
+            stride_vd=stride_vd,
         )
     # -- the diagonal band / right window edge and the key tail
     for start_n in range(tl.maximum(n_hi, n_lo), n_end, BLOCK_N):
@@ -182,9 +198,12 @@ def attn_fwd_kernel(
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
             k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
+            stride_vd=stride_vd,
         )
 
     out, lse = fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK, HAS_DROPOUT)
+    if FP8:
+        out = out * tl.load(V_SCALE + off_b64 * stride_vsb + off_hk64 * stride_vsh)
     lse_base = LSE + off_b64 * stride_lse_b + off_h64 * stride_lse_h + q_start
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
     o_base = O + off_b64 * stride_ob + q_start.to(tl.int64) * stride_om + off_h64 * stride_oh

@@ -13,9 +13,10 @@ LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2): scores live in base 2 insid
 
 @triton.jit
 def load_tile(base, offs_rows, offs_d, stride_row, n_rows,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """(rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read as 0."""
-    ptrs = base + offs_rows[:, None] * stride_row + offs_d[None, :]
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, stride_col=1):
+    """(rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read as 0. stride_col: 1 but for
+    an FP8 V whose seqlen dim is contiguous (a kernel argument equal to 1 compiles as the constant)."""
+    ptrs = base + offs_rows[:, None] * stride_row + offs_d[None, :] * stride_col
     if MASK_ROWS:
         if HEAD_DIM == BLOCK_D:
             tile = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)
@@ -31,14 +32,16 @@ def load_tile(base, offs_rows, offs_d, stride_row, n_rows,
 
 @triton.jit
 def load_rows(base, desc, desc_b, desc_h, start, offs_rows, offs_d, stride_row, n_rows,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr, USE_TMA: tl.constexpr,
+              stride_col=1):
     """load_tile of the rows [start, start + len(offs_rows)) of a K/V/Q/dO stream, through the tensor memory
     accelerator when USE_TMA: desc is a (batch, seqlen, heads, d) descriptor of block (1, rows, 1, BLOCK_D)
     (padded layout, HEAD_DIM == BLOCK_D), whose out-of-range rows read as zero like the masked load's."""
     if USE_TMA:
         tile = desc.load([desc_b, start, desc_h, 0]).reshape(offs_rows.shape[0], BLOCK_D)
     else:
-        tile = load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM, BLOCK_D, MASK_ROWS)
+        tile = load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM, BLOCK_D, MASK_ROWS,
+                         stride_col)
     return tile
 
 
