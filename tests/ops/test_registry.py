@@ -26,7 +26,8 @@ def test_every_op_is_made_with_the_helper():
     assert all(isinstance(op, Op) for op in ops)
     assert {op.name for op in ops} == {
         "flashattn::attn_fwd", "flashattn::attn_bwd", "flashattn::attn_fwd_fp8",
-        "flashattn::block_sparse_fwd", "flashattn::block_sparse_bwd", "flashattn::kvcache_fwd", "flashattn::merge_states"}
+        "flashattn::block_sparse_fwd", "flashattn::block_sparse_bwd", "flashattn::kvcache_fwd",
+        "flashattn::merge_states"}
 
 
 def test_the_eager_path_equals_the_registered_op(backend, monkeypatch):
