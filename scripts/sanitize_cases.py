@@ -1,7 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_features]
+        [ws_features] [fp8]
 
 (default: the first four).
 
@@ -13,6 +13,9 @@ ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone;
 the Triton forward's route) so that a hazard report names one of them. ws_features runs their compile-time
 variants (windows, softcap, ALiBi, sinks, the forward's varlen layout) forward and backward at small odd
 shapes.
+
+fp8 runs the FP8 forward (odd head dims, both V layouts, every option, varlen with empty sequences) and the
+FP8 KV cache (contiguous and paged, appending across a page boundary, split).
 """
 
 import sys
@@ -190,6 +193,52 @@ def ws_features():
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                      window_size=(50, -1), softcap=4.0, learnable_sink=sink)
         _grad_check(out, q, k, v, sink)
+
+
+def fp8():
+    from flashattn import fp8 as q8
+
+    def quantized(shape, granularity="head", **kw):
+        return q8.quantize(torch.randn(shape, device="cuda"), granularity, **kw)
+
+    with torch.no_grad():
+        shapes = [((1, 113, 67, 2, 1, 40), False), ((2, 67, 130, 4, 2, 64), True),
+                  ((1, 200, 137, 4, 1, 128), False), ((1, 33, 300, 2, 2, 256), True)]
+        for (b, sq, sk, h, hk, d), seq_v in shapes:
+            (q, qd), (k, kd) = quantized((b, sq, h, d)), quantized((b, sk, hk, d))
+            v, vd = quantized((b, sk, hk, d), seq_contiguous=seq_v)
+            for causal in (False, True):
+                out = flash_attn_func(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+                assert torch.isfinite(out).all()
+        shapes = ((2, 150, 4, 48), (2, 190, 2, 48), (2, 190, 2, 48))
+        (q, qd), (k, kd), (v, vd) = (quantized(s) for s in shapes)
+        out = flash_attn_func(q, k, v, causal=True, window_size=(40, -1), softcap=3.0, q_descale=qd,
+                              k_descale=kd, v_descale=vd, alibi_slopes=torch.rand(4, device="cuda"),
+                              learnable_sink=torch.zeros(4, device="cuda"))
+        lens = [0, 77, 1, 130]
+        cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32, device="cuda")
+        q, k, v = (quantized((1, 208, h, 64), "tensor")[0][0] for h in (4, 2, 2))
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        assert torch.isfinite(out).all()
+        # the FP8 cache: bf16 queries and new keys, e4m3 caches with per-(sequence, kv head) descales
+        b, hk, d = 3, 2, 128
+        kd, vd = (torch.rand(b, hk, device="cuda") * 0.01 + 0.001 for _ in range(2))
+        seqlens = torch.tensor([0, 37, 250], dtype=torch.int32, device="cuda")
+        for page in (None, 64):
+            if page is None:
+                kc, vc = (torch.zeros(b, 320, hk, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+                table = None
+            else:
+                kc, vc = (torch.zeros(b * 5, page, hk, d, device="cuda").to(torch.float8_e4m3fn)
+                          for _ in range(2))
+                table = torch.randperm(b * 5, device="cuda").to(torch.int32).view(b, 5)
+            q = torch.randn(b, 3, 8, d, device="cuda", dtype=torch.bfloat16)
+            kn, vn = (torch.randn(b, 3, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            for splits in (1, 4):
+                out = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, block_table=table,
+                                              causal=True, num_splits=splits, k_descale=kd, v_descale=vd)
+                assert torch.isfinite(out).all()
+    torch.cuda.synchronize()
 
 
 for name in sys.argv[1:] or ("dense", "decode", "decode_bad", "sparse"):
