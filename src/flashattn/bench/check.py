@@ -18,6 +18,8 @@ The oracle is fp64 and dense, so for large shapes it runs on a slice that is sti
   hold exactly the contributions of the checked rows (summed over blocks), and everything else must be zero.
 The yardstick is the naive provider's own low-precision error on the same slice: a provider passes when its
 max |error| is within 2x (output) / 3x (gradients) of that plus a floor of two units of rounding.
+An FP8 provider computes on its own e4m3 copy of the inputs, so it brings its own oracle (Fp8Oracle, the same
+slice): the float64 oracle on that copy's dequantised values, the yardstick plain PyTorch at FP8's precision.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ GRAD_FACTOR = 3.0
 CHECK_BUDGET_BYTES = 256 * 2**20
 MIN_BLOCK_ROWS = 64
 GRAD_NAMES = ("dq", "dk", "dv")
+_GRADS_NOTE = "; grads from dout zero elsewhere"
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class CheckSlice:
     heads_k: int
     row_blocks: tuple[tuple[int, int], ...]
 
-    def describe(self, case: Case) -> str:
+    def describe(self, case: Case, grads: bool = True) -> str:
         heads = f"heads 0-{self.heads_q - 1}"
         if self.heads_k != self.heads_q:
             heads += f" (kv heads 0-{self.heads_k - 1})"
@@ -62,12 +65,12 @@ class CheckSlice:
                 f"sequences {which} of {len(case.lengths)} (q rows {blocks} of {case.seqlen_q}, each against "
                 f"its own sequence's keys{mask})"
             )
-            return f"batch 0 (packed), {heads}, {rows}; grads from dout zero elsewhere"
+            return f"batch 0 (packed), {heads}, {rows}" + _GRADS_NOTE * grads
         if self.row_blocks == ((0, case.seqlen_q),):
             rows = f"all {case.seqlen_q} q rows{mask}"
         else:
             rows = f"q rows {blocks} of {case.seqlen_q} (with all the keys they see{mask})"
-        return f"batch 0, {heads}, {rows}; grads from dout zero elsewhere"
+        return f"batch 0, {heads}, {rows}" + _GRADS_NOTE * grads
 
     def key_end(self, case: Case, row_end: int) -> int:
         if not case.causal:
@@ -319,3 +322,59 @@ class Oracle:
         if problems:
             verdict.bwd_error = "wrong result: " + "; ".join(problems) + f" {where}"
         return verdict
+
+
+# the FP8 tolerance's floor: the output's own rounding (2^-11 relative in fp16 for |out| <= 1), as the FP8
+# forward's tests take it
+FP8_FLOOR = 1e-3
+
+
+def _descale_slice(descale: torch.Tensor, s: CheckSlice, nheads: int) -> torch.Tensor:
+    """A descale cut to the checked slice: (1,) stays, (batch, heads) keeps batch 0 and the checked heads
+    (q's may be per query head or per kv head: its width says which)."""
+    if descale.numel() == 1:
+        return descale.reshape(1)
+    return descale[:1, : (s.heads_q if descale.shape[1] == nheads else s.heads_k)]
+
+
+class Fp8Oracle(Oracle):
+    """The check of an FP8 provider: its output against the float64 oracle on the dequantised values of its
+    own e4m3 inputs (attention_ref_fp8(upcast=True)), within FWD_FACTOR times the error of plain PyTorch
+    computing the call at FP8's precision (upcast=False: float32 q·k, the softmax numerators rounded to e4m3
+    as an FP8 P·V product takes them) plus FP8_FLOOR; on the slice choose_slice picks, forward only.
+
+    q8 (batch, seqlen_q, nheads, d), k8 (batch, seqlen_k, nheads_k, d), v8 (batch, seqlen_k, nheads_k, dv):
+    torch.float8_e4m3fn, any strides (v8 may have its seqlen dim contiguous). q_descale float32 (1,),
+    (batch, nheads) or (batch, nheads_k); k_descale, v_descale (1,) or (batch, nheads_k). out_dtype: the
+    provider's output dtype, which the baseline rounds to as well. `check` and `masked_dout` are Oracle's.
+    """
+
+    def __init__(self, case: Case, q8, k8, v8, q_descale, k_descale, v_descale, *, out_dtype: torch.dtype,
+                 budget_bytes: int = CHECK_BUDGET_BYTES):
+        from flashattn.reference import attention_ref_fp8
+
+        self.case = case
+        self.slice = s = choose_slice(case, budget_bytes)
+        self.checked_on = s.describe(case, grads=False) + "; the oracle on the dequantised e4m3 inputs"
+        self.grads = False
+        q8, k8, v8 = q8[:1, :, : s.heads_q], k8[:1, :, : s.heads_k], v8[:1, :, : s.heads_k]
+        descales = [_descale_slice(d, s, case.nheads) for d in (q_descale, k_descale, v_descale)]
+        options = _options(case, s.heads_q, q8.device)
+        refs, bases = [], []
+        for r0, r1 in s.row_blocks:
+            k0, k1, causal, window = s.key_range(case, r0, r1)
+            if k1 <= k0:
+                # no key is visible (causal with sk < sq, or a window past the keys): the output is 0
+                shape = (1, r1 - r0, s.heads_q, v8.shape[-1])
+                zeros = torch.zeros(shape, dtype=torch.float64, device=q8.device)
+                refs.append(zeros)
+                bases.append(zeros)
+                continue
+            args = (q8[:, r0:r1], k8[:, k0:k1], v8[:, k0:k1], *descales)
+            kwargs = dict(causal=causal, window_size=window, **options)
+            refs.append(first_tensor(attention_ref_fp8(*args, upcast=True, **kwargs)).double())
+            base = attention_ref_fp8(*args, upcast=False, out_dtype=out_dtype, **kwargs)
+            bases.append(first_tensor(base).double())
+        self.ref_out = torch.cat(refs, dim=1)
+        self.out_tol = FWD_FACTOR * _max_abs(torch.cat(bases, dim=1) - self.ref_out) + FP8_FLOOR
+        self.ref_grads, self.grad_tols = [], []
