@@ -1,0 +1,157 @@
+"""`flashattn-fp8*`: this project's FP8 (e4m3) inference forward, flashattn.flash_attn_func with q_descale,
+k_descale and v_descale, on the case's inputs quantised by flashattn.fp8 (the output in the case's dtype):
+
+- `flashattn-fp8`: per-head descales (quantize(x, "head")), V laid out with its seqlen dim contiguous
+  (quantize(v, "head", seq_contiguous=True)): the timed call is the attention alone;
+- `flashattn-fp8-rowv`: the same with V in the ordinary layout, which the GPU launcher copies into the
+  seqlen-contiguous one on every call: the difference from flashattn-fp8 is that copy;
+- `flashattn-fp8+quant`: flashattn-fp8 with the three quantize calls (q, k, v from the case's dtype) inside
+  the timed call, so its time says whether quantising costs more than FP8 saves;
+- `flashattn-fp8+rot+quant`: the same with rotate_qk (incoherent processing) before quantising, timed as a
+  user calls it (it builds the rotation on each call).
+
+Each is checked against the float64 oracle on the dequantised values of its own e4m3 inputs (check.Fp8Oracle):
+quantisation is deterministic, so the copy the setup makes is the one the timed call makes. Inference only:
+the calls run under torch.no_grad (entered once, outside the timed region); a backward mode is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..case import Case, torch_dtype
+from .base import Prepared, Provider
+from .ours import routes_info
+
+# the seed of rotate_qk's random signs: fixed, so every run and every provider rotates alike
+ROTATION_SEED = 0
+
+
+class Fp8Inputs(NamedTuple):
+    """q8 (b, sq, h, d), k8 (b, sk, h_k, d), v8 (b, sk, h_k, dv): float8_e4m3fn; descales float32, (1,) or
+    (b, heads of their tensor)."""
+
+    q8: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a provider turns the case's q, k, v into e4m3 ones.
+
+    granularity: flashattn.fp8.quantize's, "tensor" (one descale per tensor) or "head" (per (batch, head)).
+    rotate: rotate_qk(q, k, ROTATION_SEED) first (QKᵀ is unchanged; outliers spread over the head dim).
+    seq_contiguous_v: V quantised into the layout the FP8 P·V product reads without a copy.
+    quantize_in_call: the quantisation (and rotation) is part of the timed call, not of the setup.
+    """
+
+    granularity: str = "head"
+    rotate: bool = False
+    seq_contiguous_v: bool = True
+    quantize_in_call: bool = False
+
+    def quantize(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8Inputs:
+        """q, k, v (b, s, h, d) in a 16- or 32-bit dtype -> their e4m3 copies and descales."""
+        from flashattn import fp8
+
+        if self.rotate:
+            q, k = fp8.rotate_qk(q, k, ROTATION_SEED)
+        q8, qd = fp8.quantize(q, self.granularity, name="q")
+        k8, kd = fp8.quantize(k, self.granularity, name="k")
+        v8, vd = fp8.quantize(v, self.granularity, seq_contiguous=self.seq_contiguous_v, name="v")
+        return Fp8Inputs(q8, k8, v8, qd, kd, vd)
+
+    def info(self) -> dict:
+        """The fields a result row gets: what was quantised how, and what the timed call includes."""
+        return {"fp8_descale": self.granularity, "fp8_rotated": self.rotate,
+                "fp8_v_layout": "seq-contiguous" if self.seq_contiguous_v else "row",
+                "fp8_quantize_timed": self.quantize_in_call}
+
+
+def fp8_options(case: Case, device: torch.device) -> dict:
+    """The case's window, softcap and learnable sink as flash_attn_func's keywords (the sink without a
+    gradient: there is no FP8 backward); none for a plain case."""
+    if case.lengths is not None:
+        raise ValueError("the FP8 providers take no packed sequences (the bench has no FP8 varlen case)")
+    options: dict = {}
+    if case.window != (-1, -1):
+        options["window_size"] = case.window
+    if case.softcap:
+        options["softcap"] = case.softcap
+    sink = case.learnable_sink(device)
+    if sink is not None:
+        options["learnable_sink"] = sink
+    return options
+
+
+def fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dict) -> torch.Tensor:
+    """The public FP8 call on x: (b, sq, h, dv) in out_dtype."""
+    import flashattn
+
+    return flashattn.flash_attn_func(x.q8, x.k8, x.v8, causal=case.causal, q_descale=x.q_descale,
+                                     k_descale=x.k_descale, v_descale=x.v_descale, out_dtype=out_dtype,
+                                     **options)
+
+
+Call = Callable[[Fp8Inputs, Case, torch.dtype, dict], torch.Tensor]
+
+
+def prepare(recipe: Recipe, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+            call: Call = fp8_attention) -> Prepared:
+    """A provider of `recipe` on the case's q, k, v (b, s, h, d): `call(inputs, case, out_dtype, options)`
+    is the attention timed (the public FP8 call by default), the output in the case's dtype."""
+    from ..check import Fp8Oracle
+
+    out_dtype = torch_dtype(case.dtype)
+    src = tuple(x.detach() for x in (q, k, v))
+    options = fp8_options(case, q.device)
+    x8 = recipe.quantize(*src)
+    if recipe.quantize_in_call:
+        def fwd() -> torch.Tensor:
+            return call(recipe.quantize(*src), case, out_dtype, options)
+    else:
+        def fwd() -> torch.Tensor:
+            return call(x8, case, out_dtype, options)
+
+    routed = {key: options[key] for key in ("window_size", "softcap", "learnable_sink") if key in options}
+    info = {"route_fwd": routes_info(x8.q8, x8.k8, x8.v8, causal=case.causal, **routed)["route_fwd"],
+            **recipe.info()}
+    return Prepared(
+        fwd=fwd,
+        # the unquantised inputs, without gradients: a backward mode fails on them (there is no FP8 backward)
+        leaves=src,  # type: ignore[arg-type]
+        context=torch.no_grad,
+        info=info,
+        oracle=lambda budget: Fp8Oracle(case, *x8, out_dtype=out_dtype, budget_bytes=budget),
+    )
+
+
+RECIPES = {
+    "flashattn-fp8": Recipe(),
+    "flashattn-fp8-rowv": Recipe(seq_contiguous_v=False),
+    "flashattn-fp8+quant": Recipe(quantize_in_call=True),
+    "flashattn-fp8+rot+quant": Recipe(rotate=True, quantize_in_call=True),
+}
+
+_DESCRIPTIONS = {
+    "flashattn-fp8": "this project's FP8 forward (e4m3, per-head descales, V seqlen-contiguous), inputs "
+                     "quantised outside the timed call",
+    "flashattn-fp8-rowv": "flashattn-fp8 with V in the ordinary layout (the launcher copies it per call)",
+    "flashattn-fp8+quant": "flashattn-fp8 with quantize() of q, k, v inside the timed call",
+    "flashattn-fp8+rot+quant": "flashattn-fp8 with rotate_qk and quantize() inside the timed call",
+}
+
+
+def _setup(recipe: Recipe) -> Callable[..., Prepared]:
+    return lambda case, q, k, v: prepare(recipe, case, q, k, v)
+
+
+PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recipe in RECIPES.items()]
