@@ -101,3 +101,20 @@ def test_incoherent_processing_cuts_the_error_on_outliers():
     plain = rmse(q, k)
     rotated = rmse(*fp8.rotate_qk(q, k, seed=0))
     assert rotated < plain, (plain, rotated)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_kernels_match_the_torch_backend(granularity, dtype):
+    from flashattn import config
+    x = torch.randn(2, 4097, 8, 128, device="cuda").to(dtype)
+    x8, d = fp8.quantize(x, granularity, seq_contiguous=True)
+    with config.use_backend("torch"):
+        y8, e = fp8.quantize(x, granularity, seq_contiguous=True)
+    assert x8.stride(1) == 1 and torch.equal(x8.view(torch.uint8), y8.view(torch.uint8)) and torch.equal(d, e)
+    # with the rotation: the same up to the float32 sums' order, i.e. within one e4m3 step of the exact value
+    r8, rd = fp8.quantize(x, granularity, rotate_seed=1)
+    exact = x.double() @ fp8.rotation(128, 1).to("cuda").double()
+    rd4 = rd.reshape(1, 1, 1, 1) if granularity == "tensor" else rd[:, None, :, None]
+    bound = 2.0 ** -4 * exact.abs() + 2.0 ** -9 * rd4 + 2.0 ** -8 * exact.abs() * (dtype != torch.float32)
+    assert ((fp8.dequantize(r8, rd).double() - exact).abs() <= bound).all()

@@ -9,9 +9,13 @@ Incoherent processing (FlashAttention-3, from QuIP): multiplying q and k by the 
 R = H·diag(s) / sqrt(d) (H a Hadamard matrix, s random signs) leaves QKᵀ unchanged (R Rᵀ = I) but spreads
 an outlier's magnitude over every coordinate of its row, so a per-tensor scale wastes less of e4m3's range.
 
-    q8, qd = quantize(q)              # per tensor
-    k8, kd = quantize(k, "head")      # per (batch, kv head)
-    qr, kr = rotate_qk(q, k, seed=0)  # then quantize qr, kr
+    q8, qd = quantize(q)                        # per tensor
+    k8, kd = quantize(k, "head")                # per (batch, kv head)
+    q8, qd = quantize(q, "head", rotate_seed=0)  # rotated and quantised in one pass pair (the same seed
+    k8, kd = quantize(k, "head", rotate_seed=0)  # for q and k); rotate_qk(q, k, seed) rotates alone
+
+On a GPU quantize runs two fused Triton kernels (the largest magnitude, then the cast; 2 + 3 bytes of
+traffic per 16-bit element), else the same arithmetic in torch.
 
 Shapes follow the attention API: (batch, seqlen, nheads, headdim).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashattn import backends
 from flashattn.errors import FlashAttnError
 
 FP8 = torch.float8_e4m3fn
@@ -37,9 +42,10 @@ def _check_input(x, name: str) -> None:
 
 
 def quantize(x: Tensor, granularity: str = "tensor", *, seq_contiguous: bool = False,
-             name: str = "x") -> tuple[Tensor, Tensor]:
-    """(x_fp8, descale) with x ≈ x_fp8 · descale, the scale chosen so that the largest |x| maps to e4m3's
-    largest value (448).
+             rotate_seed: int | None = None, name: str = "x") -> tuple[Tensor, Tensor]:
+    """(x_fp8, descale) with x ≈ x_fp8 · descale, the scale the largest power of two that keeps the largest
+    |x| within e4m3's range (it lands in (224, 448]). A power of two makes the scaling exact: every backend
+    and device gives the same bits, and dequantising adds no rounding.
 
     Arguments:
         x: (batch, seqlen, nheads, headdim), float16 / bfloat16 / float32.
@@ -48,31 +54,25 @@ def quantize(x: Tensor, granularity: str = "tensor", *, seq_contiguous: bool = F
         seq_contiguous: bool, keyword only, default False. True lays x_fp8 out with its seqlen dim
             contiguous (storage (batch, nheads, headdim, seqlen)): V as the FP8 P·V product takes it
             (K-major), which an FP8 attention call reads without transposing its tiles.
+        rotate_seed: int or None, keyword only, default None. Quantise x·R instead of x, R =
+            rotation(headdim, rotate_seed) (incoherent processing: give q and k the same seed), computed in
+            float32 on the way (headdim a power of two, at least 16).
         name: the argument's name in error messages.
     Returns:
         x_fp8: like x, torch.float8_e4m3fn; contiguous, or seqlen-contiguous.
-        descale: float32, (1,) or (batch, nheads); an all-zero x gets descale 1.
+        descale: float32, (1,) or (batch, nheads); an all-zero x (or an empty one) gets descale 1.
     """
     _check_input(x, name)
     if granularity not in GRANULARITIES:
         raise FlashAttnError(f"granularity is {granularity!r}; expected one of {', '.join(GRANULARITIES)}")
-    xf = x.float()
-    empty = xf.numel() == 0  # (an empty sequence: descale 1)
-    if granularity == "tensor":
-        amax = xf.new_zeros(1) if empty else xf.abs().amax().reshape(1)
-        scale = _scale(amax)
-        x8 = (xf * scale).to(FP8)
-    else:
-        amax = xf.new_zeros(x.shape[0], x.shape[2]) if empty else xf.abs().amax(dim=(1, 3))  # (batch, nheads)
-        scale = _scale(amax)
-        x8 = (xf * scale[:, None, :, None]).to(FP8)
-    if seq_contiguous:
-        return x8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), (1.0 / scale).float()
-    return x8.contiguous(), (1.0 / scale).float()
-
-
-def _scale(amax: Tensor) -> Tensor:
-    return torch.where(amax > 0, FP8_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    signs = None
+    if rotate_seed is not None:
+        d = x.shape[-1]
+        if d < 16:
+            raise FlashAttnError(f"{name} has headdim {d}; quantize's rotation needs a power of two >= 16")
+        signs = signed_hadamard(d, rotate_seed)
+    return backends.entry(x).quantize_fp8(x, per_head=granularity == "head", seq_contiguous=seq_contiguous,
+                                          rotation=signs)
 
 
 def dequantize(x8: Tensor, descale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -108,12 +108,18 @@ def hadamard(d: int, *, device=None, dtype=torch.float32) -> Tensor:
     return h / d ** 0.5
 
 
-def rotation(d: int, seed: int = 0, *, device=None) -> Tensor:
-    """The random orthogonal R = H · diag(s) / sqrt(d) (float32, (d, d)) that rotate_qk applies; s: random
-    signs drawn from `seed`."""
+def signed_hadamard(d: int, seed: int = 0) -> Tensor:
+    """H · diag(s), float32 (d, d) with entries ±1: the Sylvester Hadamard matrix (unnormalised) with its
+    columns' signs drawn from `seed`; d a power of two."""
     gen = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
-    return (hadamard(d) * signs[None, :]).to(device)
+    return (hadamard(d) * d ** 0.5).round() * signs[None, :]
+
+
+def rotation(d: int, seed: int = 0, *, device=None) -> Tensor:
+    """The random orthogonal R = H · diag(s) / sqrt(d) (float32, (d, d)) that rotate_qk and quantize's
+    rotate_seed apply; s: random signs drawn from `seed`."""
+    return (signed_hadamard(d, seed) * d ** -0.5).to(device)
 
 
 def rotate_qk(q: Tensor, k: Tensor, seed: int = 0) -> tuple[Tensor, Tensor]:

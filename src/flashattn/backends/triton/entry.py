@@ -16,6 +16,7 @@ from flashattn.backends.triton.decode import plan_route as kvcache_plan
 from flashattn.backends.triton.decode import prepare as kvcache_prepare
 from flashattn.backends.triton.merge import merge_partials
 from flashattn.backends.triton.probs import attention_probs
+from flashattn.backends.triton.quantize import quantize_fp8
 
 if config.INTERPRET:
     from flashattn.backends.triton import interpreter
@@ -24,4 +25,4 @@ if config.INTERPRET:
 
 __all__ = ["attention_backward", "attention_forward", "attention_forward_fp8", "attention_probs",
            "block_sparse_backward", "block_sparse_forward", "kvcache_forward", "kvcache_plan",
-           "kvcache_prepare", "merge_partials"]
+           "kvcache_prepare", "merge_partials", "quantize_fp8"]
