@@ -58,35 +58,14 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
-def _e4m3(x, descale):
-    """x / descale clamped to ±448 and rounded to the nearest e4m3 value (ties to even), in fp32: the value an
-    FP8 cache stores for x, so the cast to e4m3 that follows is exact. Rounded here on the bits rather than by
-    the cast because the Triton interpreter's fp32 -> fp8 cast (3.6) neither rounds ties to even nor carries
-    a rounded-up mantissa into the exponent, and the CPU tests run this kernel there; it costs a few integer
-    ops per new key element."""
-    y = tl.math.div_rn(x, descale)  # IEEE division, as torch's (x / descale)
-    y = _clamp(y, -448.0, 448.0)
-    bits = y.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    biased = mag >> 23  # fp32's biased exponent; e4m3 normals have 121 (2^-6) and up
-    m = (mag & 0x7FFFFF) | 0x800000  # the 24-bit significand, value m · 2^(biased - 150)
-    # -- e4m3 keeps 3 of the 23 mantissa bits; below 2^-6 (subnormals, quantum 2^-9) one fewer per binade;
-    # past 25 dropped bits everything rounds to 0
-    drop = tl.minimum(20 + tl.maximum(121 - biased, 0), 25)
-    n = (m + ((1 << (drop - 1)) - 1) + ((m >> drop) & 1)) >> drop  # quanta, rounded to nearest even
-    quantum = ((tl.maximum(biased, 121) - 3) << 23).to(tl.float32, bitcast=True)  # 2^(max(e, -6) - 3)
-    r = (n.to(tl.float32) * quantum).to(tl.int32, bitcast=True)
-    return (r | (bits ^ mag)).to(tl.float32, bitcast=True)  # x's sign bit back (-0.0 included)
-
-
-@triton.jit
-def _cache_value(x, descale, FP8_CACHE: tl.constexpr):
-    """x as the cache stores it, before the cast to the cache's dtype: quantised, in fp32, for an FP8 cache;
-    else unchanged."""
+def _to_cache(x, descale, CACHE_TY: tl.constexpr, FP8_CACHE: tl.constexpr):
+    """x as the cache stores it, in the cache's dtype CACHE_TY. An FP8 cache: x / descale in fp32 (IEEE
+    division, as torch's), clamped to ±448 (explicitly: no saturating cast is assumed), rounded to the
+    nearest e4m3 value."""
     if FP8_CACHE:
-        y = _e4m3(x.to(tl.float32), descale)
+        y = _clamp(tl.math.div_rn(x.to(tl.float32), descale), -448.0, 448.0).to(CACHE_TY)
     else:
-        y = x
+        y = x.to(CACHE_TY)
     return y
 
 
@@ -141,7 +120,8 @@ def _attend_tile(
                         offs_n, stride_cs, stride_ss, seqlen_ro, ROT_DIM, INTERLEAVED)
         # rounded to the cache's dtype (quantised for an FP8 one): what the cache now holds and a later call
         # would read
-        k = tl.where(is_new[:, None], _cache_value(k_new, k_descale, FP8_CACHE).to(k.dtype), k)
+        k_new = _to_cache(k_new, k_descale, K.dtype.element_ty, FP8_CACHE)
+        k = tl.where(is_new[:, None], k_new.to(k.dtype), k)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N)
     if SOFTCAP:
         s = _tanh(qk * softcap_in) * softcap_out
@@ -167,7 +147,8 @@ def _attend_tile(
         v = v.to(q.dtype)
     if MIXED:
         v_new = tl.load(vn_head + rel[:, None] * stride_vnm + offs_d[None, :], mask=mask_new, other=0.0)
-        v = tl.where(is_new[:, None], _cache_value(v_new, v_descale, FP8_CACHE).to(v.dtype), v)
+        v_new = _to_cache(v_new, v_descale, V.dtype.element_ty, FP8_CACHE)
+        v = tl.where(is_new[:, None], v_new.to(v.dtype), v)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N) x (BLOCK_N, d)
     return m_new, l_i, acc
@@ -250,11 +231,11 @@ def decode_kernel(
             k = rotated(kn_head + rows[:, None].to(tl.int64) * stride_knm + offs_d[None, :], mask, offs_d,
                         COS, SIN, pos, stride_cs, stride_ss, seqlen_ro, ROT_DIM, INTERLEAVED)
             tl.store(k_head + (page * stride_kb + slot * stride_kn)[:, None] + offs_d[None, :],
-                     _cache_value(k, k_descale, FP8_CACHE).to(K.dtype.element_ty), mask=mask)
+                     _to_cache(k, k_descale, K.dtype.element_ty, FP8_CACHE), mask=mask)
             v = tl.load(vn_head + rows[:, None].to(tl.int64) * stride_vnm + offs_d[None, :], mask=mask,
                         other=0.0)
             tl.store(v_head + (page * stride_vb + slot * stride_vn)[:, None] + offs_d[None, :],
-                     _cache_value(v, v_descale, FP8_CACHE).to(V.dtype.element_ty), mask=mask)
+                     _to_cache(v, v_descale, V.dtype.element_ty, FP8_CACHE), mask=mask)
 
     # -- packed rows: r = query position * GROUP + head within the group
     n_rows = seqlen_q * GROUP
