@@ -220,6 +220,23 @@ def fp8():
         q, k, v = (quantized((1, 208, h, 64), "tensor")[0][0] for h in (4, 2, 2))
         out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
         assert torch.isfinite(out).all()
+        # the Gluon forward's FP8 variant on its explicit route: V read in place (1024 keys) and copied
+        # K-major (300), two and three consumer warpgroups, every option
+        from flashattn import config
+        from flashattn.backends.triton import attention as launchers
+        from flashattn.backends.triton import routes
+
+        for (b, sq, sk, h, hk, d), seq_v, tiles, opts in [
+                ((1, 200, 1024, 4, 1, 128), True, None, dict(causal=True)),
+                ((2, 67, 300, 4, 2, 64), False, "fwd_ws=192,128,4,3", dict(window_size=(40, 3), softcap=5.0)),
+                ((1, 130, 300, 2, 2, 256), False, None, dict(causal=True))]:
+            (q, qd), (k, kd) = quantized((b, sq, h, d)), quantized((b, sk, hk, d))
+            v, vd = quantized((b, sk, hk, d), seq_contiguous=seq_v)
+            with config.use_tiles(tiles):
+                route = routes.gluon_forward_route(launchers.spec_of(q, k, v, **opts))
+                out, _ = launchers.attention_forward_fp8(q, k, v, qd, kd, vd, out_dtype=torch.bfloat16,
+                                                         softmax_scale=d ** -0.5, route=route, **opts)
+            assert torch.isfinite(out).all()
         # the FP8 cache: bf16 queries and new keys, e4m3 caches with per-(sequence, kv head) descales
         b, hk, d = 3, 2, 128
         kd, vd = (torch.rand(b, hk, device="cuda") * 0.01 + 0.001 for _ in range(2))

@@ -119,3 +119,55 @@ def test_quantize_kernels_match_the_torch_backend(granularity, dtype):
     # (the ±1 matrix is exact in every dtype, so only the float32 sums differ from the exact rotation)
     bound = 2.0 ** -4 * exact.abs() * (1 + 2.0 ** -16) + 2.0 ** -10 * rd4
     assert ((fp8.dequantize(r8, rd).double() - exact).abs() <= bound).all()
+
+
+def _gluon_fp8(q8, k8, v8, qd, kd, vd, **options):
+    """The Gluon forward's FP8 variant, on its explicit route (the default routes keep FP8 on the Triton
+    forward until this one is measured)."""
+    spec = launchers.spec_of(q8, k8, v8, **{k: v for k, v in options.items() if k != "cu_seqlens_k"})
+    route = routes.gluon_forward_route(spec)
+    assert isinstance(route, routes.GluonForward)
+    return launchers.attention_forward_fp8(q8, k8, v8, qd, kd, vd, out_dtype=torch.bfloat16, route=route,
+                                           softmax_scale=q8.shape[-1] ** -0.5, **options)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("seq_contiguous", [True, False], ids=["v-seq-major", "v-row-major"])
+def test_gluon_fp8_forward(name, d, seq_contiguous):
+    # seqlen_k 1037: not a multiple of 16, so V goes through kmajor_v's padded copy; 1024 keys read in place
+    b, sq, h, hk = 2, 1000, 8, 2
+    sk = 1024 if seq_contiguous else 1037
+    opts = dict(OPTIONS[name])
+    opts.setdefault("causal", False)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(h, device="cuda") * 0.1
+    if opts.pop("sink", False):
+        opts["learnable_sink"] = torch.randn(h, device="cuda")
+    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1), _quantized((b, sk, hk, d), seed=2)
+    v8, vd = _quantized((b, sk, hk, d), seed=3, seq_contiguous=seq_contiguous)
+    out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, **opts)
+    _check(out, lse, q8, k8, v8, qd, kd, vd, **opts)
+
+
+def test_gluon_fp8_three_consumer_warpgroups():
+    from flashattn import config
+    (q8, qd), (k8, kd), (v8, vd) = (_quantized((2, 777, 4, 64), seed=i) for i in range(3))
+    with config.use_tiles("fwd_ws=192,128,4,3"):
+        out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, causal=True)
+    _check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
+
+
+def test_gluon_fp8_varlen():
+    lens = [0, 300, 1, 1000, 64]
+    h, hk, d = 8, 2, 128
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    (q8, qd), (k8, kd), (v8, vd) = (_quantized((1, sum(lens), n, d), "tensor", i)
+                                    for i, n in enumerate((h, hk, hk)))
+    out, lse = _gluon_fp8(q8[0], k8[0], v8[0], qd, kd, vd, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                          max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    for i, n in enumerate(lens):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if n:
+            _check(out[rows][None], lse[:, rows][None], q8[:, rows], k8[:, rows], v8[:, rows], qd, kd, vd,
+                   causal=True)

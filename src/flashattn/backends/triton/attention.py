@@ -197,9 +197,12 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if isinstance(route, routes.GluonForward):
+        if descales is not None and out.dtype not in (torch.float16, torch.bfloat16):
+            raise FlashAttnError(f"out_dtype is {out.dtype}; the Gluon FP8 forward writes float16 or "
+                                 f"bfloat16")
         prepared = gluon.forward(pb, route, q, k, v, out, lse, alibi_slopes=alibi_slopes,
                                  learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
-                                 cu_seqlens_k=cu_seqlens_k)
+                                 cu_seqlens_k=cu_seqlens_k, descales=descales)
         if key is not None:
             _remember(_forward_cache, key, (pb, route, out_shape, lse_shape, prepared))
         return out, lse

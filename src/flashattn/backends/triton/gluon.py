@@ -14,6 +14,11 @@ takes its next query tile from a shared counter, so under a causal mask the prog
 static walk with the grid's stride left the busiest 15% over the mean); the kernel's last program zeroes the
 counter again, so one per stream serves every call (`_tile_counter`).
 
+FP8 (e4m3 q, k, v with descales; a route names it: the default routes keep FP8 on the Triton forward until
+this variant is measured): V goes to its descriptor K-major, as a (batch, heads_k, dv, seqlen) view of a
+seqlen-contiguous V (`kmajor_v`, which copies a V of another layout, or one whose seqlen is not a multiple
+of 16, into that layout), O is 16-bit.
+
 The backward (FlashAttention-3's: dQ by TMA reduce-adds into a float32 buffer, 5 matmuls per tile pair
 instead of the Triton backward's 7) reads each step's LSE (base 2) and D = rowsum(dO ∘ O) from padded
 planes that the preprocess fills (`backward_buffers`).
@@ -48,8 +53,36 @@ def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> 
     the wgmma-ready shared layout takes besides t; dtype_name: the Gluon element type (default: t's 16-bit
     type). The same for every tensor of t's shape, strides and dtype: a prepared launch keeps it."""
     if dtype_name is None:
-        dtype_name = "float16" if t.dtype == torch.float16 else "bfloat16"
+        dtype_name = _GLUON_DTYPES[t.dtype]
     return list(t.shape), list(t.stride()), [1, rows, 1, cols], _shared_layout(rows, cols, dtype_name)
+
+
+_GLUON_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
+
+
+@functools.lru_cache(maxsize=32)
+def _kmajor_layout(rows: int, cols: int):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.float8e4nv)
+
+
+def kmajor_v(v, varlen: bool):
+    """An FP8 V as the (batch, heads_k, dv, seqlen) view the K-major descriptor takes (varlen: batch 1 over
+    the packed tokens), seqlen contiguous with 16-byte aligned row strides: v itself where it is laid out
+    so, else a copy (the seqlen padded to a multiple of 16; the descriptor's shape keeps the true one)."""
+    vt = v.permute(1, 2, 0).unsqueeze(0) if varlen else v.permute(0, 2, 3, 1)
+    if vt.stride(-1) == 1 and all(st % 16 == 0 for st in vt.stride()[:-1]):
+        return vt
+    n = vt.shape[-1]
+    padded = torch.empty((*vt.shape[:-1], -(-n // 16) * 16), dtype=v.dtype, device=v.device)
+    padded[..., :n].copy_(vt)
+    return padded[..., :n]
+
+
+def _kmajor_spec(vt, block_n: int) -> tuple:
+    dv = vt.shape[2]
+    return list(vt.shape), list(vt.stride()), [1, 1, dv, block_n], _kmajor_layout(dv, block_n)
 
 
 class Prepared:
@@ -108,21 +141,25 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | None = None, alibi_slopes=None,
-            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None) -> Prepared:
+            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, descales=None) -> Prepared:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel. prepared: what this
     returned for an earlier call of the same signature and route, skipping the derivations; returns the
     launch prepared. Varlen (pb.varlen, cu_seqlens given): the packed tensors go to the descriptors as one
-    batch, and the kernel gets the query tiles before each sequence (`varlen_tile_offsets`)."""
+    batch, and the kernel gets the query tiles before each sequence (`varlen_tile_offsets`). descales: an
+    FP8 call's (q_descale, k_descale, v_descale), float32 (1,) or (batch, heads)."""
     streamed = (q, k, v, out)
+    if descales is not None:
+        streamed = (q, k, kmajor_v(v, pb.varlen), out)
     varlen = (None,) * 6
     if pb.varlen:
-        streamed = tuple(t.unsqueeze(0) for t in streamed)
+        streamed = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in streamed)
         offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m)
         varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1))
     if prepared is None:
-        prepared = _prepare_forward(pb, route, *streamed, lse)
+        prepared = _prepare_forward(pb, route, *streamed, lse, fp8=descales is not None)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
-    rest = (lse, *prepared.args, _tile_counter(q.device), *alibi_args(alibi_slopes), learnable_sink, *varlen)
+    rest = (lse, *prepared.args, _tile_counter(q.device), *alibi_args(alibi_slopes), learnable_sink, *varlen,
+            *fp8_args(pb, descales))
     prepared(streamed, rest)
     return prepared
 
@@ -135,6 +172,19 @@ def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int) -> torch.Tensor:
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=cu_seqlens.device)
     launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, batch, BLOCK_M=block_m, BLOCK_B=1024)
     return offsets
+
+
+def fp8_args(pb, descales) -> tuple:
+    """The forward's (Q_SCALE, K_SCALE, V_SCALE, their (batch, head) strides, q_scale_group): strides 0 for a
+    (1,) descale, q_scale_group the query heads sharing one of q's (batch, heads_k) descales; all None for a
+    16-bit call, which compiles the variant out."""
+    if descales is None:
+        return (None,) * 10
+    strides = []
+    for t in descales:
+        strides += (0, 0) if t.numel() == 1 else (t.stride(0), t.stride(1))
+    q_group = pb.nheads // pb.nheads_k if descales[0].numel() > 1 and descales[0].shape[1] != pb.nheads else 1
+    return (*descales, *strides, q_group)
 
 
 def alibi_args(alibi_slopes) -> tuple:
@@ -157,7 +207,7 @@ def softcap_args(pb) -> tuple:
     return (pb.scalars[1], pb.scalars[2]) if pb.spec.softcap else (None, None)
 
 
-def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse) -> Prepared:
+def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = False) -> Prepared:
     from flashattn.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 
     tiles = route.tiles
@@ -169,8 +219,10 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse) -> Prepared:
     # Q's and K's head dim padded to the tile's width (TMA reads the columns past d as zeros); V's and O's,
     # a power of two, as it is (routes.takes_gluon_forward)
     d = host.block_d(pb.d)
-    specs = (_descriptor_spec(q, HALF_M, d), _descriptor_spec(k, tiles.block_n, d),
-             _descriptor_spec(v, tiles.block_n, pb.dv), _descriptor_spec(out, HALF_M, pb.dv))
+    # an FP8 V: K-major (v is kmajor_v's view)
+    v_spec = _kmajor_spec(v, tiles.block_n) if fp8 else _descriptor_spec(v, tiles.block_n, pb.dv)
+    specs = (_descriptor_spec(q, HALF_M, d), _descriptor_spec(k, tiles.block_n, d), v_spec,
+             _descriptor_spec(out, HALF_M, pb.dv))
     causal, left, right = band_args(pb)
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_RELEASE=route.defer_release,

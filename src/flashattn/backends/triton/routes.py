@@ -12,7 +12,8 @@ Routes of the dense and varlen attention:
             with TMA-ready tensors on sm90+, d (padded) and dv of 64, 128 or 256 with dv <= d (192 / 128
             included), padded or varlen, with any window (causal included), softcap, ALiBi or sink, and no
             dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature, and the FP8 inference
-            calls);
+            calls: the Gluon forward's FP8 variant runs where a caller names its route, until it is measured
+            on the GPU);
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls in the padded layout at d = dv =
             64 or 128 unless deterministic or its float32 dQ buffer would pass `DQ_BUFFER_CAP`, else
             `TritonBackward` (two programs: dK/dV and dQ).

@@ -27,6 +27,11 @@ The packed (varlen) layout is a variant too: its query tiles form one list for t
 (schedule.py), and a sequence's last rows are stored by masked stores rather than TMA. 16-bit, head dims 64
 and 128 (the routes decide); dropout, fp32 and other head dims keep the Triton kernel
 (kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
+FP8 (e4m3 q, k, v with descales, inference; the launcher passes Q_SCALE etc., else None) is a variant too:
+both products on e4m3 wgmma (K = 32 per instruction), V held K-major in shared memory ([dv, BLOCK_N] tiles
+of a seqlen-contiguous V, read through a transposed view), q's and k's descales folded into each tile's
+score scale, P rounded to e4m3, v's descale on the output, and O (16-bit, twice Q's bytes) staged in a
+buffer of its own.
 """
 
 from triton.experimental import gluon
@@ -82,8 +87,13 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
                                             k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [desc_b, k_start + n_start + j * BLOCK_N, off_hk, 0],
-                                            v_ready.index(s), v_smem.index(s))
+            if v_desc.dtype.primitive_bitwidth == 8:
+                # K-major V: the descriptor is over (batch, heads_k, dv, seqlen)
+                tma.async_copy_global_to_shared(v_desc, [desc_b, off_hk, 0, k_start + n_start + j * BLOCK_N],
+                                                v_ready.index(s), v_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [desc_b, k_start + n_start + j * BLOCK_N, off_hk, 0],
+                                                v_ready.index(s), v_smem.index(s))
             c += 1
         i += 1
         # the next tile goes to whichever program asks first (the first num_programs are taken by program
@@ -100,6 +110,23 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     if arrived == gl.num_programs(0) - 1:
         gl.atomic_xchg(tile_counter, 0, sem="relaxed")
         gl.atomic_xchg(tile_counter + 1, 0, sem="relaxed")
+
+
+@gluon.jit
+def _v_tile(v_smem, stage, N: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr):
+    """Keys [0, N) of ring slot `stage` as the [N, HEAD_DIM_V] B operand of PV: in place, or, for an FP8 V
+    (held K-major as [HEAD_DIM_V, BLOCK_N], as e4m3 wgmma takes its B), through a transposed view."""
+    t = v_smem.index(stage)
+    if v_smem.dtype.primitive_bitwidth == 8:
+        t = t.reshape([HEAD_DIM_V, BLOCK_N])
+        if N < BLOCK_N:
+            t = t.slice(0, N, 1)
+        t = t.permute((1, 0))
+    else:
+        t = t.reshape([BLOCK_N, HEAD_DIM_V])
+        if N < BLOCK_N:
+            t = t.slice(0, N)
+    return t
 
 
 @gluon.jit
@@ -125,7 +152,7 @@ def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STA
     last = step % STAGES
     mbarrier.wait(v_ready.index(last), (step // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_tile(v_smem, last, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(last), count=1)
     return acc
@@ -142,8 +169,9 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
     flight as in the main loop. Returns (acc, m_i, l_i) with the last PV done."""
     HALF_N: gl.constexpr = BLOCK_N // 2
+    KW: gl.constexpr = 256 // q.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_N, 16])
+                                                        instr_shape=[16, HALF_N, KW])
     rows_h: gl.constexpr = gl.SliceLayout(1, h_layout)
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     cur = step % STAGES
@@ -154,7 +182,7 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
                       use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((step - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))
     mbarrier.arrive(k_empty.index(cur), count=1)
     # the row statistics change layout with S's width only in type: the rows sit in the same registers
@@ -167,8 +195,7 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(cur), (step // STAGES) & 1)
     ph_op = gl.convert_layout(p_h.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(ph_op, v_smem.index(cur).reshape([BLOCK_N, HEAD_DIM_V]).slice(0, HALF_N), acc,
-                        is_async=True)
+    acc = warpgroup_mma(ph_op, _v_tile(v_smem, cur, HALF_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(cur), count=1)
     return acc, gl.convert_layout(m_h, rows), l_h
@@ -184,17 +211,17 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
     one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (the half-diagonal step, always
     masked)."""
+    KW: gl.constexpr = 256 // q.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, N, 16])
+                                                         instr_shape=[16, N, KW])
     rows: gl.constexpr = m_i.type.layout
     rows_n: gl.constexpr = gl.SliceLayout(1, st_layout)
     stage = step % STAGES
     phase = (step // STAGES) & 1
     k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM_V])
+    v_tile = _v_tile(v_smem, stage, N, BLOCK_N, HEAD_DIM_V)
     if N < BLOCK_N:
         k_tile = k_tile.slice(0, N)
-        v_tile = v_tile.slice(0, N)
     mbarrier.wait(k_ready.index(stage), phase)
     s = warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([HALF_M, N], gl.float32, st_layout), use_acc=False,
                       is_async=True)
@@ -235,19 +262,26 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
               HALF_DIAG: gl.constexpr, TREES: gl.constexpr, WG: gl.constexpr):
     (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features, problem,
-     out_rows) = args
+     out_rows, fp8) = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
     scores, ALIBI, stride_alibi_b, SINK = features
     O, stride_om, stride_oh = out_rows  # varlen only: O's rows past a sequence's end go by masked stores
+    # FP8: O's own staging buffers and the descales (per (batch, head), strides 0 for one per tensor; q's
+    # may be per kv head: q_scale_group query heads share one), all None otherwise
+    (o_smem, Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
+     stride_vsh, q_scale_group) = fp8
     dtype: gl.constexpr = q_smem.dtype
+    KW: gl.constexpr = 256 // dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
+                                                        instr_shape=[16, BLOCK_N, KW])
     # V's and O's head dim: HEAD_DIM or narrower (HEAD_DIM is Q's and K's, padded to the tile's width)
-    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
+    HEAD_DIM_V: gl.constexpr = o_desc.block_type.shape[3]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM_V, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                        instr_shape=[16, HEAD_DIM_V, KW])
+    # P from registers: 32 bits of it per register lane (two 16-bit values, four e4m3 ones)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
 
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
@@ -281,6 +315,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         slope = None
         if ALIBI is not None:
             slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
+        tile_scores = scores
+        if Q_SCALE is not None:
+            # q's and k's descales scale every score of this (batch, head)
+            ds = (gl.load(Q_SCALE + off_b * stride_qsb + (off_h // q_scale_group) * stride_qsh)
+                  * gl.load(K_SCALE + off_b * stride_ksb + off_hk * stride_ksh))
+            qk_scale, cap_in, cap_out = scores
+            if cap_in is not None:
+                cap_in = cap_in * ds
+            tile_scores = (qk_scale * ds, cap_in, cap_out)
         qb = i % 2
         q_buf = q_smem.index((BLOCK_M // HALF_M) * qb + WG)
         q = q_buf.reshape([HALF_M, HEAD_DIM])
@@ -299,16 +342,17 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(0, n_loop):
                 acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                             v_empty, c + j, n_start + j * BLOCK_N, offs_q, seqlen_k, scores,
-                                             slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
-                                             p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V, TREES)
+                                             v_empty, c + j, n_start + j * BLOCK_N, offs_q, seqlen_k,
+                                             tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
+                                             unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
+                                             HEAD_DIM_V, TREES)
             if HALF_DIAG:
                 if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
                     acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
                                                  v_empty, c + n_k - 1, n_start + (n_k - 1) * BLOCK_N, offs_q,
-                                                 len_k, scores, slope, diag, diag_r, diag_l, unmasked_from,
-                                                 unmasked_to, p_layout, BLOCK_N // 2, STAGES, BLOCK_N,
-                                                 HEAD_DIM, HEAD_DIM_V, TREES)
+                                                 len_k, tile_scores, slope, diag, diag_r, diag_l,
+                                                 unmasked_from, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
+                                                 BLOCK_N, HEAD_DIM, HEAD_DIM_V, TREES)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
@@ -320,7 +364,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 _release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
-            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, len_k, scores, slope, diag,
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, len_k, tile_scores, slope, diag,
                                               diag_r, diag_l, unmasked_from, unmasked_to, s_layout, BLOCK_N,
                                               TREES)
             n_loop = n_k
@@ -337,13 +381,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                   use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V]), acc,
+                acc = warpgroup_mma(p_op, _v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc,
                                     is_async=True)
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(cur), count=1)
                 p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start + j * BLOCK_N, len_k,
-                                                  scores, slope, diag, diag_r, diag_l, unmasked_from,
+                                                  tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
                                                   unmasked_to, s_layout, BLOCK_N, TREES)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev), count=1)
@@ -353,7 +397,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
                     acc, m_i, l_i = _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty,
                                                     v_ready, v_empty, c + n_k - 1,
-                                                    n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, scores,
+                                                    n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, tile_scores,
                                                     slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
                                                     s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                                                     TREES)
@@ -381,6 +425,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         l_safe = gl.where(seen, l_tot, 1.0)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        if V_SCALE is not None:
+            out = out * gl.load(V_SCALE + off_b * stride_vsb + off_hk * stride_vsh)
         if CU_Q is not None:
             # the (nheads, total_q) LSE of the packed layout
             gl.store(LSE + off_h.to(gl.int64) * stride_lse_h + q_start + offs_q, lse, mask=offs_q < len_q)
@@ -391,11 +437,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         # past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE waits
         # for that under the next tile's first QK^T instead of here (the loader needs the buffer back only
         # for the tile after that). An O narrower than Q takes the buffer's first bytes in O's layout
-        o_buf = q_buf
-        if HEAD_DIM_V != HEAD_DIM:
-            o_buf = q_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
+        if o_smem is not None:
+            # FP8: a 16-bit O has twice Q's bytes, so it has buffers of its own; the previous tile's store
+            # from this one has completed (_release_q, or the wait below, waited for it)
+            o_buf = o_smem.index(WG)
+        else:
+            o_buf = q_buf
+            if HEAD_DIM_V != HEAD_DIM:
+                o_buf = q_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
         o_tile = o_buf.reshape([HALF_M, HEAD_DIM_V])
-        o_tile.store(out.to(dtype))
+        o_tile.store(out.to(o_desc.dtype))
         if CU_Q is not None:
             if row0 + HALF_M > len_q:
                 # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
@@ -444,6 +495,8 @@ def attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, left, right, cap_in, cap_out, tile_counter, ALIBI,
     stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh,
+    Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    q_scale_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
@@ -453,10 +506,12 @@ def attn_fwd_ws_kernel(
     # + h; SINK: float32 (nheads,) logits. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors
     # (whose descriptors have one batch), PLAN the query tiles before each sequence (kernels/triton/tiles.py;
     # its last entry, times nheads, is the work), O with its row and head strides for the rows of a
-    # sequence's last tile; seqlen_q and seqlen_k are then unused (the longest, for the host's grid)
+    # sequence's last tile; seqlen_q and seqlen_k are then unused (the longest, for the host's grid).
+    # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
+    # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
     gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")
-    # O is staged in Q's buffer: its head dim (V's) at most Q's
-    gl.static_assert(v_desc.block_type.shape[3] <= HEAD_DIM)
+    # O is staged in Q's buffer (FP8: its own): its head dim (V's) at most Q's
+    gl.static_assert(o_desc.block_type.shape[3] <= HEAD_DIM)
     # the flags go to the partitions inline: a tuple bound to a name holds tensors, not constexprs
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
@@ -499,8 +554,17 @@ def attn_fwd_ws_kernel(
                PLAN)
     features = ((qk_scale, cap_in, cap_out), ALIBI, stride_alibi_b, SINK)
 
+    if Q_SCALE is not None:
+        # FP8: O's staging buffers of their own
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        fp8 = (o_smem, Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
+               stride_vsh, q_scale_group)
+    else:
+        # None in place of the buffers: a tuple takes a None argument (a constexpr), not a None literal
+        fp8 = (Q_SCALE, Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
+               stride_vsh, q_scale_group)
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features,
-            problem, (O, stride_om, stride_oh))
+            problem, (O, stride_om, stride_oh), fp8)
     loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240
