@@ -65,7 +65,8 @@ def test_default_cases_are_16k_tokens_at_hidden_2048():
         assert "inputs" in results.new_row("fp8", "flashattn", "fwd", c)
     assert {c.causal for c in cases} == {False, True}
     assert SUITE.modes == ("fwd",) and SUITE.device == "cuda"
-    assert SUITE.providers == (*FP8_PROVIDERS, "flashattn", "sdpa-cudnn")
+    assert SUITE.providers == ("flashattn-fp8", "flashattn-fp8-rowv", "flashattn-fp8-gluon",
+                               "flashattn-fp8+quant", "flashattn-fp8+rot+quant", "flashattn", "sdpa-cudnn")
     quick = SUITE.build_cases(SUITE.grid(True))
     assert {(c.headdim, c.seqlen_q, c.batch) for c in quick} == {(128, 4096, 4), (128, 16384, 1)}
 
@@ -107,8 +108,8 @@ def test_providers_quantise_as_named(name):
     # flashattn-fp8-rowv keeps V in the ordinary layout, the others have its seqlen dim contiguous
     assert (x.v8.stride(1) == 1) == (name != "flashattn-fp8-rowv")
     assert torch.equal(fp8.dequantize(x.v8, x.v_descale), fp8.dequantize(*fp8.quantize(v, "head")))
-    rotated = fp8.rotate_qk(q, k, 0)[0] if recipe.rotate else q
-    assert torch.equal(x.q8.float(), fp8.quantize(rotated, "head")[0].float())
+    seed = 0 if recipe.rotate else None
+    assert torch.equal(x.q8.float(), fp8.quantize(q, "head", rotate_seed=seed)[0].float())
     assert recipe.info()["fp8_quantize_timed"] == name.endswith("+quant")
 
 
@@ -291,11 +292,11 @@ def test_fp8_suite_smoke_on_cpu(tmp_path, monkeypatch):
     assert cli.run(args) == 0
     rows = json.loads((tmp_path / "fp8.json").read_text())["rows"]
     timed = {(r["provider"], r["causal"]): r for r in rows if r["mode"] == "fwd"}
-    assert len(timed) == 6 * 2
+    assert len(timed) == 7 * 2
     for (name, causal), r in timed.items():
         assert (r["batch"], r["nheads"], r["seqlen_q"], r["headdim"], r["inputs"]) == (2, 2, 64, 32, "normal")
-        if name == "sdpa-cudnn":
-            assert r["error"] == "skipped: sdpa-cudnn runs on CUDA devices only" and r["ms"] is None
+        if name in ("sdpa-cudnn", "flashattn-fp8-gluon"):
+            assert r["error"] == f"skipped: {name} runs on CUDA devices only" and r["ms"] is None
             continue
         assert r["error"] is None, (name, r["error"])
         assert r["ms"] > 0 and r[SPEEDUP_FIELD] == pytest.approx(timed[("flashattn", causal)]["ms"] / r["ms"])

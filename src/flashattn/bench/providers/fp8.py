@@ -3,12 +3,15 @@ k_descale and v_descale, on the case's inputs quantised by flashattn.fp8 (the ou
 
 - `flashattn-fp8`: per-head descales (quantize(x, "head")), V laid out with its seqlen dim contiguous
   (quantize(v, "head", seq_contiguous=True)): the timed call is the attention alone;
-- `flashattn-fp8-rowv`: the same with V in the ordinary layout, which the GPU launcher copies into the
-  seqlen-contiguous one on every call: the difference from flashattn-fp8 is that copy;
+- `flashattn-fp8-rowv`: the same with V in the ordinary layout, read in place: the Triton kernel then makes
+  the K-major P·V operand with byte permutes in registers, and the difference from flashattn-fp8 is their
+  cost (against seqlen-contiguous loads, vectorised only at key lengths that are multiples of 16);
+- `flashattn-fp8-gluon`: flashattn-fp8 on the warp-specialised Gluon forward's FP8 variant, through the
+  launcher with that route named (the default routes keep FP8 on the Triton forward until it is measured);
 - `flashattn-fp8+quant`: flashattn-fp8 with the three quantize calls (q, k, v from the case's dtype) inside
   the timed call, so its time says whether quantising costs more than FP8 saves;
-- `flashattn-fp8+rot+quant`: the same with rotate_qk (incoherent processing) before quantising, timed as a
-  user calls it (it builds the rotation on each call).
+- `flashattn-fp8+rot+quant`: the same with the rotation of incoherent processing (quantize's rotate_seed:
+  q and k rotated inside the quantisation kernels' two passes).
 
 Each is checked against the float64 oracle on the dequantised values of its own e4m3 inputs (check.Fp8Oracle):
 quantisation is deterministic, so the copy the setup makes is the one the timed call makes. Inference only:
@@ -48,7 +51,8 @@ class Recipe:
     """How a provider turns the case's q, k, v into e4m3 ones.
 
     granularity: flashattn.fp8.quantize's, "tensor" (one descale per tensor) or "head" (per (batch, head)).
-    rotate: rotate_qk(q, k, ROTATION_SEED) first (QKᵀ is unchanged; outliers spread over the head dim).
+    rotate: q and k quantised rotated (quantize's rotate_seed=ROTATION_SEED; QKᵀ is unchanged, outliers
+        spread over the head dim).
     seq_contiguous_v: V quantised into the layout the FP8 P·V product reads without a copy.
     quantize_in_call: the quantisation (and rotation) is part of the timed call, not of the setup.
     """
@@ -62,10 +66,9 @@ class Recipe:
         """q, k, v (b, s, h, d) in a 16- or 32-bit dtype -> their e4m3 copies and descales."""
         from flashattn import fp8
 
-        if self.rotate:
-            q, k = fp8.rotate_qk(q, k, ROTATION_SEED)
-        q8, qd = fp8.quantize(q, self.granularity, name="q")
-        k8, kd = fp8.quantize(k, self.granularity, name="k")
+        seed = ROTATION_SEED if self.rotate else None
+        q8, qd = fp8.quantize(q, self.granularity, rotate_seed=seed, name="q")
+        k8, kd = fp8.quantize(k, self.granularity, rotate_seed=seed, name="k")
         v8, vd = fp8.quantize(v, self.granularity, seq_contiguous=self.seq_contiguous_v, name="v")
         return Fp8Inputs(q8, k8, v8, qd, kd, vd)
 
@@ -101,13 +104,25 @@ def fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dic
                                      **options)
 
 
+def gluon_fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dict) -> torch.Tensor:
+    """The Gluon forward's FP8 variant on x, through the launcher with its route named."""
+    from flashattn.backends.triton import attention, routes
+
+    route = routes.gluon_forward_route(attention.spec_of(x.q8, x.k8, x.v8, causal=case.causal, **options))
+    out, _ = attention.attention_forward_fp8(x.q8, x.k8, x.v8, x.q_descale, x.k_descale, x.v_descale,
+                                             out_dtype=out_dtype, softmax_scale=x.q8.shape[-1] ** -0.5,
+                                             causal=case.causal, route=route, **options)
+    return out
+
+
 Call = Callable[[Fp8Inputs, Case, torch.dtype, dict], torch.Tensor]
 
 
 def prepare(recipe: Recipe, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-            call: Call = fp8_attention) -> Prepared:
+            call: Call = fp8_attention, route_fwd: str | None = None) -> Prepared:
     """A provider of `recipe` on the case's q, k, v (b, s, h, d): `call(inputs, case, out_dtype, options)`
-    is the attention timed (the public FP8 call by default), the output in the case's dtype."""
+    is the attention timed (the public FP8 call by default), the output in the case's dtype; route_fwd: the
+    kernel family it runs when that is not the default route's."""
     from ..check import Fp8Oracle
 
     out_dtype = torch_dtype(case.dtype)
@@ -122,8 +137,9 @@ def prepare(recipe: Recipe, case: Case, q: torch.Tensor, k: torch.Tensor, v: tor
             return call(x8, case, out_dtype, options)
 
     routed = {key: options[key] for key in ("window_size", "softcap", "learnable_sink") if key in options}
-    info = {"route_fwd": routes_info(x8.q8, x8.k8, x8.v8, causal=case.causal, **routed)["route_fwd"],
-            **recipe.info()}
+    if route_fwd is None:
+        route_fwd = routes_info(x8.q8, x8.k8, x8.v8, causal=case.causal, **routed)["route_fwd"]
+    info = {"route_fwd": route_fwd, **recipe.info()}
     return Prepared(
         fwd=fwd,
         # the unquantised inputs, without gradients: a backward mode fails on them (there is no FP8 backward)
@@ -144,9 +160,11 @@ RECIPES = {
 _DESCRIPTIONS = {
     "flashattn-fp8": "this project's FP8 forward (e4m3, per-head descales, V seqlen-contiguous), inputs "
                      "quantised outside the timed call",
-    "flashattn-fp8-rowv": "flashattn-fp8 with V in the ordinary layout (the launcher copies it per call)",
+    "flashattn-fp8-rowv": "flashattn-fp8 with V in the ordinary layout (read in place, tiles transposed in "
+                          "registers)",
     "flashattn-fp8+quant": "flashattn-fp8 with quantize() of q, k, v inside the timed call",
-    "flashattn-fp8+rot+quant": "flashattn-fp8 with rotate_qk and quantize() inside the timed call",
+    "flashattn-fp8+rot+quant": "flashattn-fp8 with quantize(rotate_seed=) inside the timed call",
+    "flashattn-fp8-gluon": "flashattn-fp8 on the Gluon forward's FP8 variant (its route named)",
 }
 
 
@@ -154,4 +172,9 @@ def _setup(recipe: Recipe) -> Callable[..., Prepared]:
     return lambda case, q, k, v: prepare(recipe, case, q, k, v)
 
 
-PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recipe in RECIPES.items()]
+PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recipe in RECIPES.items()] + [
+    Provider("flashattn-fp8-gluon",
+             lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=gluon_fp8_attention,
+                                           route_fwd="GluonForward"),
+             _DESCRIPTIONS["flashattn-fp8-gluon"]),
+]

@@ -4,9 +4,11 @@ accuracy by quantisation recipe.
 Speed (mode fwd): 16K tokens at hidden 2048 (d64 h32, d128 h16, d256 h8; N 1K..16K with b = 16K / N),
 causal and not, the FlashAttention-3 paper's FP8 sweep. Side by side in one process:
 - `flashattn-fp8`: per-head descales, V quantised seqlen-contiguous, so the timed call is the attention only;
-- `flashattn-fp8-rowv`: V in the ordinary layout, which the launcher copies per call (that copy's cost);
-- `flashattn-fp8+quant` / `flashattn-fp8+rot+quant`: quantize() of q, k, v from bf16 (and rotate_qk first)
-  inside the timed call: above flashattn's time, quantising costs more than FP8 saves;
+- `flashattn-fp8-rowv`: V in the ordinary layout, read in place (the kernel transposes its tiles in
+  registers: that cost);
+- `flashattn-fp8-gluon`: flashattn-fp8 on the Gluon forward's FP8 variant, its route named (CUDA only);
+- `flashattn-fp8+quant` / `flashattn-fp8+rot+quant`: quantize() of q, k, v from bf16 (with the rotation in
+  the same passes) inside the timed call: above flashattn's time, quantising costs more than FP8 saves;
 - `flashattn` (our bf16 forward, the harness's usual call) and `sdpa-cudnn` (bf16; CUDA only).
 TFLOP/s by the FlashAttention convention (4·b·h·sq·sk·d over the visible pairs) for every provider, the
 +quant ones included (their quantisation counts as time, not work); `bf16_speedup` is flashattn's time over
@@ -24,7 +26,7 @@ row's. Target: per-tensor + rotation at least 2x lower RMSE than plain per-tenso
 
 Rows carry `inputs` ("normal" or "outliers") and, from the FP8 providers, `fp8_descale`, `fp8_rotated`,
 `fp8_v_layout`, `fp8_quantize_timed`; the accuracy rows the fields of their recipe and no ms or TFLOP/s. The
-full run (30 shapes x 6 providers, 12 kernel variants to compile, the accuracy study) is sized for 3-5
+full run (30 shapes x 7 providers, ~18 kernel variants to compile, the accuracy study) is sized for 3-5
 minutes on an H200, an estimate until measured there; `--quick` times d128 at N 4K and 16K. On the CPU:
 `--device cpu` with small `--seqlens`, `--headdims`, `--hidden` and `--tokens`, and `--dtype fp16` under
 TRITON_INTERPRET=1 (the interpreter rounds to bf16 wrongly); sdpa-cudnn is skipped without CUDA.
@@ -58,8 +60,10 @@ SEQLENS = (1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
 BF16 = "flashattn"
 OURS = "flashattn-fp8"
-PROVIDERS = (OURS, "flashattn-fp8-rowv", "flashattn-fp8+quant", "flashattn-fp8+rot+quant", BF16, "sdpa-cudnn")
-CUDA_ONLY = ("sdpa-cudnn",)
+PROVIDERS = (OURS, "flashattn-fp8-rowv", "flashattn-fp8-gluon", "flashattn-fp8+quant",
+             "flashattn-fp8+rot+quant", BF16, "sdpa-cudnn")
+# the Gluon kernels do not run under the interpreter
+CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon")
 
 ACCURACY_MODE = "accuracy"
 ACCURACY_SEQLEN = 4096
@@ -268,9 +272,10 @@ SUITE = Fp8Suite(
     description=(
         f"FP8 (e4m3) forward vs bf16, inference. Speed: {TOKENS} tokens, hidden {HIDDEN} (d64 h32, d128 h16, "
         "d256 h8), N 1K..16K, causal and not; flashattn-fp8 (per-head descales, V seqlen-contiguous, "
-        "quantised before the timed call), flashattn-fp8-rowv (V in the ordinary layout: the launcher's "
-        "copy per call), flashattn-fp8+quant and flashattn-fp8+rot+quant (quantize() of q, k, v, and "
-        "rotate_qk, inside the timed call), flashattn and sdpa-cudnn in bf16. The FP8 providers are checked "
+        "quantised before the timed call), flashattn-fp8-rowv (V in the ordinary layout, read in place), "
+        "flashattn-fp8-gluon (the Gluon forward's FP8 variant), flashattn-fp8+quant and "
+        "flashattn-fp8+rot+quant (quantize() of q, k, v, rotated or not, inside the timed call), flashattn "
+        "and sdpa-cudnn in bf16. The FP8 providers are checked "
         "against the float64 oracle on the dequantised values of their own e4m3 inputs, within 2x plain "
         "PyTorch's error at FP8's precision + 1e-3 (attention_ref_fp8). Accuracy (mode accuracy): b1 h16 "
         "N4096 d128, causal and not, N(0, 1) inputs and inputs with outliers (0.1% of the entries x10); "
