@@ -16,6 +16,9 @@
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 cuDNN (and FA4)
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
+#   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
+#                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
+#                 16-bit cache, at the issue's points (b16 64K/128K, b1 64K)
 #   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
@@ -63,11 +66,11 @@ for stage in "$@"; do
       tail -3 "$RES/pytest_gpu.log" ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
-      for case in ${SANITIZE_MEMCHECK-dense decode decode_bad sparse ws_bwd ws_features}; do
+      for case in ${SANITIZE_MEMCHECK-dense decode decode_bad sparse ws_bwd ws_features fp8}; do
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/memcheck.log"
       done
-      for case in ${SANITIZE_RACECHECK-ws_fwd ws_bwd ws_features}; do
+      for case in ${SANITIZE_RACECHECK-ws_fwd ws_bwd ws_features fp8}; do
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/racecheck.log"
       done
@@ -81,6 +84,10 @@ for stage in "$@"; do
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)
       bench "${DECODE_S:-200}" decode --suite decode ;;
+    fp8)
+      bench "${FP8_S:-360}" fp8 --suite fp8
+      bench "${FP8_DECODE_S:-200}" fp8-decode --suite decode --seqlens 65536,131072 \
+        --providers "flashattn-kvcache,flashattn-kvcache-graph,flashattn-fp8cache,flashattn-fp8cache-graph" ;;
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
