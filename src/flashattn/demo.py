@@ -104,7 +104,7 @@ def check() -> int:
                 verdict = 'ok  ' if ok else 'FAIL'
                 print(f"{verdict} {str(dtype):15s} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} "
                       f"causal={causal}: out err {errs[0][0]:.1e} (pytorch {errs[0][1]:.1e})")
-    failures += _check_decode(dev, dtypes) + _check_block_sparse(dev, dtypes)
+    failures += _check_decode(dev, dtypes) + _check_block_sparse(dev, dtypes) + _check_fp8(dev)
     print(f"{failures} failures")
     return 1 if failures else 0
 
@@ -157,4 +157,28 @@ def _check_block_sparse(dev: torch.device, dtypes) -> int:
         pt = masked_attention_ref(q, k, v, dense, upcast=False)[0]
         name = f"{str(dtype):15s} block-sparse local_global n={n} h={h} hk={hk} d={d}"
         failures += _verdict(name, out, ref, pt)
+    return failures
+
+
+def _check_fp8(dev: torch.device) -> int:
+    """The FP8 forward (e4m3, per-head descales, GQA, odd lengths) against the oracle on its dequantised
+    inputs, within twice plain PyTorch's error at FP8's precision (attention_ref_fp8) plus 1e-3."""
+    from flashattn import fp8
+    from flashattn.reference import attention_ref_fp8
+
+    failures = 0
+    out_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    for causal in (False, True):
+        (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(torch.randn(1, n, heads, 64, device=dev), "head")
+                                        for n, heads in ((113, 4), (300, 2), (300, 2)))
+        with torch.no_grad():
+            out = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                  out_dtype=out_dtype)
+        ref = attention_ref_fp8(q8, k8, v8, qd, kd, vd, causal=causal)[0]
+        pt = attention_ref_fp8(q8, k8, v8, qd, kd, vd, upcast=False, out_dtype=out_dtype, causal=causal)[0]
+        err, err_pt = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
+        ok = err <= 2 * err_pt + 1e-3
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} fp8 e4m3 sq=113 sk=300 h=4 hk=2 d=64 causal={causal}: out err "
+              f"{err:.1e} (pytorch at fp8 {err_pt:.1e})")
     return failures
