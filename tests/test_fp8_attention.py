@@ -130,6 +130,9 @@ def test_fp8_calls_route_to_the_triton_forward():
     spec = routes.Spec(2, 16, 16, 4096, 4096, 128, 128, dtype="float8_e4m3fn", window=(-1, 0))
     assert spec.element_size == 1 and not spec.gluon_features and not spec.tma_ready
     assert isinstance(routes.forward_route(spec), routes.TritonForward)
+    # the Gluon FP8 variant, where a route names it: never the half-diagonal step (its V tiles are K-major)
+    assert not routes.gluon_forward_route(spec).half_diag
+    assert routes.gluon_forward_route(routes.Spec(2, 16, 16, 4096, 4096, 128, 128, window=(-1, 0))).half_diag
 
 
 def test_registered_op_matches_eager_and_passes_opcheck(backend):

@@ -243,7 +243,9 @@ def gluon_forward_route(spec: Spec) -> GluonForward:
     # tree reductions: +5% with two consumers at d=64 1K causal, -2 to -4% with three. The half-diagonal
     # step wherever the band has a right edge: a warpgroup's last key tile then often has its upper half
     # masked for all its rows, as under causal masking (on 128-key tiles: the step splits one in halves)
-    half_diag = spec.window[1] >= 0 and tiles.block_n == 128
+    # (not for FP8: its V tiles are K-major, and the half step's half of one would be a slice through the
+    # middle of each 128-byte swizzle row, which a wgmma operand cannot start at)
+    half_diag = spec.window[1] >= 0 and tiles.block_n == 128 and spec.element_size == 2
     return GluonForward(tiles, _stream_group(spec), half_diag=half_diag, trees=0 if three else 3,
                         maxnreg=tiles.maxnreg or (MAXNREG_THREE if three else MAXNREG_TWO))
 

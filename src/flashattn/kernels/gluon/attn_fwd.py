@@ -510,6 +510,8 @@ def attn_fwd_ws_kernel(
     # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
     # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
     gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")
+    # an FP8 V is K-major: the half step would slice its tiles through their swizzled rows
+    gl.static_assert(not HALF_DIAG or q_desc.dtype.primitive_bitwidth != 8, "no half step with FP8")
     # O is staged in Q's buffer (FP8: its own): its head dim (V's) at most Q's
     gl.static_assert(o_desc.block_type.shape[3] <= HEAD_DIM)
     # the flags go to the partitions inline: a tuple bound to a name holds tensors, not constexprs
