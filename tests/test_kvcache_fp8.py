@@ -70,7 +70,11 @@ def make_inputs(c: Case, dtype, granularity: str, seed: int = 0, scale_new: floa
         return torch.randn(*shape, generator=g).to(dtype)
 
     b_cache = c.b_cache or c.b
-    k0, v0 = randn(b_cache, c.cap, c.hk, c.d), randn(b_cache, c.cap, c.hk, c.d)
+    # each (cache row, KV head) in a binade of its own (quantize's descales are powers of two): a descale
+    # read for the wrong row or head scales the result
+    spread = 2.0 ** (torch.arange(b_cache * c.hk) % 5 - 2).view(b_cache, 1, c.hk, 1)
+    k0 = (randn(b_cache, c.cap, c.hk, c.d) * spread).to(dtype)
+    v0 = (randn(b_cache, c.cap, c.hk, c.d) / spread).to(dtype)
     kc8, kd_cache = quantize(k0, granularity)
     vc8, vd_cache = quantize(v0, granularity)
     idx = torch.tensor(c.batch_idx, dtype=torch.int32) if c.batch_idx is not None else None
@@ -83,8 +87,9 @@ def make_inputs(c: Case, dtype, granularity: str, seed: int = 0, scale_new: floa
         starts = torch.full((c.b,), c.cap if c.seqlens is None else c.seqlens, dtype=torch.long)
     a = dict(
         q=randn(c.b, c.sq, c.h, c.d),
-        k=randn(c.b, c.s_new, c.hk, c.d) * scale_new if c.s_new else None,
-        v=randn(c.b, c.s_new, c.hk, c.d) * scale_new if c.s_new else None,
+        # the new keys and values in their cache row's binades
+        k=(randn(c.b, c.s_new, c.hk, c.d) * spread[rows] * scale_new).to(dtype) if c.s_new else None,
+        v=(randn(c.b, c.s_new, c.hk, c.d) / spread[rows] * scale_new).to(dtype) if c.s_new else None,
         cache_seqlens=seqlens, cache_batch_idx=idx,
         cache_leftpad=torch.tensor(c.leftpad, dtype=torch.int32) if c.leftpad is not None else None,
         k_descale=kd_cache[rows] if granularity == "head" else kd_cache,

@@ -24,8 +24,15 @@ B, H, HK, D, CAP = 4, 32, 8, 128, 8192
 DT = torch.bfloat16
 
 
+def _bytes(x):
+    """An e4m3 tensor as bytes (indexing it needs no e4m3 kernels), any other unchanged."""
+    return x.view(torch.uint8) if x.dtype == FP8 else x
+
+
 def _paged(k, page, perm):
     """A pool of pages holding k (b, cap, hk, d) at the places perm (b · cap / page,) gives."""
+    if k.dtype == FP8:
+        return _paged(_bytes(k), page, perm).view(FP8)
     b, cap = k.shape[:2]
     pool = torch.empty(b * cap // page, page, HK, D, dtype=k.dtype, device=k.device)
     pool[perm] = k.reshape(-1, page, HK, D)
@@ -41,8 +48,10 @@ def _rope(x, cos, sin, pos):
 
 def _setup(page, granularity, rotary, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k0 = torch.randn(B, CAP, HK, D, device="cuda", dtype=DT, generator=gen)
-    v0 = torch.randn(B, CAP, HK, D, device="cuda", dtype=DT, generator=gen)
+    # each (sequence, KV head) at a scale of its own, so that per-head descales differ from each other
+    spread = [torch.rand(B, 1, HK, 1, device="cuda", generator=gen) * 1.5 + 0.25 for _ in range(2)]
+    k0 = (torch.randn(B, CAP, HK, D, device="cuda", generator=gen) * spread[0]).to(DT)
+    v0 = (torch.randn(B, CAP, HK, D, device="cuda", generator=gen) * spread[1]).to(DT)
     k8, kd = quantize(k0, granularity)
     v8, vd = quantize(v0, granularity)
     q = torch.randn(B, 1, H, D, device="cuda", dtype=DT, generator=gen)
@@ -80,7 +89,7 @@ def _gathered(s, name):
     kc, vc = s["caches"][name]
     if s["bt"] is None:
         return kc, vc
-    return kc[s["bt"].long()].flatten(1, 2), vc[s["bt"].long()].flatten(1, 2)
+    return tuple(_bytes(x)[s["bt"].long()].flatten(1, 2).view(x.dtype) for x in (kc, vc))
 
 
 def _real(x8, descale):
@@ -105,16 +114,17 @@ def test_fp8_cache_decode(page, granularity, rotary):
     k_new = _rope(s["kn"], s["cos"], s["sin"], pos[:, None])[:, 0] if rotary else s["kn"][:, 0].float()
     k_want = (k_new / kd[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     v_want = (s["vn"][:, 0].float() / vd[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    assert torch.equal(v8[rows, pos].view(torch.uint8), v_want.view(torch.uint8))
+    assert torch.equal(_bytes(v8)[rows, pos], _bytes(v_want))
+    k_got = _bytes(k8)[rows, pos]
     if rotary:
         step = 2.0 ** (torch.floor(torch.log2(k_want.float().abs().clamp_min(2.0**-6))) - 3)
-        assert ((k8[rows, pos].float() - k_want.float()).abs() <= step).all()
+        assert ((k_got.view(FP8).float() - k_want.float()).abs() <= step).all()
     else:
-        assert torch.equal(k8[rows, pos].view(torch.uint8), k_want.view(torch.uint8))
+        assert torch.equal(k_got, _bytes(k_want))
     # every other slot is untouched
     keep = torch.ones(B, CAP, dtype=torch.bool, device="cuda")
     keep[rows, pos] = False
-    assert torch.equal(k8[keep].view(torch.uint8), k8_before[keep].view(torch.uint8))
+    assert torch.equal(_bytes(k8)[keep], _bytes(k8_before)[keep])
 
     k_real, v_real = _real(k8, s["kd"]), _real(v8, s["vd"])
     q = s["q"]
@@ -160,5 +170,4 @@ def test_fp8_plan_in_a_cuda_graph(page):
     vc.copy_(vc0)
     expect = _call(s, "fp8", plan)
     assert torch.equal(out, expect)
-    assert torch.equal(kc_replayed.view(torch.uint8), kc.view(torch.uint8))
-    assert torch.equal(vc_replayed.view(torch.uint8), vc.view(torch.uint8))
+    assert torch.equal(_bytes(kc_replayed), _bytes(kc)) and torch.equal(_bytes(vc_replayed), _bytes(vc))
