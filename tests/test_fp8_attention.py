@@ -23,12 +23,20 @@ from flashattn.ops.registry import through_registered_ops
 FLOOR = 1e-3
 
 
+def _binades(b, h, sign):
+    """(b, 1, h, 1) factors 2^(sign · (i mod 4)), i = the (batch, head)'s index."""
+    return (2.0 ** (sign * (torch.arange(b * h) % 4))).view(b, 1, h, 1)
+
+
 def _inputs(b, sq, sk, h, hk, d, dv=None, *, seed=0, granularity="head", q_per_kv_head=False,
             seq_contiguous=False):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g)
-    k = torch.randn(b, sk, hk, d, generator=g)
-    v = torch.randn(b, sk, hk, dv or d, generator=g)
+    # each (batch, head) in a binade of its own (quantize's descales are powers of two: equal magnitudes
+    # would give every head the same descale, and a descale read for the wrong head would not show); q's
+    # scales shrink as k's grow, so the scores stay of order one
+    q = torch.randn(b, sq, h, d, generator=g) * _binades(b, h, -1)
+    k = torch.randn(b, sk, hk, d, generator=g) * _binades(b, hk, 1)
+    v = torch.randn(b, sk, hk, dv or d, generator=g) * _binades(b, hk, 1)
     q8, qd = fp8.quantize(q, granularity)
     if q_per_kv_head:  # FlashAttention-3's shape: one q descale per (batch, kv head)
         q8, qd = fp8.quantize(q.view(b, sq, hk, (h // hk) * d), granularity)

@@ -16,9 +16,13 @@ pytestmark = pytest.mark.gpu
 FLOOR = 1e-3  # as the CPU tests: bf16's own rounding of |out| <~ 0.1 is below it
 
 
-def _quantized(shape, granularity="head", seed=0, **kw):
+def _quantized(shape, granularity="head", seed=0, sign=1, **kw):
+    """quantize of N(0, 1) values with each (batch, head) scaled by 2^(sign · (i mod 4)): every head in a
+    binade of its own, so that a descale read for the wrong head shows (the descales are powers of two)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return fp8.quantize(torch.randn(shape, device="cuda", generator=g), granularity, **kw)
+    b, _, h, _ = shape
+    scales = (2.0 ** (sign * (torch.arange(b * h, device="cuda") % 4))).view(b, 1, h, 1)
+    return fp8.quantize(torch.randn(shape, device="cuda", generator=g) * scales, granularity, **kw)
 
 
 def _check(out, lse, q8, k8, v8, qd, kd, vd, **options):
@@ -46,7 +50,7 @@ def test_fp8_forward(name, d, seq_contiguous):
     opts = dict(OPTIONS[name])
     alibi = torch.rand(h, device="cuda") * 0.1 if opts.pop("alibi", False) else None
     sink = torch.randn(h, device="cuda") if opts.pop("sink", False) else None
-    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1), _quantized((b, sk, hk, d), seed=2)
+    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
     v8, vd = _quantized((b, sk, hk, d), seed=3, seq_contiguous=seq_contiguous)
     spec = launchers.spec_of(q8, k8, v8, causal=opts.get("causal", False))
     assert isinstance(routes.forward_route(spec), routes.TritonForward)
@@ -144,7 +148,7 @@ def test_gluon_fp8_forward(name, d, seq_contiguous):
         opts["alibi_slopes"] = torch.rand(h, device="cuda") * 0.1
     if opts.pop("sink", False):
         opts["learnable_sink"] = torch.randn(h, device="cuda")
-    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1), _quantized((b, sk, hk, d), seed=2)
+    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
     v8, vd = _quantized((b, sk, hk, d), seed=3, seq_contiguous=seq_contiguous)
     out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, **opts)
     _check(out, lse, q8, k8, v8, qd, kd, vd, **opts)
@@ -152,7 +156,8 @@ def test_gluon_fp8_forward(name, d, seq_contiguous):
 
 def test_gluon_fp8_three_consumer_warpgroups():
     from flashattn import config
-    (q8, qd), (k8, kd), (v8, vd) = (_quantized((2, 777, 4, 64), seed=i) for i in range(3))
+    (q8, qd), (k8, kd), (v8, vd) = (_quantized((2, 777, 4, 64), seed=i, sign=-1 if i == 0 else 1)
+                                    for i in range(3))
     with config.use_tiles("fwd_ws=192,128,4,3"):
         out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, causal=True)
     _check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
