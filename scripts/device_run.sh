@@ -83,7 +83,7 @@ for stage in "$@"; do
     features)
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)
-      bench "${DECODE_S:-200}" decode --suite decode ;;
+      bench "${DECODE_S:-300}" decode --suite decode ;;
     fp8)
       bench "${FP8_S:-360}" fp8 --suite fp8
       bench "${FP8_DECODE_S:-200}" fp8-decode --suite decode --seqlens 65536,131072 \
