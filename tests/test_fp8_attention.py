@@ -207,10 +207,23 @@ def test_sixteen_bit_calls_refuse_another_out_dtype():
         flashattn.flash_attn_func(q, q, q, out_dtype=torch.float32)
 
 
-def test_fp8_varlen_refuses_paged_keys():
-    q8 = torch.zeros(4, 2, 16).to(torch.float8_e4m3fn)
-    pages = torch.zeros(2, 16, 2, 16).to(torch.float8_e4m3fn)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(FlashAttnError, match="block_table is given with FP8"):
-        flashattn.flash_attn_varlen_func(q8, pages, pages, cu, cu, 4, 4,
-                                         block_table=torch.zeros(1, 1, dtype=torch.int32))
+def test_fp8_varlen_reads_paged_keys(backend):
+    # e4m3 page pools (pages of 16, shuffled): the same bits as the packed keys of those pages
+    lens_q, lens_k, page, hk, d = [5, 0, 17], [40, 3, 17], 16, 2, 32
+    g = torch.Generator().manual_seed(7)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
+                  for ls in (lens_q, lens_k))
+    table = torch.randperm(9, generator=g).to(torch.int32).view(3, 3)  # 3 pages of 16 per sequence
+    pools = [fp8.quantize(torch.randn(1, 9 * page, hk, d, generator=g), "tensor") for _ in range(2)]
+    (k_pool, kd), (v_pool, vd) = ((x.view(9, page, hk, d), ds) for x, ds in pools)
+    q8, qd = fp8.quantize(torch.randn(1, sum(lens_q), 4, d, generator=g), "tensor")
+    packed = [torch.cat([pool[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lens_k)])
+              for pool in (k_pool, v_pool)]
+    args = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+    paged_out = flashattn.flash_attn_varlen_func(q8[0], k_pool, v_pool, cu_q, cu_k, 17, 40,
+                                                 block_table=table, **args)
+    packed_out = flashattn.flash_attn_varlen_func(q8[0], *packed, cu_q, cu_k, 17, 40, **args)
+    torch.testing.assert_close(paged_out, packed_out, rtol=0, atol=0)
+    with pytest.raises(FlashAttnError, match=r"takes torch.float8_e4m3fn q, k and v .* torch.bfloat16"):
+        flashattn.flash_attn_varlen_func(q8[0], k_pool.to(torch.bfloat16), v_pool, cu_q, cu_k, 17, 40,
+                                         block_table=table, **args)

@@ -176,3 +176,20 @@ def test_gluon_fp8_varlen():
         if n:
             _check(out[rows][None], lse[:, rows][None], q8[:, rows], k8[:, rows], v8[:, rows], qd, kd, vd,
                    causal=True)
+
+
+def test_fp8_varlen_paged_prefill():
+    # e4m3 page pools gathered on the GPU (torch's indexing and where on e4m3): the packed call's bits
+    lens, page, hk, d = [300, 1, 1000], 64, 2, 128
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    table = torch.randperm(48, device="cuda").to(torch.int32).view(3, 16)
+    (k_pool, kd), (v_pool, vd) = (_quantized((1, 48 * page, hk, d), "tensor", i) for i in (1, 2))
+    k_pool, v_pool = (x.view(48, page, hk, d) for x in (k_pool, v_pool))
+    q8, qd = _quantized((1, sum(lens), 8, d), "tensor", 3)
+    packed = [torch.cat([pool[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lens)])
+              for pool in (k_pool, v_pool)]
+    args = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    paged_out = flashattn.flash_attn_varlen_func(q8[0], k_pool, v_pool, cu, cu, 1000, 1000, block_table=table,
+                                                 **args)
+    packed_out = flashattn.flash_attn_varlen_func(q8[0], *packed, cu, cu, 1000, 1000, **args)
+    torch.testing.assert_close(paged_out, packed_out, rtol=0, atol=0)

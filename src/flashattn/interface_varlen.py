@@ -26,9 +26,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     max_seqlen_q, max_seqlen_k = _validate.check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, None if block_table is not None else k)
     if block_table is not None:
-        paged.check_paged(q, k, v, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_k)
+        paged.check_paged(q, k, v, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_k, fp8)
         k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
-        _validate.check_qkv(q, k, v, varlen=True)
+        _validate.check_qkv(q, k, v, varlen=True, fp8=fp8)
     return k, v, max_seqlen_q, max_seqlen_k
 
 
@@ -79,7 +79,8 @@ def flash_attn_varlen_func(
             (p < cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is k[block_table[b, p // page_size], p % page_size].
             The keys are gathered into the packed layout first (flashattn.paged); gradients reach the pools.
         q_descale, k_descale, v_descale, out_dtype: as flash_attn_func's (an FP8 call), batch being the
-            number of sequences; v may have its token dim (0) contiguous. No block_table with FP8.
+            number of sequences; v may have its token dim (0) contiguous. With a block_table, e4m3 page
+            pools (k's and v's descales per tensor or per (sequence, kv head)).
 
     Returns:
         out: (total_q, nheads, headdim_v), q's dtype (out_dtype for an FP8 call).
@@ -91,8 +92,6 @@ def flash_attn_varlen_func(
     fp8 = interface_fp8.wanted(q, q_descale, k_descale, v_descale)
     if fp8:
         interface_fp8.check_dtypes(q, k, v)
-        if block_table is not None:
-            raise FlashAttnError("block_table is given with FP8 q, k, v; paged keys take 16-bit calls only")
     k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                     max_seqlen_k, block_table, fp8)
     batch = cu_seqlens_q.shape[0] - 1

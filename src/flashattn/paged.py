@@ -22,10 +22,13 @@ from flashattn.errors import FlashAttnError
 _POOL = "(num_pages, page_size, nheads_k, headdim) with a block_table"
 
 
-def check_paged(q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, batch: int, max_seqlen_k: int) -> None:
+def check_paged(q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, batch: int, max_seqlen_k: int,
+                fp8: bool = False) -> None:
+    """The pools' and the block table's shapes, dtypes and devices; fp8: e4m3 pools (an FP8 call)."""
     check_block_table(block_table, batch, q)
-    _validate.check_tensor("k", k, 4, _POOL)
-    _validate.check_tensor("v", v, 4, _POOL)
+    dtypes = {"dtypes": _validate.FP8_DTYPES} if fp8 else {}
+    _validate.check_tensor("k", k, 4, _POOL, **dtypes)
+    _validate.check_tensor("v", v, 4, _POOL, **dtypes)
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise FlashAttnError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
