@@ -228,7 +228,8 @@ def fp8():
 
         for (b, sq, sk, h, hk, d), seq_v, tiles, opts in [
                 ((1, 200, 1024, 4, 1, 128), True, None, dict(causal=True)),
-                ((2, 67, 300, 4, 2, 64), False, "fwd_ws=192,128,4,3", dict(window_size=(40, 3), softcap=5.0)),
+                ((2, 67, 300, 4, 2, 64), False, "fwd_ws=192,128,4,3",
+                 dict(causal=False, window_size=(40, 3), softcap=5.0)),
                 ((1, 130, 300, 2, 2, 256), False, None, dict(causal=True))]:
             (q, qd), (k, kd) = quantized((b, sq, h, d)), quantized((b, sk, hk, d))
             v, vd = quantized((b, sk, hk, d), seq_contiguous=seq_v)

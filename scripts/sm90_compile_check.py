@@ -271,16 +271,15 @@ def fp8_cases():
                                                causal=True)
     # the Gluon forward's FP8 variant, on an explicit route (the default routes keep FP8 on the Triton one)
 
-    def on_gluon_fp8(qkv, descales, causal=False, window_size=(-1, -1), tiles=None, cu=None, **options):
+    def on_gluon_fp8(qkv, descales, causal=False, window_size=(-1, -1), tiles=None, **options):
         q8, k8, v8 = qkv
-        lengths = dict(cu_seqlens_q=cu, max_seqlen_q=130, max_seqlen_k=130) if cu is not None else {}
-        spec = dense_ops.spec_of(q8, k8, v8, causal=causal, window_size=window_size, **lengths, **options)
+        spec = dense_ops.spec_of(q8, k8, v8, causal=causal, window_size=window_size, **options)
 
         def run():
             route = routes.gluon_forward_route(spec)
             dense_ops.attention_forward_fp8(q8, k8, v8, *descales.values(), out_dtype=torch.bfloat16,
                                             softmax_scale=0.1, causal=causal, window_size=window_size,
-                                            route=route, cu_seqlens_k=cu, **lengths, **options)
+                                            route=route, **options)
         if tiles is not None:
             return partial(_on_gluon, _with_tiles, tiles, run, launchers=("forward",))
         return partial(_on_gluon, run, launchers=("forward",))
@@ -296,11 +295,6 @@ def fp8_cases():
     yield "fp8 gluon window softcap alibi sink", on_gluon_fp8(
         qkv, descales, window_size=(40, 3), softcap=10.0, alibi_slopes=torch.rand(4),
         learnable_sink=torch.zeros(4))
-    # varlen: per-tensor descales (a per-head one would be (sequences, heads))
-    packed = [fp8.quantize(_t(1, 208, h, 128), "tensor") for h in (4, 2, 2)]
-    descales = dict(zip(("q_descale", "k_descale", "v_descale"), (d for _, d in packed), strict=True))
-    yield "fp8 gluon varlen causal", on_gluon_fp8(tuple(x[0] for x, _ in packed), descales, causal=True,
-                                                  cu=cu)
 
 
 def decode_cases():

@@ -10,6 +10,7 @@ import flashattn
 from flashattn import fp8, reference
 from flashattn.backends.triton import attention as launchers
 from flashattn.backends.triton import routes
+from flashattn.errors import FlashAttnError
 
 pytestmark = pytest.mark.gpu
 
@@ -163,19 +164,14 @@ def test_gluon_fp8_three_consumer_warpgroups():
     _check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
 
 
-def test_gluon_fp8_varlen():
-    lens = [0, 300, 1, 1000, 64]
-    h, hk, d = 8, 2, 128
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    (q8, qd), (k8, kd), (v8, vd) = (_quantized((1, sum(lens), n, d), "tensor", i)
-                                    for i, n in enumerate((h, hk, hk)))
-    out, lse = _gluon_fp8(q8[0], k8[0], v8[0], qd, kd, vd, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                          max_seqlen_q=max(lens), max_seqlen_k=max(lens))
-    for i, n in enumerate(lens):
-        rows = slice(int(cu[i]), int(cu[i + 1]))
-        if n:
-            _check(out[rows][None], lse[:, rows][None], q8[:, rows], k8[:, rows], v8[:, rows], qd, kd, vd,
-                   causal=True)
+def test_gluon_fp8_refuses_varlen():
+    # its varlen launch stopped on an illegal instruction on the H200: refused with a clear error until fixed
+    cu = torch.tensor([0, 300, 1365], dtype=torch.int32, device="cuda")
+    (q8, qd), (k8, kd), (v8, vd) = (_quantized((1, 1365, n, 128), "tensor", i)
+                                    for i, n in enumerate((8, 2, 2)))
+    with pytest.raises(FlashAttnError, match="the Gluon FP8 forward takes the padded layout only"):
+        _gluon_fp8(q8[0], k8[0], v8[0], qd, kd, vd, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                   max_seqlen_q=1065, max_seqlen_k=1065)
 
 
 def test_fp8_varlen_paged_prefill():

@@ -197,6 +197,10 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if isinstance(route, routes.GluonForward):
+        if descales is not None and pb.varlen:
+            # its varlen launch stopped on an illegal instruction on the H200 (the padded one is correct)
+            raise FlashAttnError("the Gluon FP8 forward takes the padded layout only; varlen FP8 calls take "
+                                 "the default (Triton) route")
         if descales is not None and out.dtype not in (torch.float16, torch.bfloat16):
             raise FlashAttnError(f"out_dtype is {out.dtype}; the Gluon FP8 forward writes float16 or "
                                  f"bfloat16")
