@@ -45,7 +45,6 @@ def _fwd_tile(
     bits_base=None, bits_row0=0, bits_col0=0, BITS_BYTES: tl.constexpr = 1, MASK_BITS: tl.constexpr = False,
     k_desc=None, v_desc=None, desc_b=0, desc_h=0, USE_TMA: tl.constexpr = False,
     glob=0, HAS_GLOBAL: tl.constexpr = False, GLOBAL_CAUSAL: tl.constexpr = False, stride_vd=1,
-    MAX_IMPRECISE: tl.constexpr = 0,
 ):
     # MASK_BITS: a partial block of a block-sparse mask, its predicate read from a bitmask (attn_sparse.py);
     # HAS_GLOBAL: the global tokens of a block-sparse local + global rule (tile_scores)
@@ -56,9 +55,7 @@ def _fwd_tile(
     else:
         k = load_rows(k_base, k_desc, desc_b, desc_h, start_n, offs_n, offs_d, stride_kn, seqlen_k, HEAD_DIM,
                       BLOCK_D, MASKED, USE_TMA)
-    # (BLOCK_M, d) x (d, BLOCK_N) -> (BLOCK_M, BLOCK_N). FP8: Hopper's e4m3 wgmma sums its products short of
-    # float32 unless partial sums are promoted every MAX_IMPRECISE products (the LSE was off by up to 2e-2)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC, max_num_imprecise_acc=MAX_IMPRECISE)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, d) x (d, BLOCK_N) -> (BLOCK_M, BLOCK_N)
     if MASKED or HAS_SOFTCAP or HAS_ALIBI or MASK_BITS:
         s, _ = tile_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_k, diag, left, right, qk_scale,
                            cap_in, cap_out, slope, MASKED, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -179,7 +176,7 @@ def attn_fwd_kernel(
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
             k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
-            stride_vd=stride_vd, MAX_IMPRECISE=32 if FP8 else 0,
+            stride_vd=stride_vd,
         )
     # -- tiles every row of this block sees entirely: no predicate
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -190,7 +187,7 @@ def attn_fwd_kernel(
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, False, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
             k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
-            stride_vd=stride_vd, MAX_IMPRECISE=32 if FP8 else 0,
+            stride_vd=stride_vd,
         )
     # -- the diagonal band / right window edge and the key tail
     for start_n in range(tl.maximum(n_hi, n_lo), n_end, BLOCK_N):
@@ -201,7 +198,7 @@ def attn_fwd_kernel(
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, True, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PREC,
             k_desc=K_DESC, v_desc=V_DESC, desc_b=off_b, desc_h=off_h // GROUP, USE_TMA=USE_TMA,
-            stride_vd=stride_vd, MAX_IMPRECISE=32 if FP8 else 0,
+            stride_vd=stride_vd,
         )
 
     out, lse = fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK, HAS_DROPOUT)
