@@ -399,14 +399,19 @@ def masked_attention_ref(q, k, v, mask, *, softmax_scale=None, softcap=0.0, keep
     return out.to(dtype), lse
 
 
-def dequantize_fp8(x8, descale, dtype=torch.float64):
-    """x8 · descale in `dtype`: x8 (batch, seqlen, heads, d) e4m3, descale (1,) or (batch, heads'), heads' a
-    divisor of heads (each group of x8's heads shares one, as q's per-kv-head descale)."""
-    x = x8.to(dtype)
+def _descale_view(descale, heads: int, dtype):
+    """descale (1,) or (batch, heads'), heads' a divisor of heads (each group of heads shares one, as q's
+    per-kv-head descale), as a factor broadcastable to (batch, seqlen, heads, d)."""
     d = descale.to(dtype)
     if d.numel() == 1:
-        return x * d.reshape(())
-    return x * d.repeat_interleave(x8.shape[2] // d.shape[1], dim=1)[:, None, :, None]
+        return d.reshape(())
+    return d.repeat_interleave(heads // d.shape[1], dim=1)[:, None, :, None]
+
+
+def dequantize_fp8(x8, descale, dtype=torch.float64):
+    """x8 · descale in `dtype`: x8 (batch, seqlen, heads, d) e4m3, descale (1,) or (batch, heads'), heads' a
+    divisor of heads."""
+    return x8.to(dtype) * _descale_view(descale, x8.shape[2], dtype)
 
 
 def attention_ref_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, upcast=True, out_dtype=torch.bfloat16,
@@ -452,5 +457,5 @@ def attention_ref_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, upcast=Tru
     lse = torch.where(denom == 0, math.inf, m + torch.log(denom)).squeeze(-1)
     out = torch.einsum("bhts,bshd->bthd", numer.to(torch.float8_e4m3fn).float(), _repeat_kv(v8.float(), h))
     out = out / torch.where(denom == 0, 1.0, denom).transpose(1, 2)
-    return (out * dequantize_fp8(torch.ones_like(v8[:, :1, :, :1]), v_descale, torch.float32)
-            .repeat_interleave(h // v8.shape[2], dim=2)).to(out_dtype), lse
+    # v's descale per kv head, spread over each group of out's query heads
+    return (out * _descale_view(v_descale, h, torch.float32)).to(out_dtype), lse

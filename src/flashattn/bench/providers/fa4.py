@@ -13,17 +13,14 @@ import torch
 from ..case import Case
 from .base import Prepared, Provider, first_tensor, make_leaves
 from .features import _require_packed, cu_seqlens
+from .ours import flash_attn_options
 
 
 def fa4_options(case: Case, device: torch.device) -> dict:
-    options: dict = {}
-    if case.window != (-1, -1):
-        options["window_size"] = tuple(None if w < 0 else w for w in case.window)
-    if case.softcap:
-        options["softcap"] = case.softcap
-    sink = case.learnable_sink(device, requires_grad=True)
-    if sink is not None:
-        options["learnable_sink"] = sink
+    # ours, but FA4 spells an unbounded window side None
+    options = flash_attn_options(case, device)
+    if "window_size" in options:
+        options["window_size"] = tuple(None if w < 0 else w for w in options["window_size"])
     return options
 
 
