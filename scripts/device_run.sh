@@ -19,13 +19,16 @@
 #   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
 #                 16-bit cache, at the issue's points (b16 64K/128K, b1 64K)
+#   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
+#                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
 #   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
 #                 process, beside SDPA-cuDNN (scripts/host_ab.py)
 #   decode-host   decode host time per call beside SDPA (scripts/decode_host_time.py)
 #   upstream      flash_attn's own tests/test_flash_attn.py (carried in .upstream/) through flashattn.compat:
-#                 the representative subset, its quotas scaled by UPSTREAM_SCALE
+#                 the representative subset, its quotas scaled by UPSTREAM_SCALE, on UPSTREAM_N xdist workers
+#                 (default 14: the cost is compiling, on the host's cores)
 #   baseline-train, baseline-decode, baseline-host
 #                 the train table, the decode suite, the host time of the tree carried in .baseline/
 #                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call
@@ -91,6 +94,8 @@ for stage in "$@"; do
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
+    cp)
+      bench "${CP_S:-240}" cp --suite cp ;;
     host-time)
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
     host-ab)
@@ -99,8 +104,10 @@ for stage in "$@"; do
     decode-host)
       timeout 120 python3 scripts/decode_host_time.py "$RES/decode_host_time.json" 2>&1 | tail -12 ;;
     upstream)
-      UPSTREAM_SCALE=${UPSTREAM_SCALE:-1} timeout "${UPSTREAM_S:-540}" bash scripts/upstream_flash_attn_tests.sh \
-        .upstream/test_flash_attn.py subset 2>&1 | tail -45
+      # SIGINT at the limit: pytest stops and still prints its summary of what ran
+      UPSTREAM_SCALE=${UPSTREAM_SCALE:-1} timeout -s INT -k 30 "${UPSTREAM_S:-540}" \
+        bash scripts/upstream_flash_attn_tests.sh .upstream/test_flash_attn.py subset \
+        -n "${UPSTREAM_N:-14}" --durations=20 2>&1 | tail -45
       cp .upstream/run/pytest.log "$RES/upstream_pytest.log" 2>/dev/null ;;
     baseline-train|baseline-decode|baseline-host)
       # the same measurement of the baseline tree, then of this one: one process each, in this call
