@@ -226,6 +226,9 @@ CASES = {
     "alibi": Case(alibi=True, causal=True, sq=2, s_new=2, page=16),
     "chunked-prefill": Case(b=1, sq=20, s_new=20, h=4, hk=2, seqlens=[12], causal=True, cap=64, page=16),
     "splits-3": Case(splits=3),
+    # more splits than the merge loads at once (LSEs and outputs both take several chunks); the short
+    # sequence leaves most of its splits empty
+    "splits-40-empty-partials": Case(h=4, hk=2, cap=1344, seqlens=[1300, 100], splits=40),
     # more new keys than a key tile: the append is shared by the (split, query block) programs of a sequence
     "append-two-tiles-rotary-splits": Case(b=1, sq=40, s_new=40, h=2, hk=2, cap=96, seqlens=[10], causal=True,
                                            page=16, rotary=16, splits=2),

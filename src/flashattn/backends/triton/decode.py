@@ -194,12 +194,19 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         HAS_KEY_MASK=key_mask is not None, APPEND=k is not None,
         ROT_DIM=2 * rotary_cos.shape[1] if rotate else 0, INTERLEAVED=bool(rotary_interleaved),
         Q_PER_ROW=window_on, WINDOW=window_on, SOFTCAP=softcap > 0, ALIBI_ON=alibi_slopes is not None,
-        SPLIT=splits > 1, FP8_CACHE=fp8, DOT_PREC=host.dot_precision(q.dtype),
+        SPLIT=splits > 1, MERGE_CHUNK=merge_chunk(block_m, host.block_d(d)), FP8_CACHE=fp8,
+        DOT_PREC=host.dot_precision(q.dtype),
         # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
         num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
     )
     return DecodeLaunch(route, grid, kwargs, consts, (b, sq, h, d), (b, h, sq), floats, counters,
                         launch_mod.direct(q))
+
+
+def merge_chunk(block_m: int, block_d: int) -> int:
+    """Splits whose (block_m, block_d) float32 partials the in-kernel merge loads at once: 8K floats, 64 a
+    thread of 4 warps, and at most 16 (powers of two, as both tile sides are)."""
+    return max(1, min(16, 8192 // (block_m * block_d)))
 
 
 def _sig(t):
