@@ -204,8 +204,8 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
 
 
 def merge_chunk(block_m: int, block_d: int) -> int:
-    """Splits whose (block_m, block_d) float32 partials the in-kernel merge loads at once: 8K floats, 64 a
-    thread of 4 warps, and at most 16 (powers of two, as both tile sides are)."""
+    """Splits whose (block_m, block_d) float32 partials the in-kernel merge loads at once: 8K floats (64
+    registers a thread at 4 warps), at most 16 (an unrolled body each)."""
     return max(1, min(16, 8192 // (block_m * block_d)))
 
 

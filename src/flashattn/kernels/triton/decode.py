@@ -44,7 +44,6 @@ from flashattn.kernels.triton.rotary import rotated
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
-LSE_CHUNK = tl.constexpr(32)  # splits whose LSEs the merge loads at once
 
 
 @triton.jit
@@ -331,33 +330,29 @@ def decode_kernel(
         ticket = tl.atomic_add(COUNTERS + row, 1, sem="acq_rel", scope="gpu")
         if ticket == num_splits - 1:
             tl.atomic_xchg(COUNTERS + row, 0, sem="relaxed", scope="gpu")
-            # the partials' loads do not depend on one another: a loop carrying its running max from one
-            # split to the next would wait on L2 twice per split, which at batch 1 (16 splits of 2 tiles)
-            # costs more than the attention. So: one pass for the rows' largest LSE, LSE_CHUNK splits a
-            # load, then the weighted sum, MERGE_CHUNK splits' outputs a load.
+            # the partials' loads do not depend on one another, nor on the running max: MERGE_CHUNK splits'
+            # loads go out together (an unrolled body), so the merge waits on L2 once a chunk rather than
+            # twice a split, which at batch 1 (16 splits of 2 key tiles each) costs more than the attention
             m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for s0 in range(0, num_splits, LSE_CHUNK):
-                offs_s = s0 + tl.arange(0, LSE_CHUNK)
-                parts = (offs_s * rows_all + row).to(tl.int64)
-                lse_s = tl.load(work_l[None, :] + parts[:, None] * BLOCK_M,
-                                mask=(offs_s < num_splits)[:, None] & ok_r[None, :], other=float("-inf"),
-                                cache_modifier=".cg")
-                m = tl.maximum(m, tl.max(lse_s, axis=0))
-            m_sub = tl.where(m == float("-inf"), 0.0, m)  # rows no split saw subtract 0, not -inf
             w = tl.zeros([BLOCK_M], dtype=tl.float32)
             merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             for s0 in range(0, num_splits, MERGE_CHUNK):
-                offs_s = s0 + tl.arange(0, MERGE_CHUNK)
-                ok_s = offs_s < num_splits
-                parts = (offs_s * rows_all + row).to(tl.int64)
-                lse_s = tl.load(work_l[None, :] + parts[:, None] * BLOCK_M,
-                                mask=ok_s[:, None] & ok_r[None, :], other=float("-inf"), cache_modifier=".cg")
-                o_s = tl.load(work_o[None, :, :] + parts[:, None, None] * (BLOCK_M * BLOCK_D),
-                              mask=ok_s[:, None, None] & mask_o[None, :, :], other=0.0, cache_modifier=".cg")
-                beta = tl.math.exp2(lse_s - m_sub[None, :])  # 0 for empty partials
-                # where, not a product alone: an empty partial's output must not reach the sum
-                merged += tl.sum(tl.where(beta[:, :, None] > 0.0, beta[:, :, None] * o_s, 0.0), axis=0)
-                w += tl.sum(beta, axis=0)
+                for j in tl.static_range(MERGE_CHUNK):
+                    ok_s = s0 + j < num_splits
+                    part = ((s0 + j) * rows_all + row).to(tl.int64)
+                    lse_s = tl.load(work_l + part * BLOCK_M, mask=ok_r & ok_s, other=float("-inf"),
+                                    cache_modifier=".cg")
+                    o_s = tl.load(work_o + part * (BLOCK_M * BLOCK_D), mask=mask_o & ok_s, other=0.0,
+                                  cache_modifier=".cg")
+                    # -- rescale to the new max; rows with nothing yet subtract 0, not -inf
+                    m_new = tl.maximum(m, lse_s)
+                    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.math.exp2(m - m_sub)
+                    beta = tl.math.exp2(lse_s - m_sub)  # 0 for empty partials
+                    # where, not a product alone: an empty partial's output must not reach the sum
+                    merged = merged * alpha[:, None] + tl.where(beta[:, None] > 0.0, beta[:, None] * o_s, 0.0)
+                    w = w * alpha + beta
+                    m = m_new
             seen = w > 0.0
             w_safe = tl.where(seen, w, 1.0)
             tl.store(o_ptrs, (merged / w_safe[:, None]).to(O.dtype.element_ty), mask=mask_o)
