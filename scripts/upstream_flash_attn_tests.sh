@@ -6,8 +6,9 @@
 # The file is flash_attn's tests/test_flash_attn.py at 2.8.4 (Dao-AILab/flash-attention, a third party's
 # code: fetch it, never commit it). It is copied into the ignored folder .upstream/run/ next to a conftest.py
 # (scripts/upstream_flash_attn_conftest.py) that calls flashattn.compat.install() before the file imports
-# flash_attn. `subset` (the default) keeps a fixed, representative ~2,600 of its ~509,000 parametrizations
-# (about 10 minutes on an H200; the conftest says how they are chosen); `full` runs all of them (hours).
+# flash_attn. `subset` (the default) keeps a fixed, representative ~720 of its ~509,000 parametrizations
+# (about 10 minutes on an H200 with `-n 14`; the conftest says how they are chosen); `full` runs all of
+# them (hours).
 # The file needs einops (pure Python): installed, or its wheel in .upstream/ (`pip download einops -d
 # .upstream` on a machine with network). The summary's last line is the pass count; the full log is
 # .upstream/run/pytest.log.
