@@ -30,8 +30,8 @@ SHORT = {  # N <= 2K: few key tiles per program, so prologue/epilogue weigh; sma
     "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
     "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
 }
-# Sixth session: register caps (a fifth field, maxnreg) that let two 8-warp programs share an SM, and tiles
-# that stop the shipped dK/dV programs spilling (ptxas -v on the sm_90a compile: benchmarks/NOTES.md v14).
+# Register caps (a fifth field, maxnreg) that let two 8-warp programs share an SM, and tiles that stop the
+# shipped dK/dV programs spilling (ptxas -v on the sm_90a compile; docs/tuning-log.md).
 # None is the table's entry, timed in the same run. Per head dim: a cap only makes sense for one d.
 OCCUPANCY = {
     64: {"dkdv": [None, (32, 128, 8, 3, 128), (32, 128, 8, 3)], "dq": [(128, 128, 8, 3)]},

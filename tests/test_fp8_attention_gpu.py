@@ -90,7 +90,7 @@ def test_fp8_varlen():
 
 def test_incoherent_processing_cuts_the_error_on_outliers():
     # q and k with 0.1% of entries 10x larger (the FP8 papers' outlier inputs): the rotation spreads them,
-    # and the error against the float64 oracle on the original inputs drops (the issue's target: >= 2x)
+    # and the error against the float64 oracle on the original inputs drops (the target: >= 2x)
     g = torch.Generator(device="cuda").manual_seed(6)
     b, s, h, d = 1, 2048, 8, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for _ in range(3))

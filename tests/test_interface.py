@@ -398,7 +398,7 @@ def test_cpu_default_backend(monkeypatch):
     check_against_oracle(*_qkv(1, 21, 21, 2, 2, 16, torch.float32), causal=True)
 
 
-# ------------------------------------------------------------------------------ training features (issue 7)
+# ----------------------------------------------------------------------------------------- training features
 
 # name -> options for flash_attn_func and the oracle ("alibi" tensors are built in the test)
 FEATURES = {

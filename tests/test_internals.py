@@ -61,6 +61,32 @@ def test_untested_versions_get_the_public_paths(monkeypatch):
         _internals.triton_fast.cache_clear()
 
 
+def test_interpreter_casts_are_patched_on_the_tested_triton_only(monkeypatch):
+    from triton.runtime import interpreter
+
+    def wrap(original):
+        def convert(*args):
+            return original(*args)
+        convert.flashattn_fixed = True
+        return convert
+
+    monkeypatch.setattr(interpreter, "_convert_float", lambda *args: None)
+    unpatched = interpreter._convert_float
+    _internals.triton_fast.cache_clear()
+    monkeypatch.setattr(_internals, "TESTED_TRITON", (0, 1))
+    try:
+        assert not _internals.patch_interpreter_casts(wrap)
+        assert interpreter._convert_float is unpatched
+    finally:
+        _internals.triton_fast.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(interpreter, "_convert_float", unpatched)
+    assert _internals.patch_interpreter_casts(wrap)
+    patched = interpreter._convert_float
+    assert patched is not unpatched and patched.flashattn_fixed
+    assert _internals.patch_interpreter_casts(wrap) and interpreter._convert_float is patched  # once
+
+
 def _layout():
     from triton.experimental.gluon import language as gl
 

@@ -1,5 +1,7 @@
-"""The private torch and Triton internals that the host-time fast paths use, each behind a version check
-with the public path as its fallback. Nothing else in the library touches a private attribute.
+"""The private torch and Triton internals that the host-time fast paths (and the interpreter's cast fix) use,
+each behind a version check with the public path as its fallback. Nothing else on the host touches a
+private attribute; kernel code that needs a compiler builtin Triton does not export (the Gluon backward's
+TMA reduce-add) says so where it is defined, against the pinned triton 3.6.
 
 At short sequence lengths a call's Python outlasts its kernels, so the launch path avoids generic
 machinery: autograd.Function.apply's Python wrapper, the Triton JIT's per-launch argument binding, Gluon's
@@ -65,6 +67,23 @@ def triton_fast() -> bool:
     except ImportError:
         return False
     return _version(triton.__version__) == TESTED_TRITON
+
+
+def patch_interpreter_casts(wrap) -> bool:
+    """Replace the float narrowing of Triton's interpreter (the private
+    `triton.runtime.interpreter._convert_float`) with `wrap(original)`, once, on the tested Triton only.
+    False where it is left alone (another Triton, or the function is gone): the interpreter's own casts
+    stay."""
+    if not triton_fast():
+        return False
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None:
+        return False
+    if not getattr(original, "flashattn_fixed", False):
+        interpreter._convert_float = wrap(original)
+    return True
 
 
 def current_device() -> int:

@@ -91,7 +91,7 @@ def test_fp32_inputs():
 
 def test_128k_causal_forward_backward_memory():
     """b=1, h=16, d=128, N=128K bf16 causal forward + backward: finite, right where checkable, and the peak
-    memory beyond the inputs (q, k, v, dout) below 2.2 GiB, issue 3's target: out, dq, dk, dv alone are
+    memory beyond the inputs (q, k, v, dout) below 2.2 GiB, the memory target: out, dq, dk, dv alone are
     2.0 GiB, so everything else (LSE, D, workspaces) must fit in 0.2 GiB (cuDNN needs 3.0 in all)."""
     b, n, h, d = 1, 128 * 1024, 16, 128
     dtype = torch.bfloat16

@@ -1,4 +1,4 @@
-"""Training features in the Triton kernels (issue 7), against the fp64 oracle with the tolerance rule.
+"""Training features in the Triton kernels, against the fp64 oracle with the tolerance rule.
 
 Runs the kernels through the public API: under TRITON_INTERPRET=1 on the CPU (small fp16 shapes that still
 cross tile, diagonal and window edges with the interpreter's 32x16 tiles), or on CUDA. The torch backend has

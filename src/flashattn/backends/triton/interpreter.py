@@ -11,6 +11,8 @@ saturating at ±448 as the GPU's cvt.rn.satfinite does; every other cast keeps t
 import numpy as np
 import torch
 
+from flashattn import _internals
+
 _TORCH_SOURCES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TORCH_TARGETS = {"fp8e4nv": (torch.float8_e4m3fn, 448.0), "fp8e5": (torch.float8_e5m2, None)}
 _UINTS = {32: np.uint32, 16: np.uint16}
@@ -34,9 +36,7 @@ def _fixed(original):
     return convert
 
 
-def install() -> None:
-    """Patch the interpreter's float conversion (idempotent)."""
-    from triton.runtime import interpreter
-
-    if not getattr(interpreter._convert_float, "flashattn_fixed", False):
-        interpreter._convert_float = _fixed(interpreter._convert_float)
+def install() -> bool:
+    """Patch the interpreter's float conversion (idempotent; through flashattn._internals, on the tested
+    Triton only). Whether it is patched."""
+    return _internals.patch_interpreter_casts(_fixed)
