@@ -1,5 +1,5 @@
 """The FP8 forward on the GPU (bf16 out, real sizes): every option against the float64 oracle on the
-dequantised inputs with the FP8 tolerance of tests/test_fp8_attention.py, both V layouts, the route asserted.
+dequantised inputs with the FP8 tolerance of tests/test_interface_fp8.py, both V layouts, the route asserted.
 """
 
 import pytest
