@@ -35,6 +35,8 @@ def test_install_maps_flash_attn_onto_flashattn(installed):
 
     assert flash_attn.__version__ == compat.FLASH_ATTN_VERSION and compat.installed()
     assert flash_attn.flash_attn_func is flashattn.flash_attn_func
+    # with flash_attn's capacity check on the paged path
+    assert flash_attn.flash_attn_with_kvcache is flashattn.flash_attn_interface.flash_attn_with_kvcache
     assert flash_attn_varlen_func is flashattn.flash_attn_varlen_func
     assert _flash_attn_forward is flashattn.flash_attn_interface._flash_attn_forward
     assert _get_block_size_n is flashattn.flash_attn_interface._get_block_size_n
@@ -45,6 +47,34 @@ def test_install_maps_flash_attn_onto_flashattn(installed):
     import importlib.util
 
     assert importlib.util.find_spec("flash_attn") is not None
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["long-cache", "append-past-it"])
+def test_paged_calls_past_block_tables_reach_raise_as_in_flash_attn(installed, append):
+    # flash_attn 2.8.4's test_flash_attn_kvcache_paged_block_table_bounds, on the CPU: one page of 16 keys
+    # addressable, a sequence of 17 (or 16 plus one appended key)
+    from flash_attn import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(0)
+    page, d = 16, 32
+    kc, vc = (torch.randn(4, page, 1, d, generator=g) for _ in range(2))
+    q = torch.randn(1, 1, 1, d, generator=g)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    new = {}
+    if append:
+        new = dict(k=torch.randn(1, 1, 1, d, generator=g), v=torch.randn(1, 1, 1, d, generator=g))
+    long = torch.full((1,), page if append else page + 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=long, block_table=table, **new)
+    # the positive control: exactly at capacity
+    at = torch.full((1,), page - 1 if append else page, dtype=torch.int32)
+    assert flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=at, block_table=table,
+                                   **new).isfinite().all()
+    # flashattn's own entry leaves the check opt-in (no default call syncs), as does check_inputs=False here;
+    # the kernels clamp what they read
+    for call in (flashattn.flash_attn_with_kvcache,
+                 lambda *a, **k: flash_attn_with_kvcache(*a, check_inputs=False, **k)):
+        assert call(q, kc.clone(), vc.clone(), cache_seqlens=long, block_table=table, **new).isfinite().all()
 
 
 def test_other_flash_attn_modules_say_what_exists(installed):

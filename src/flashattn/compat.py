@@ -15,8 +15,9 @@ ARGS` (install, then run it as `python` would).
 What install() does: it puts these module names into this process's `sys.modules`, no file and no
 installed distribution involved, so it is opt-in, per process, and undone by `uninstall()`:
     flash_attn                       a package holding flash_attn 2.8's public functions (flash_attn_func,
-                                     the kvpacked / qkvpacked / varlen variants, flash_attn_with_kvcache),
-                                     __version__ "2.8.4" (the API it implements)
+                                     the kvpacked / qkvpacked / varlen variants, flash_attn_with_kvcache:
+                                     flashattn.flash_attn_interface's, which checks a paged call's capacity
+                                     as flash_attn does), __version__ "2.8.4" (the API it implements)
     flash_attn.flash_attn_interface  flashattn.flash_attn_interface: the same, plus the private functions
                                      (_flash_attn_forward, _flash_attn_varlen_forward, _flash_attn_backward,
                                      _flash_attn_varlen_backward, _get_block_size_n) other libraries call
@@ -86,16 +87,15 @@ def install() -> types.ModuleType:
     if installed():
         return sys.modules["flash_attn"]
     _forget_flash_attn()
-    import flashattn
-
     pkg = types.ModuleType("flash_attn", "flash_attn 2.x's API on flashattn (installed by flashattn.compat).")
     # a package with no directory: only the submodules placed in sys.modules exist
     pkg.__path__ = []
     pkg.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
     pkg.__version__ = FLASH_ATTN_VERSION
     pkg.__flashattn_compat__ = True
+    interface = importlib.import_module(MODULES["flash_attn.flash_attn_interface"])
     for name in _PUBLIC:
-        setattr(pkg, name, getattr(flashattn, name))
+        setattr(pkg, name, getattr(interface, name))
     sys.modules["flash_attn"] = pkg
     for alias, real in MODULES.items():
         module = importlib.import_module(real)

@@ -48,7 +48,7 @@ from flashattn.interface_varlen import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from flashattn.kvcache import flash_attn_with_kvcache
+from flashattn.kvcache import flash_attn_with_kvcache as _flash_attn_with_kvcache
 from flashattn.ops.attention import attn_bwd
 
 __all__ = [
@@ -71,6 +71,27 @@ __all__ = [
 ]
 
 USE_TRITON_ROCM = False  # flash_attn's switch to its ROCm Triton kernels; code and tests read it
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, **kwargs):
+    """flashattn.flash_attn_with_kvcache (same arguments and shapes), with flash_attn 2.8's check of a paged
+    call: a sequence longer than block_table addresses (max_pages x page_size, appended keys included)
+    raises a FlashAttnError naming block_table. flash_attn pays one device-to-host copy for that check on
+    the paged path, and so does this one: with a block_table, check_inputs defaults to True (every index
+    of the call is range-checked in that one copy; pass check_inputs=False to skip it). flashattn's own
+    flash_attn_with_kvcache leaves the check opt-in, so that no default call syncs; either way the kernel
+    clamps every index it reads. Other keywords (key_padding_mask, check_inputs, k_descale, v_descale) are
+    flashattn's."""
+    if block_table is not None:
+        kwargs.setdefault("check_inputs", True)
+    return _flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+        num_splits, return_softmax_lse, **kwargs)
 
 
 def maybe_contiguous(x):
