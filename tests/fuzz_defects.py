@@ -1,17 +1,20 @@
 """Random invalid calls (one defect each: a type, a shape, a range, an index, a device-side value) of every
-public function, for tests/fuzz_run.py: each must raise FlashAttnError. And cu_seqlens the checks would
-reject, handed straight to the Triton launchers, which must stay inside their tensors."""
+public function, for tests/fuzz_run.py: each must raise FlashAttnError (the newer ones: with a message that
+names the argument, Call.detail["names"]). Calls whose device indices are out of range, unchecked
+(check_inputs=False), which must run and equal the call with the clamped indices. And cu_seqlens the checks
+would reject, handed straight to the Triton launchers, which must stay inside their tensors."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from fuzz_cases import Call, Draw, _tensor
+from fuzz_cases import Call, Draw, _heads, _tensor, cache_lens, page_pool
 
 import flashattn
+from flashattn import config, fp8
 from flashattn import flash_attn_interface as fai
-from flashattn.layers.rotary import apply_rotary_emb
+from flashattn.layers.rotary import apply_rotary_emb, apply_rotary_emb_kv_, apply_rotary_emb_qkv_
 
 
 def _qkv(d, env, b=2, sq=9, sk=11, h=2, hk=1, hd=16, dtype=None):
@@ -126,7 +129,308 @@ def _other_defect(d: Draw, env) -> Call:
     return Call("other", defects[name], invalid=name)
 
 
-INVALID = [_dense_defect, _varlen_defect, _other_defect]
+def _pick(d: Draw, kind: str, defects: dict) -> Call:
+    """One of defects: name -> (the call, a word its message must contain: the argument's name)."""
+    name = d.pick(sorted(defects))
+    run, names = defects[name]
+    return Call(kind, run, invalid=name, detail={"names": names})
+
+
+def _paged_defect(d: Draw, env) -> Call:
+    """flash_attn_with_kvcache on a page pool (8 pages of 16 in use, one spare; capacity 64): a bad block
+    table (type, shape, strides), a bad pool, and with check_inputs=True (or the config's check_indices)
+    device values out of range (cache_seqlens past the capacity or negative, a used page past the pool)."""
+    q = _tensor(d, (2, 1, 4, 16), env.dtypes[0], env.device)
+    kp, vp = (_tensor(d, (9, 16, 2, 16), q.dtype, env.device) for _ in range(2))
+    table = torch.randperm(9, generator=torch.Generator().manual_seed(d.int(0, 999)))[:8].view(2, 4).to(
+        torch.int32).to(env.device)
+    new = _tensor(d, (2, 1, 2, 16), q.dtype, env.device)
+    i32, dev = dict(dtype=torch.int32, device=env.device), dict(device=env.device)
+    lens = torch.tensor([20, 5], **i32)  # sequence 0 uses pages 0 and 1
+    kv = flashattn.flash_attn_with_kvcache
+
+    def call(checked=True, **kw):
+        args = dict(cache_seqlens=lens, block_table=table)
+        args.update(kw)
+        return lambda: kv(q, args.pop("k_cache", kp), args.pop("v_cache", vp), check_inputs=checked or None,
+                          **args)
+
+    def bad_entry(value, row=0, col=1):
+        t = table.clone()
+        t[row, col] = value
+        return t
+
+    def under_config(**kw):
+        def run():
+            with config.use_check_indices(True):
+                return kv(q, kp, vp, cache_seqlens=lens, **kw)
+        return run
+
+    far = d.pick([9, 10**6, 2**31 - 1])
+    defects = {
+        "block_table int64": (call(block_table=table.long()), "block_table"),
+        "block_table float": (call(block_table=table.float()), "block_table"),
+        "block_table 1-D": (call(block_table=table[0]), "block_table"),
+        "block_table batch": (call(block_table=table[:1]), "block_table"),
+        "block_table strided": (call(block_table=torch.stack([table, table], -1)[..., 0]), "block_table"),
+        "block_table a list": (call(block_table=table.tolist()), "block_table"),
+        "block_table with cache_batch_idx": (call(cache_batch_idx=torch.tensor([0, 1], **i32)),
+                                             "cache_batch_idx"),
+        "page_size 20": (call(k_cache=kp.new_zeros(7, 20, 2, 16), v_cache=vp.new_zeros(7, 20, 2, 16)),
+                         "page_size"),
+        "v_cache pages": (call(v_cache=vp.new_zeros(4, 32, 2, 16)), "v_cache"),
+        "key_padding_mask capacity": (call(key_padding_mask=torch.ones(2, 63, dtype=torch.bool, **dev)),
+                                      "key_padding_mask"),
+        "int seqlens over": (call(False, cache_seqlens=d.pick([64, 65, 2**31 - 1]), k=new, v=new),
+                             "cache_seqlens"),
+        # device values: checked on request
+        "seqlens past the capacity": (call(cache_seqlens=torch.tensor([3, d.pick([65, 2**31 - 1])], **i32)),
+                                      "cache_seqlens"),
+        "seqlens negative": (call(cache_seqlens=torch.tensor([d.pick([-1, -(2**31)]), 3], **i32)),
+                             "cache_seqlens"),
+        "append past the capacity": (call(cache_seqlens=torch.tensor([64, 0], **i32), k=new, v=new),
+                                     "cache_seqlens"),
+        "page past the pool": (call(block_table=bad_entry(far)), "block_table"),
+        "page negative": (call(block_table=bad_entry(d.pick([-1, -(2**31)]))), "block_table"),
+        "appended page past the pool": (call(block_table=bad_entry(far), k=new, v=new,
+                                             cache_seqlens=torch.tensor([16, 5], **i32)), "block_table"),
+        "page past the pool, config": (under_config(block_table=bad_entry(far, 1, 0)), "block_table"),
+    }
+    return _pick(d, "kvcache-paged", defects)
+
+
+def unchecked_paged_call(d: Draw, env) -> Call:
+    """A paged flash_attn_with_kvcache call whose cache_seqlens / block_table values are out of range,
+    unchecked (check_inputs=False): the kernels clamp every index (cache_seqlens into [0, capacity -
+    seqlen_new], pages into [0, num_pages)), so it must run without touching memory out of bounds (the
+    interpreter would crash or read garbage) and give the call with those clamped values, bit for bit."""
+    b, sq = d.int(1, 2), d.pick([1, 2])
+    h, hk = _heads(d, env, b)
+    dtype = d.pick(env.dtypes)
+    page = d.pick([16, 32])
+    max_pages = d.int(1, 3)
+    cap = page * max_pages
+    kc, vc, table = page_pool(d, env, b, hk, 16, dtype, page, max_pages)
+    s_new = d.pick([0, 1, 2])
+    lens = cache_lens(d, b, cap - s_new)
+    bad_lens = list(lens)
+    bad_table = table.clone()
+    n_pages = kc.shape[0]
+    for _ in range(d.int(1, 3)):
+        if d.chance(0.4):
+            bad_lens[d.int(0, b - 1)] = d.pick([-1, -5, -(2**31), cap - s_new + 1, cap, 10**6, 2**31 - 1])
+        else:
+            bad_table[d.int(0, b - 1), d.int(0, max_pages - 1)] = d.pick(
+                [-1, -7, -(2**31), n_pages, n_pages + 5, 10**6, 2**31 - 1])
+    clamped_lens = [min(max(n, 0), cap - s_new) for n in bad_lens]
+    clamped_table = bad_table.clamp(0, n_pages - 1)
+    i32 = dict(dtype=torch.int32, device=env.device)
+    q = _tensor(d, (b, sq, h, 16), dtype, env.device)
+    kn = vn = None
+    if s_new:
+        kn, vn = (_tensor(d, (b, s_new, hk, 16), dtype, env.device) for _ in range(2))
+    causal = d.chance(0.5)
+    before = (kc.clone(), vc.clone())
+
+    def call(caches, seqlens, block_table):
+        return flashattn.flash_attn_with_kvcache(
+            q, *caches, kn, vn, cache_seqlens=torch.tensor(seqlens, **i32), block_table=block_table,
+            causal=causal, return_softmax_lse=True, check_inputs=False)
+
+    def run():
+        return call((kc, vc), bad_lens, bad_table)
+
+    def check(res):
+        out, lse = res
+        assert out.shape == q.shape and lse.shape == (b, h, sq)
+        caches = [t.clone() for t in before]
+        want, want_lse = call(caches, clamped_lens, clamped_table)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), (
+            f"unchecked out-of-range indices (seqlens {bad_lens}, table {bad_table.tolist()}) do not give "
+            f"the call with the clamped ones (seqlens {clamped_lens}, table {clamped_table.tolist()})")
+        assert torch.equal(kc, caches[0]) and torch.equal(vc, caches[1]), "the pools after a clamped append"
+
+    return Call("kvcache-paged-unchecked", run, check)
+
+
+def _plan_defect(d: Draw, env) -> Call:
+    """DecodePlan: bad constructor arguments, and runs whose tensors do not fit the plan."""
+    base = dict(batch=2, nheads=4, nheads_k=2, headdim=16, page_size=16, max_seqlen_k=64, dtype=torch.float32,
+                device=env.device)
+
+    def plan(**kw):
+        return lambda: flashattn.DecodePlan(**dict(base, **kw))
+
+    q = _tensor(d, (2, 1, 4, 16), torch.float32, env.device)
+    kp, vp, table = page_pool(d, env, 2, 2, 16, torch.float32, 16, 4)
+    lens = torch.tensor([9, 30], dtype=torch.int32, device=env.device)
+
+    def run(**kw):
+        args = dict(q=q, k_cache=kp, v_cache=vp, cache_seqlens=lens, block_table=table)
+        args.update(kw)
+        return lambda: flashattn.DecodePlan(**base).run(
+            args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_seqlens"),
+            args.pop("block_table"), **args)
+
+    defects = {
+        "batch 0": (plan(batch=0), "batch"),
+        "batch bool": (plan(batch=True), "batch"),
+        "batch float": (plan(batch=2.0), "batch"),
+        "nheads 0": (plan(nheads=0), "nheads"),
+        "nheads_k 0": (plan(nheads_k=0), "nheads_k"),
+        "gqa": (plan(nheads=6, nheads_k=4), "nheads"),
+        "headdim 0": (plan(headdim=0), "headdim"),
+        "headdim 300": (plan(headdim=300), "headdim"),
+        "page_size 20": (plan(page_size=20), "page_size"),
+        "page_size 0": (plan(page_size=0), "page_size"),
+        "page_size str": (plan(page_size="16"), "page_size"),
+        "max_seqlen_k 0": (plan(max_seqlen_k=0), "max_seqlen_k"),
+        "max_seqlen_k float": (plan(max_seqlen_k=64.0), "max_seqlen_k"),
+        "seqlen_q 0": (plan(seqlen_q=0), "seqlen_q"),
+        "dtype float64": (plan(dtype=torch.float64), "dtype"),
+        "dtype int32": (plan(dtype=torch.int32), "dtype"),
+        "cache_dtype": (plan(cache_dtype=torch.float16), "cache_dtype"),
+        "softmax_scale 0": (plan(softmax_scale=0.0), "softmax_scale"),
+        "softmax_scale nan": (plan(softmax_scale=math.nan), "softmax_scale"),
+        "softcap < 0": (plan(softcap=-1.0), "softcap"),
+        "window float": (plan(window_size=(2.5, 0)), "window_size"),
+        "window triple": (plan(window_size=(1, 2, 3)), "window_size"),
+        "num_splits -1": (plan(num_splits=-1), "num_splits"),
+        "num_splits float": (plan(num_splits=1.5), "num_splits"),
+        "run q shape": (run(q=q[:1]), "q"),
+        "run q dtype": (run(q=q.half()), "q"),
+        "run no block_table": (run(block_table=None), "block_table"),
+        "run page_size": (run(k_cache=kp.new_zeros(5, 32, 2, 16), v_cache=vp.new_zeros(5, 32, 2, 16)),
+                          "page_size"),
+        "run cache heads": (run(k_cache=kp[:, :, :1], v_cache=vp[:, :, :1]), "k_cache"),
+        "run cache dtype": (run(k_cache=kp.half(), v_cache=vp.half()), "k_cache"),
+        "run k without v": (run(k=q[:, :, :2]), "k"),
+    }
+    return _pick(d, "decode-plan", defects)
+
+
+def _fp8_defect(d: Draw, env) -> Call:
+    """FP8 flash_attn_func / flash_attn_varlen_func: descales of a wrong shape, dtype or type, out_dtype,
+    dropout, gradients, a 16-bit tensor among the e4m3 ones, a v neither last- nor seqlen-contiguous."""
+    q8, k8, v8 = (_tensor(d, s, torch.float32, env.device).to(fp8.FP8)
+                  for s in ((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)))
+    qd, kd, vd = (torch.ones(2, n, device=env.device) for n in (4, 2, 2))
+
+    def f(**kw):
+        args = dict(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd)
+        args.update(kw)
+        return lambda: flashattn.flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+    def needs_grad():
+        leaf = q8.clone().requires_grad_(True)
+        return flashattn.flash_attn_func(leaf, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32, device=env.device)
+    dev = dict(device=env.device)
+
+    def varlen(**kw):
+        args = dict(q_descale=torch.ones(3, 4, **dev), k_descale=torch.ones(3, 2, **dev),
+                    v_descale=torch.ones(1, **dev))
+        args.update(kw)
+        return lambda: flashattn.flash_attn_varlen_func(q8.flatten(0, 1), k8.flatten(0, 1), v8.flatten(0, 1),
+                                                        cu, cu, 8, 8, **args)
+
+    bf16 = torch.zeros(2, 8, 2, 16, dtype=torch.bfloat16, device=env.device)
+    defects = {
+        "k bfloat16": (f(k=bf16), "float8_e4m3fn"),
+        "16-bit with descales": (f(q=bf16.repeat(1, 1, 2, 1), k=bf16, v=bf16), "float8_e4m3fn"),
+        "dropout": (f(dropout_p=0.1), "dropout_p"),
+        "gradients": (needs_grad, "grad"),
+        "k_descale (2, 4)": (f(k_descale=torch.ones(2, 4, **dev)), "k_descale"),
+        "k_descale (2,)": (f(k_descale=torch.ones(2, **dev)), "k_descale"),
+        "q_descale (3, 4)": (f(q_descale=torch.ones(3, 4, **dev)), "q_descale"),
+        "q_descale (2, 3)": (f(q_descale=torch.ones(2, 3, **dev)), "q_descale"),
+        "q_descale (1, 1)": (f(q_descale=torch.ones(1, 1, **dev)), "q_descale"),
+        "v_descale (2, 2, 1)": (f(v_descale=torch.ones(2, 2, 1, **dev)), "v_descale"),
+        "v_descale float64": (f(v_descale=torch.ones(1, dtype=torch.float64, **dev)), "v_descale"),
+        "v_descale float16": (f(v_descale=torch.ones(1, dtype=torch.float16, **dev)), "v_descale"),
+        "k_descale int32": (f(k_descale=torch.ones(1, dtype=torch.int32, **dev)), "k_descale"),
+        "v_descale a float": (f(v_descale=2.0), "v_descale"),
+        "q_descale a list": (f(q_descale=[1.0]), "q_descale"),
+        "out_dtype e4m3": (f(out_dtype=torch.float8_e4m3fn), "out_dtype"),
+        "out_dtype int32": (f(out_dtype=torch.int32), "out_dtype"),
+        "out_dtype str": (f(out_dtype="float16"), "out_dtype"),
+        "v strided": (f(v=torch.zeros(2, 2, 8, 32, **dev).to(fp8.FP8)[..., ::2].permute(0, 2, 1, 3)), "v"),
+        "varlen q_descale batch": (varlen(q_descale=torch.ones(2, 4, **dev)), "q_descale"),
+        "varlen k_descale heads": (varlen(k_descale=torch.ones(3, 4, **dev)), "k_descale"),
+        "varlen v_descale f64": (varlen(v_descale=torch.ones(1, dtype=torch.float64, **dev)), "v_descale"),
+    }
+    return _pick(d, "fp8", defects)
+
+
+def _rotary_packed_defect(d: Draw, env) -> Call:
+    """apply_rotary_emb_qkv_ / apply_rotary_emb_kv_: a packed tensor of the wrong layout, num_heads_q missing
+    or inconsistent, tables or offsets that do not fit."""
+    dtype = env.dtypes[0]
+    qkv = _tensor(d, (2, 10, 3, 2, 16), dtype, env.device)
+    gqa = _tensor(d, (2, 10, 8, 16), dtype, env.device)  # 4 q heads + 2 * 2 kv heads
+    kv = _tensor(d, (2, 10, 2, 2, 16), dtype, env.device)
+    cos = torch.ones(12, 8, device=env.device)
+    qkv_, kv_ = apply_rotary_emb_qkv_, apply_rotary_emb_kv_
+    defects = {
+        "qkv 3-D": (lambda: qkv_(qkv[:, :, 0, 0], cos, cos), "qkv"),
+        "qkv 4 parts": (lambda: qkv_(torch.cat([qkv, qkv[:, :, :1]], 2), cos, cos), "qkv"),
+        "qkv a list": (lambda: qkv_(qkv.tolist(), cos, cos), "qkv"),
+        "num_heads_q missing": (lambda: qkv_(gqa, cos, cos), "num_heads_q"),
+        "num_heads_q odd kv heads": (lambda: qkv_(gqa, cos, cos, num_heads_q=d.pick([3, 5])), "num_heads_q"),
+        "num_heads_q all": (lambda: qkv_(gqa, cos, cos, num_heads_q=8), "num_heads_q"),
+        "num_heads_q 0": (lambda: qkv_(gqa, cos, cos, num_heads_q=0), "num_heads_q"),
+        "num_heads_q bool": (lambda: qkv_(gqa, cos, cos, num_heads_q=True), "num_heads_q"),
+        "num_heads_q float": (lambda: qkv_(gqa, cos, cos, num_heads_q=4.0), "num_heads_q"),
+        "kv 3 parts": (lambda: kv_(qkv, cos, cos), "kv"),
+        "kv 4-D": (lambda: kv_(kv[:, :, 0], cos, cos), "kv"),
+        "offset past the table": (lambda: qkv_(qkv, cos, cos, seqlen_offsets=3), "seqlen_offsets"),
+        "offset negative": (lambda: kv_(kv, cos, cos, seqlen_offsets=-1), "seqlen_offsets"),
+        "offsets shape": (lambda: qkv_(qkv, cos, cos, seqlen_offsets=torch.zeros(3, dtype=torch.int32,
+                                                                                 device=env.device)),
+                          "seqlen_offsets"),
+        "offsets float": (lambda: kv_(kv, cos, cos, seqlen_offsets=torch.zeros(2, device=env.device)),
+                          "seqlen_offsets"),
+        "sin shape": (lambda: qkv_(qkv, cos, cos[:, :4]), "sin"),
+        "sin_k shape": (lambda: qkv_(qkv, cos, cos, cos, cos[:5]), "sin"),
+        "rotary_dim past headdim": (lambda: kv_(kv, torch.ones(12, 9, device=env.device),
+                                                torch.ones(12, 9, device=env.device)), "rotary_dim"),
+        "cos int": (lambda: qkv_(qkv, cos.int(), cos), "cos"),
+    }
+    return _pick(d, "rotary-packed", defects)
+
+
+def _varlen_backward_defect(d: Draw, env) -> Call:
+    """_flash_attn_varlen_backward with gradients buffers, an LSE, dout or rng_state that do not fit."""
+    q, k, v, out = (_tensor(d, (9, 2, 16), torch.float32, env.device) for _ in range(4))
+    cu = torch.tensor([0, 3, 3, 9], dtype=torch.int32, device=env.device)
+    lse = torch.zeros(2, 9, device=env.device)  # the forward's shapes (values never read: each call raises)
+    rng = torch.zeros(2, dtype=torch.int64, device=env.device)
+
+    def bwd(**kw):
+        args = dict(dout=out, lse=lse, dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
+                    p=0.0, rng=rng)
+        args.update(kw)
+        return lambda: fai._flash_attn_varlen_backward(
+            args["dout"], q, k, v, out, args["lse"], args["dq"], args["dk"], args["dv"], cu, cu, 6, 6,
+            args["p"], 0.25, False, -1, -1, 0.0, None, False, args["rng"])
+
+    defects = {
+        "dq shape": (bwd(dq=q[:5]), "dq"),
+        "dk dtype": (bwd(dk=k.half()), "dk"),
+        "dv a list": (bwd(dv=v.tolist()), "dv"),
+        "lse shape": (bwd(lse=lse[:, :5]), "softmax_lse"),
+        "lse float16": (bwd(lse=lse.half()), "softmax_lse"),
+        "dout shape": (bwd(dout=out[:4]), "dout"),
+        "dropout without rng_state": (bwd(p=0.2, rng=None), "rng_state"),
+    }
+    return _pick(d, "varlen-private-backward", defects)
+
+
+INVALID = [_dense_defect, _varlen_defect, _other_defect, _paged_defect, _plan_defect, _fp8_defect,
+           _rotary_packed_defect, _varlen_backward_defect]
+# valid calls with out-of-range device indices left unchecked: drawn among the valid ones
+UNCHECKED = [unchecked_paged_call]
 
 
 # cu_seqlens the checks would reject, handed straight to the Triton launchers (as unchecked CUDA values

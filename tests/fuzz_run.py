@@ -3,28 +3,36 @@ invalid ones). tests/test_fuzz.py runs them on the CPU; `python tests/fuzz_run.p
 GPU sample its GPU test runs under compute-sanitizer memcheck (with the launchers' unchecked cu_seqlens).
 
 `draw_call(r, env)` turns a random.Random into a `Call`; `run_call` runs it: a valid call must pass its
-check, an invalid one must raise FlashAttnError, nothing may crash.
+check (the unchecked out-of-range device indices of fuzz_defects.UNCHECKED are drawn among the valid calls),
+an invalid one must raise FlashAttnError, nothing may crash.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import torch
 from fuzz_cases import VALID, Call, Draw, Env
-from fuzz_defects import BAD_CU_SEQLENS, INVALID, launch_with_bad_cu_seqlens
+from fuzz_defects import BAD_CU_SEQLENS, INVALID, UNCHECKED, launch_with_bad_cu_seqlens
 
 from flashattn.errors import FlashAttnError
 
 
 def draw_call(r: random.Random, env: Env, invalid_share: float = 0.35) -> Call:
     d = Draw(r)
-    makers = INVALID if d.chance(invalid_share) else VALID
+    makers = INVALID if d.chance(invalid_share) else VALID + UNCHECKED
     return d.pick(makers)(d, env)
 
 
+# calls run per (name, valid or the defect's kind): how the fuzz shares its calls among the functions
+COUNTS: Counter = Counter()
+
+
 def run_call(call: Call) -> None:
-    """Runs one call: a valid one passes its oracle check, an invalid one raises FlashAttnError."""
+    """Runs one call: a valid one passes its oracle check, an invalid one raises FlashAttnError (whose
+    message names the argument where the call says which, Call.detail["names"])."""
+    COUNTS[call.name, "invalid" if call.invalid else "valid"] += 1
     try:
         result = call.run()
     except FlashAttnError as e:
@@ -32,6 +40,8 @@ def run_call(call: Call) -> None:
             raise AssertionError(f"{call.name}: a valid call was rejected: {e}") from e
         msg = str(e)
         assert msg and len(msg) > 20, f"{call.name} ({call.invalid}): an unhelpful message {msg!r}"
+        names = call.detail.get("names")
+        assert names is None or names in msg, f"{call.name} ({call.invalid}): {msg!r} does not name {names!r}"
         return
     if call.invalid is not None:
         raise AssertionError(f"{call.name}: accepted an invalid call ({call.invalid})")
