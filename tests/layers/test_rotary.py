@@ -149,3 +149,23 @@ def test_errors(call, match):
     cos, sin = tables(12, 16)
     with pytest.raises(FlashAttnError, match=match):
         call(x, cos, sin)
+
+def _qkv_and_tables():
+    gen = torch.Generator().manual_seed(0)
+    ang = torch.rand(4, 4, generator=gen)
+    return torch.randn(1, 4, 3, 1, 8, generator=gen), ang.cos(), ang.sin()
+
+
+def test_rejected_qkv_rotary_leaves_qkv_unchanged():
+    # every part is checked before any is rotated (a case the fuzz found)
+    qkv, cos, sin = _qkv_and_tables()
+    before = qkv.clone()
+    with pytest.raises(FlashAttnError):
+        apply_rotary_emb_qkv_(qkv, cos, sin, cos, sin[:3])  # sin_k of 3 rows, cos_k of 4
+    assert torch.equal(qkv, before)
+
+
+def test_qkv_rotary_errors_name_the_k_tables():
+    qkv, cos, sin = _qkv_and_tables()
+    with pytest.raises(FlashAttnError, match="sin_k"):
+        apply_rotary_emb_qkv_(qkv, cos, sin, cos, sin[:3])

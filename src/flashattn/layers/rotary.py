@@ -23,23 +23,26 @@ from flashattn.errors import FlashAttnError
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_kv_", "apply_rotary_emb_qkv_"]
 
 
-def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> tuple[int, int]:
-    """Returns (batch, seqlen) of x: the padded length, or max_seqlen for varlen."""
+def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, names=("cos", "sin")) -> tuple[int, int]:
+    """Returns (batch, seqlen) of x: the padded length, or max_seqlen for varlen. names: what the caller
+    calls the two tables, for the messages."""
     varlen = cu_seqlens is not None
     layout = "(total_seqlen, nheads, headdim) + cu_seqlens" if varlen else "(batch, seqlen, nheads, headdim)"
     if not isinstance(x, Tensor) or x.dim() != (3 if varlen else 4):
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise FlashAttnError(f"x must be a tensor of layout {layout}, got {got}")
-    for name, t in (("cos", cos), ("sin", sin)):
+    c_name, s_name = names
+    for name, t in ((c_name, cos), (s_name, sin)):
         if not isinstance(t, Tensor) or t.dim() != 2 or t.device != x.device or not t.is_floating_point():
             got = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, Tensor) else type(t).__name__
             raise FlashAttnError(f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2) on {x.device}, "
                                  f"got {got}")
     if sin.shape != cos.shape:
-        raise FlashAttnError(f"sin has shape {tuple(sin.shape)} but cos {tuple(cos.shape)}; they must match")
+        raise FlashAttnError(f"{s_name} has shape {tuple(sin.shape)} but {c_name} {tuple(cos.shape)}; they "
+                             f"must match")
     rotary_dim = 2 * cos.shape[1]
     if not 0 < rotary_dim <= x.shape[-1]:
-        raise FlashAttnError(f"rotary_dim = 2 * cos.shape[1] = {rotary_dim}; expected 0 < rotary_dim <= "
+        raise FlashAttnError(f"rotary_dim = 2 * {c_name}.shape[1] = {rotary_dim}; expected 0 < rotary_dim <= "
                              f"headdim {x.shape[-1]}")
     if varlen:
         batch = _validate.check_cu_seqlens_shapes(cu_seqlens, cu_seqlens, x)
@@ -59,7 +62,8 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> tuple[int, in
             f"seqlen_offsets must be an int or a ({batch},) int tensor, got {seqlen_offsets!r}")
     elif not 0 <= seqlen_offsets <= cos.shape[0] - seqlen:
         raise FlashAttnError(f"seqlen_offsets is {seqlen_offsets} with seqlen {seqlen}: positions reach "
-                             f"{seqlen_offsets + seqlen} but cos / sin have {cos.shape[0]} rows (seqlen_ro); "
+                             f"{seqlen_offsets + seqlen} but {c_name} / {s_name} have {cos.shape[0]} rows "
+                             f"(seqlen_ro); "
                              f"expected 0 <= seqlen_offsets <= seqlen_ro - seqlen")
     return batch, seqlen
 
@@ -176,11 +180,16 @@ class _ApplyRotaryPacked(torch.autograd.Function):
     (cos_k, sin_k) for k."""
 
     @staticmethod
-    def forward(ctx, packed, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q, kv_only):
+    def forward(ctx, packed, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q, kv_only,
+                names_k):
         parts = _parts(packed, num_heads_q, kv_only)
         tables = ((cos_k, sin_k),) if kv_only else ((cos, sin), (cos_k, sin_k))
+        # k's tables go by their own names when they are k's own; every part is checked before any is
+        # rotated, so a call that raises leaves the packed tensor as it was
+        names = (("cos", "sin"),) if kv_only else (("cos", "sin"), names_k)
+        for part, (c, s), n in zip(parts, tables, names, strict=True):
+            _check(part, c, s, seqlen_offsets, None, None, n)
         for part, (c, s) in zip(parts, tables, strict=True):
-            _check(part, c, s, seqlen_offsets, None, None)
             part.copy_(_rotate(part, c, s, interleaved, seqlen_offsets, None, False))
         offsets = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
         ctx.save_for_backward(cos, sin, cos_k, sin_k, offsets)
@@ -197,7 +206,7 @@ class _ApplyRotaryPacked(torch.autograd.Function):
         tables = ((cos_k, sin_k),) if ctx.kv_only else ((cos, sin), (cos_k, sin_k))
         for part, (c, s) in zip(_parts(grad, ctx.num_heads_q, ctx.kv_only), tables, strict=True):
             part.copy_(_rotate(part, c, s, ctx.interleaved, offsets, None, True))
-        return grad, *(None,) * 8
+        return grad, *(None,) * 9
 
 
 def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
@@ -218,9 +227,10 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
         raise FlashAttnError(f"qkv must be a (batch, seqlen, 3, nheads, headdim) or (batch, seqlen, nheads_q "
                              f"+ 2 * nheads_k, headdim) tensor, got "
                              f"{getattr(qkv, 'shape', type(qkv).__name__)}")
+    names_k = ("cos" if cos_k is None else "cos_k", "sin" if sin_k is None else "sin_k")
     cos_k, sin_k = (cos if cos_k is None else cos_k), (sin if sin_k is None else sin_k)
     return _ApplyRotaryPacked.apply(qkv, cos, sin, cos_k, sin_k, bool(interleaved), seqlen_offsets,
-                                    num_heads_q, False)
+                                    num_heads_q, False, names_k)
 
 
 def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
@@ -229,4 +239,5 @@ def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
     if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise FlashAttnError(f"kv must be (batch, seqlen, 2, nheads, headdim), got "
                              f"{getattr(kv, 'shape', type(kv).__name__)}")
-    return _ApplyRotaryPacked.apply(kv, cos, sin, cos, sin, bool(interleaved), seqlen_offsets, None, True)
+    return _ApplyRotaryPacked.apply(kv, cos, sin, cos, sin, bool(interleaved), seqlen_offsets, None, True,
+                                    ("cos", "sin"))
