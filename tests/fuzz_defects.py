@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
-from fuzz_cases import Call, Draw, _heads, _tensor, cache_lens, page_pool
+from fuzz_cases import Call, Draw, _heads, _tensor
+from fuzz_cases_decode import cache_lens, page_pool
 
 import flashattn
 from flashattn import config, fp8

@@ -1,4 +1,4 @@
-"""Draws and runs the fuzz calls (tests/fuzz_cases.py: valid ones with their oracle; tests/fuzz_defects.py:
+"""Draws and runs the fuzz calls (tests/fuzz_cases*.py: valid ones with their oracle; tests/fuzz_defects.py:
 invalid ones). tests/test_fuzz.py runs them on the CPU; `python tests/fuzz_run.py --device cuda -n 150` is the
 GPU sample its GPU test runs under compute-sanitizer memcheck (with the launchers' unchecked cu_seqlens).
 
@@ -13,10 +13,29 @@ import random
 from collections import Counter
 
 import torch
-from fuzz_cases import VALID, Call, Draw, Env
+from fuzz_cases import (
+    Call,
+    Draw,
+    Env,
+    dense_call,
+    kvcache_call,
+    merge_call,
+    private_backward_call,
+    rotary_call,
+    sparse_call,
+    varlen_call,
+)
+from fuzz_cases_api import rotary_packed_call, varlen_backward_call
+from fuzz_cases_decode import decode_plan_call, paged_kvcache_call
+from fuzz_cases_fp8 import fp8_call
 from fuzz_defects import BAD_CU_SEQLENS, INVALID, UNCHECKED, launch_with_bad_cu_seqlens
 
 from flashattn.errors import FlashAttnError
+
+# the valid calls' makers (dense and varlen twice: the most used)
+VALID = [dense_call, dense_call, varlen_call, varlen_call, private_backward_call, kvcache_call, sparse_call,
+         merge_call, rotary_call, paged_kvcache_call, decode_plan_call, fp8_call, varlen_backward_call,
+         rotary_packed_call]
 
 
 def draw_call(r: random.Random, env: Env, invalid_share: float = 0.35) -> Call:
