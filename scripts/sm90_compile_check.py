@@ -8,7 +8,8 @@ TTIR -> TTGIR -> LLVM -> PTX -> cubin pipeline runs here, for free, before any d
 
     python scripts/sm90_compile_check.py [dense] [decode] [sparse] [--quick]
 
-prints a line per case and exits 1 if any failed; --quick: the bf16 subset tests/test_sm90_compile.py runs.
+prints a line per case, then how many cases there were, and exits 1 if any failed (or none ran); --quick:
+the bf16 subset tests/backends/triton/test_sm90_compile.py runs, one family a test.
 """
 
 import os
@@ -365,12 +366,13 @@ def sparse_cases():
 
 def main() -> int:
     print("triton", triton.__version__, "target sm_90 (fake driver: compile only)")
-    failed = 0
+    failed = ran = 0
     only = [a for a in sys.argv[1:] if not a.startswith("--")]
     for group in (dense_cases, decode_cases, sparse_cases):
         if only and group.__name__.removesuffix("_cases") not in only:
             continue
         for name, case in group():
+            ran += 1
             t0 = time.perf_counter()
             try:
                 case()
@@ -379,8 +381,9 @@ def main() -> int:
                 print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
                 continue
             print(f"ok   {name} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"{ran} cases")
     print(f"{failed} failed")
-    return 1 if failed else 0
+    return 1 if failed or not ran else 0
 
 
 if __name__ == "__main__":
