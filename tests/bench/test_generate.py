@@ -29,7 +29,10 @@ def test_cpu_smoke_run_writes_rows(tmp_path):
         (p, m) for p in ("flashattn", "sdpa") for m in ("eager", "static-graph")]
     for r in rows:
         assert r["error"] is None, r
-        assert r["tokens_per_s"] > 0 and r["ms"] > r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0
+        # ms and prefill_ms are separate timings (medians of their own runs): on a loaded CPU the whole
+        # generate can time below its prefill, and then the suite leaves decode_tokens_per_s unset
+        assert r["tokens_per_s"] > 0 and r["ms"] > 0 and r["prefill_ms"] > 0
+        assert r["decode_tokens_per_s"] is None or r["decode_tokens_per_s"] > 0
         assert (r["batch"], r["seqlen_q"], r["new_tokens"], r["nheads"], r["nheads_k"]) == (2, 16, 3, 4, 2)
     doc = {"meta": generate._meta(cfg, device, quick=True), "rows": rows}
     generate.report(doc, tmp_path, plots=False)
