@@ -63,8 +63,7 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, names=("cos", "s
     elif not 0 <= seqlen_offsets <= cos.shape[0] - seqlen:
         raise FlashAttnError(f"seqlen_offsets is {seqlen_offsets} with seqlen {seqlen}: positions reach "
                              f"{seqlen_offsets + seqlen} but {c_name} / {s_name} have {cos.shape[0]} rows "
-                             f"(seqlen_ro); "
-                             f"expected 0 <= seqlen_offsets <= seqlen_ro - seqlen")
+                             f"(seqlen_ro); expected 0 <= seqlen_offsets <= seqlen_ro - seqlen")
     return batch, seqlen
 
 
@@ -186,7 +185,7 @@ class _ApplyRotaryPacked(torch.autograd.Function):
         tables = ((cos_k, sin_k),) if kv_only else ((cos, sin), (cos_k, sin_k))
         # k's tables go by their own names when they are k's own; every part is checked before any is
         # rotated, so a call that raises leaves the packed tensor as it was
-        names = (("cos", "sin"),) if kv_only else (("cos", "sin"), names_k)
+        names = (names_k,) if kv_only else (("cos", "sin"), names_k)
         for part, (c, s), n in zip(parts, tables, names, strict=True):
             _check(part, c, s, seqlen_offsets, None, None, n)
         for part, (c, s) in zip(parts, tables, strict=True):
