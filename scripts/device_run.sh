@@ -31,7 +31,8 @@
 #                 (default 14: the cost is compiling, on the host's cores)
 #   baseline-train, baseline-decode, baseline-host
 #                 the train table, the decode suite, the host time of the tree carried in .baseline/
-#                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call
+#                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call;
+#                 the current tree's train table beside cuDNN and FA4 (FA4 has no decode provider yet)
 # Time limits per stage: STAGE_S (seconds, default per stage below).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -117,7 +118,8 @@ for stage in "$@"; do
         if [ $tree = baseline ]; then src=$PWD/.baseline/src; scripts=.baseline/scripts; fi
         case $what in
           train)
-            [ $tree = current ] && extra=,sdpa-cudnn
+            # the current tree beside cuDNN and FA4 (run fa4-libs first, carrying .fa4a and .fa4b)
+            [ $tree = current ] && extra=,sdpa-cudnn$FA4
             PYTHONPATH=$src timeout 170 python3 -m flashattn bench --quiet --out "$RES/$tree-train" \
               --suite train --headdims 64,128 --modes fwd,bwd --providers "flashattn$extra" 2>&1 | tail -25 ;;
           decode)
