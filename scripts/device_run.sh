@@ -15,7 +15,7 @@
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 cuDNN (and FA4)
-#   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA
+#   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA (and FA4)
 #   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
 #                 16-bit cache, at the issue's points (b16 64K/128K, b1 64K)
@@ -28,11 +28,12 @@
 #   decode-host   decode host time per call beside SDPA (scripts/decode_host_time.py)
 #   upstream      flash_attn's own tests/test_flash_attn.py (carried in .upstream/) through flashattn.compat:
 #                 the representative subset, its quotas scaled by UPSTREAM_SCALE, on UPSTREAM_N xdist workers
-#                 (default 14: the cost is compiling, on the host's cores)
+#                 (default 14: the cost is compiling, on the host's cores); UPSTREAM_SHARD=i/n runs the i-th
+#                 of n interleaved shares (the subset takes ~11 minutes, over one call's limit)
 #   baseline-train, baseline-decode, baseline-host
 #                 the train table, the decode suite, the host time of the tree carried in .baseline/
 #                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call;
-#                 the current tree's train table beside cuDNN and FA4 (FA4 has no decode provider yet)
+#                 the current tree's train table and decode suite beside cuDNN and FA4
 # Time limits per stage: STAGE_S (seconds, default per stage below).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -46,9 +47,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # (fa4-libs), the wheels from this call's carried .fa4b
 if [ -d /tmp/fa4 ] && [ -d .fa4b ]; then
   for w in .fa4b/*.whl; do python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/fa4')" "$w"; done
-  export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages
+  FA4_PATH=:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages
+  export PYTHONPATH=$PYTHONPATH$FA4_PATH
 fi
 FA4=$(python3 -c "import flash_attn.cute.interface" 2>/dev/null && echo ",fa4")
+FA4_DECODE=${FA4:+,fa4-kvcache,fa4-kvcache-graph}
 
 bench() {  # SECONDS NAME [bench options]: one bench run under $RES/NAME, the summary's tail
   timeout "$1" python3 -m flashattn bench --quiet --out "$RES/$2" "${@:3}" 2>&1 | tail -45
@@ -87,7 +90,7 @@ for stage in "$@"; do
     features)
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)
-      bench "${DECODE_S:-300}" decode --suite decode ;;
+      bench "${DECODE_S:-300}" decode --suite decode ${FA4:+--add-providers "${FA4_DECODE#,}"} ;;
     fp8)
       bench "${FP8_S:-360}" fp8 --suite fp8
       bench "${FP8_DECODE_S:-200}" fp8-decode --suite decode --seqlens 65536,131072 \
@@ -120,11 +123,11 @@ for stage in "$@"; do
           train)
             # the current tree beside cuDNN and FA4 (run fa4-libs first, carrying .fa4a and .fa4b)
             [ $tree = current ] && extra=,sdpa-cudnn$FA4
-            PYTHONPATH=$src timeout 170 python3 -m flashattn bench --quiet --out "$RES/$tree-train" \
+            PYTHONPATH=$src${FA4_PATH:-} timeout 170 python3 -m flashattn bench --quiet --out "$RES/$tree-train" \
               --suite train --headdims 64,128 --modes fwd,bwd --providers "flashattn$extra" 2>&1 | tail -25 ;;
           decode)
-            [ $tree = current ] && extra=,sdpa-cudnn
-            PYTHONPATH=$src timeout 120 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" \
+            [ $tree = current ] && extra=,sdpa-cudnn$FA4_DECODE
+            PYTHONPATH=$src${FA4_PATH:-} timeout 120 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" \
               --suite decode --providers "flashattn-kvcache,flashattn-kvcache-graph$extra" 2>&1 | tail -25 ;;
           host)
             PYTHONPATH=$src timeout 90 python3 $scripts/host_profile.py "$RES/$tree-host_time.json" 2>&1 \

@@ -6,7 +6,8 @@ imported, and with UPSTREAM_SUBSET=1 keeps a representative subset: of each test
 parametrizations, the QUOTA[name] (times UPSTREAM_SCALE, default 1) whose node ids hash lowest (CRC-32: the
 same subset on every run, spread uniformly over every parameter: dtypes, head dims, lengths, causal / window
 / ALiBi / dropout / softcap, GQA, packing); functions without a quota run whole. The quotas size the subset
-at about 10 minutes on an H200 with 14 xdist workers.
+at about 10 minutes on an H200 with 14 xdist workers; UPSTREAM_SHARD="i/n" keeps the i-th of n interleaved
+shares of it (every n-th case in node-id order, from the i-th), so n shorter runs together run it all.
 """
 
 import os
@@ -46,6 +47,11 @@ def pytest_collection_modifyitems(config, items):
         quota = max(1, round(QUOTA[name] * scale)) if name in QUOTA else len(group)
         ranked = sorted(group, key=lambda it: zlib.crc32(it.nodeid.encode()))
         keep.update(id(it) for it in ranked[:quota])
+    shard, shards = (int(x) for x in os.environ.get("UPSTREAM_SHARD", "0/1").split("/"))
+    if not 0 <= shard < shards:
+        raise ValueError(f"UPSTREAM_SHARD must be i/n with 0 <= i < n, got {shard}/{shards}")
+    kept = sorted((it for it in items if id(it) in keep), key=lambda it: it.nodeid)
+    keep = {id(it) for it in kept[shard::shards]}
     dropped = [it for it in items if id(it) not in keep]
     items[:] = [it for it in items if id(it) in keep]
     config.hook.pytest_deselected(items=dropped)

@@ -124,6 +124,15 @@ def test_merge_keeps_rows_not_measured_again(tmp_path):
     assert len(doc["meta"]["earlier_runs"]) == 1
 
 
+def test_add_providers_extends_the_list(tmp_path):
+    common = ("--suite", "cpu", "--quick", "--seqlens", "32", "--causal", "no", "--out", str(tmp_path),
+              "--modes", "fwd", "--quiet", "--no-plots")
+    assert cli.run(_parse(*common, "--providers", "naive", "--add-providers", "sdpa-math,naive")) == 0
+    doc = results.load(tmp_path / "cpu.json")
+    assert doc["meta"]["providers"] == ["naive", "sdpa-math"]
+    assert {r["provider"] for r in doc["rows"]} == {"naive", "sdpa-math"}
+
+
 # -- correctness gating and failures
 
 

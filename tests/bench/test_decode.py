@@ -1,11 +1,13 @@
-"""The `decode` bench suite's FP8-cache providers on the CPU (torch backend, tiny shapes): their setup, the
+"""The `decode` bench suite on the CPU (torch backend, tiny shapes): the FP8-cache providers' setup, the
 oracle they are checked against (the dequantised cache's), the bytes and K/V tokens per second their rows
-report, the speedup over the 16-bit cache, and a smoke run of the suite."""
+report, the speedup over the 16-bit cache, the call the FA4 provider makes, and a smoke run of the suite."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -33,6 +35,35 @@ def test_fp8_providers_are_ours():
         assert name in suite.SUITE.providers
         assert suite._skip(SMALL, name) is None  # paged cases run
     assert suite._skip(SMALL, "sdpa-flash")
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_fa4_decode_setup_passes_lengths_and_page_table(monkeypatch, page):
+    # FA4 is not on the CPU: a stand-in module records the call the provider makes
+    calls = []
+
+    def varlen(q, k, v, **kw):
+        calls.append((q, k, v, kw))
+        return q, None
+
+    fake = types.ModuleType("flash_attn.cute.interface")
+    fake.flash_attn_varlen_func = varlen
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", fake)
+    assert suite._skip(SMALL, suite.FA4) is None and suite._skip(SMALL, suite.FA4_GRAPH) is None
+    case = Case(2, 4, 2, 1, 40, 16, False, "float32", {"kv_len": 40, "page_size": page, "kv_bytes": 0})
+    q, k, v = _inputs()
+    out = suite._setup_fa4(case, q, k, v).fwd()
+    (qc, kc, vc, kw), = calls
+    assert out is qc and qc.shape == (2, 1, 4, 16)
+    assert kw["seqused_k"].tolist() == [40, 40] and kw["max_seqlen_k"] == 40
+    if page is None:
+        assert kw["page_table"] is None and torch.equal(kc, k) and torch.equal(vc, v)
+    else:
+        table = kw["page_table"]
+        assert table.shape == (2, 3) and table.dtype == torch.int32 and kc.shape == (6, 16, 2, 16)
+        # the pages the table names hold the keys and values in order
+        assert torch.equal(kc[table[1].long()].reshape(48, 2, 16)[:40], k[1])
+        assert torch.equal(vc[table[1].long()].reshape(48, 2, 16)[:40], v[1])
 
 
 @pytest.mark.parametrize("page", [None, 16])

@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,...",
         help=f"default: the suite's; known: {', '.join(sorted(providers.all_providers()))}",
     )
+    what.add_argument(
+        "--add-providers",
+        type=_names,
+        metavar="A,B,...",
+        help="providers timed besides --providers or the suite's (e.g. fa4 where its wheels are)",
+    )
     what.add_argument("--modes", type=_names, metavar="fwd,bwd,fwd+bwd", help="default: the suite's")
     what.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
     what.add_argument("--quick", action="store_true", help="a reduced grid and fewer timing repeats")
@@ -221,7 +227,8 @@ def _bench(args) -> int:
         hidden=args.hidden,
         nheads_k=args.nheads_k,
     )
-    names = args.providers or list(suite.providers)
+    names = list(args.providers or suite.providers)
+    names += [n for n in args.add_providers or () if n not in names]
     known = providers.all_providers()
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -6,12 +6,13 @@ random order (as a serving cache holds them). Decode is bandwidth-bound, so the 
 bytes read per second (2 · b · kv_len · h_k · d · 2 bytes / time; the anchors page's decode table).
 
 Rows add `kv_len`, `page_size` (null when contiguous), `kv_bytes`, `tbps` and `kv_tokens_per_s` (b · kv_len
-cache positions attended per second, the measure that compares caches of different dtypes). Only this
-project's providers read a paged cache; the others run the contiguous cases, which are the comparison for the
-paged rows of the same shape. `flashattn-kvcache` is the drop-in call as a user makes it (eager: its host
-time is in the row), `flashattn-decode-plan` a DecodePlan's run, `flashattn-kvcache-graph` the drop-in call
-replayed from a CUDA graph (GPU time without host overhead, which bounds any eager decode step at short
-kv_len).
+cache positions attended per second, the measure that compares caches of different dtypes). This project's
+providers and FA4's read a paged cache; the others run the contiguous cases, which are the comparison for the
+paged rows of the same shape. `fa4-kvcache` (-graph) is FlashAttention-4's call on the same caches, where its
+wheels came along (on SM90 without split-KV, which FA4 has on SM100 only). `flashattn-kvcache` is the drop-in
+call as a user makes it (eager: its host time is in the row), `flashattn-decode-plan` a DecodePlan's run,
+`flashattn-kvcache-graph` the drop-in call replayed from a CUDA graph (GPU time without host overhead, which
+bounds any eager decode step at short kv_len).
 
 `flashattn-fp8cache` and `flashattn-fp8cache-graph` are the same two calls on an FP8 (e4m3) cache, quantised
 from the case's keys and values per (sequence, KV head) with flashattn.fp8.quantize: half the bytes, so
@@ -30,7 +31,7 @@ import torch
 from .. import providers as provider_registry
 from ..case import Case, Grid, canonical_dtype, torch_dtype
 from ..check import Oracle
-from ..providers.base import Prepared, Provider, make_leaves
+from ..providers.base import Prepared, Provider, first_tensor, make_leaves
 from ..results import KEY_FIELDS
 from .base import MS, Suite, View, fmt_rate
 
@@ -41,6 +42,10 @@ OURS_GRAPH = "flashattn-kvcache-graph"
 OURS_FP8 = "flashattn-fp8cache"
 OURS_FP8_GRAPH = "flashattn-fp8cache-graph"
 OURS_ALL = (OURS, OURS_PLAN, OURS_GRAPH, OURS_FP8, OURS_FP8_GRAPH)
+FA4 = "fa4-kvcache"
+FA4_GRAPH = "fa4-kvcache-graph"
+# the providers that read a paged cache; the others run the contiguous rows only
+PAGED = (*OURS_ALL, FA4, FA4_GRAPH)
 # an fp8 provider -> the 16-bit cache's provider of the same call, which fp8cache_speedup compares with
 FP8_BASELINES = {OURS_FP8: OURS, OURS_FP8_GRAPH: OURS_GRAPH}
 
@@ -89,6 +94,21 @@ def _setup_plan(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
                                 page_size=case.extra.get("page_size"), max_seqlen_k=case.seqlen_k,
                                 dtype=qb.dtype, device=qb.device)
     return Prepared(fwd=lambda: plan.run(qb, kc, vc, seqlens, table), leaves=leaves)
+
+
+def _setup_fa4(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    """FA4's decode call: flash_attn_varlen_func with the cache lengths as seqused_k and, paged, the block
+    table as page_table. Its SM90 forward has no split-KV (num_splits must stay 1), so one CTA covers a
+    KV head's whole cache; that is FA4 on Hopper as shipped."""
+    # imported here: FA4 is there only where its wheels came along, and never on the CPU
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    leaves, qb, kc, vc, table, seqlens = _caches(case, q, k, v)
+    return Prepared(
+        fwd=lambda: first_tensor(flash_attn_varlen_func(qb, kc, vc, seqused_k=seqlens, page_table=table,
+                                                        max_seqlen_k=case.seqlen_k)),
+        leaves=leaves,
+    )
 
 
 def _setup_fp8cache(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -155,6 +175,7 @@ def _in_graph(setup: Callable[..., Prepared]) -> Callable[..., Prepared]:
 
 _setup_kvcache_graph = _in_graph(_setup_kvcache)
 _setup_fp8cache_graph = _in_graph(_setup_fp8cache)
+_setup_fa4_graph = _in_graph(_setup_fa4)
 
 
 for _provider in (
@@ -184,6 +205,17 @@ for _provider in (
         OURS_FP8_GRAPH,
         _setup_fp8cache_graph,
         f"{OURS_FP8} captured once in a CUDA graph and replayed",
+    ),
+    Provider(
+        FA4,
+        _setup_fa4,
+        "FlashAttention-4: flash_attn.cute.interface.flash_attn_varlen_func with seqused_k (and page_table "
+        "when paged), eager; no split-KV on SM90",
+    ),
+    Provider(
+        FA4_GRAPH,
+        _setup_fa4_graph,
+        f"{FA4} captured once in a CUDA graph and replayed",
     ),
 ):
     provider_registry.register(_provider, replace=True)
@@ -220,7 +252,7 @@ def build_cases(grid: Grid) -> list[Case]:
 
 
 def _skip(case: Case, provider: str) -> str | None:
-    if case.extra.get("page_size") is not None and provider not in OURS_ALL:
+    if case.extra.get("page_size") is not None and provider not in PAGED:
         return "skipped: no paged KV cache in this provider; its contiguous row of the same shape compares"
     return None
 
