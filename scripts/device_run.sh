@@ -5,7 +5,8 @@
 #   FLASHATTN_GIT_SHA=$(git rev-parse HEAD) bash scripts/device_run.sh STAGE [STAGE ...]
 #
 # Stages, each named for what it measures:
-#   fa4-libs      unpack FlashAttention-4's libraries (call carrying .fa4a; see ../shared/tools/fa4-wheels.sh)
+#   fa4-libs      store FlashAttention-4's libraries for the next call (call carrying .fa4a; see
+#                 ../shared/tools/fa4-wheels.sh), which carries .fa4b and unpacks them
 #   gpu-tests     pytest -m gpu: every GPU test (or GPU_TESTS="paths"), its summary; GPU_TESTS_N xdist workers
 #                 (default 8: the compiles are the cost, and they run on the host's cores)
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
@@ -44,7 +45,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 # FA4 beside ours where its wheels came along: the libraries from an earlier call of this warm machine
-# (fa4-libs), the wheels from this call's carried .fa4b
+# (fa4-libs), the wheels from this call's carried .fa4b. The libraries' archive with the working tree can
+# pass the 64 MiB a call carries: then it travels split (`split -b 40M libs.tar.xz libs.tar.xz.`), the first
+# part in .fa4a, the rest in .fa4b, and unpacks here once every part has come.
+if [ -d /tmp/fa4parts ] && [ -d .fa4b ] && [ ! -d /tmp/fa4 ]; then
+  cp .fa4b/libs.tar.xz.* /tmp/fa4parts/ 2>/dev/null
+  mkdir -p /tmp/fa4 && cat /tmp/fa4parts/libs.tar.xz* | tar -C /tmp/fa4 -xJf - && echo "FA4 libraries unpacked"
+fi
 if [ -d /tmp/fa4 ] && [ -d .fa4b ]; then
   for w in .fa4b/*.whl; do python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/fa4')" "$w"; done
   FA4_PATH=:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages
@@ -61,7 +68,7 @@ for stage in "$@"; do
   echo "== stage $stage"
   case "$stage" in
     fa4-libs)
-      mkdir -p /tmp/fa4 && tar -C /tmp/fa4 -xJf .fa4a/libs.tar.xz && echo "FA4 libraries unpacked" ;;
+      mkdir -p /tmp/fa4parts && cp .fa4a/libs.tar.xz* /tmp/fa4parts/ && echo "FA4 libraries stored" ;;
     gpu-tests)
       # GPU_TESTS: the test paths (default: all of tests/)
       # --results-log (tests/conftest.py): each outcome, its duration and a failure's report land as the
