@@ -203,6 +203,23 @@ def test_triton_forward_takes_descriptors_where_they_pay(kw, tma):
     assert route.tma is tma
 
 
+@pytest.mark.parametrize("headdim", [160, 192, 224, 256, 96])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_softcap_over_a_padded_wide_head_runs_one_stage(headdim, varlen):
+    # the 2-stage forward with a softcap over a padded 256-wide head faulted on the H200 (misaligned
+    # address, flash_attn's varlen tests at d 160); one stage ran clean. d 256 itself and no softcap keep
+    # the table's row, and so does the interpreter
+    spec = _spec(headdim=headdim, headdim_v=headdim, varlen=varlen, softcap=True, aligned=False)
+    row = tile_config("fwd", spec.block_d, True, spec.longest)
+    tiles = routes.triton_forward_route(spec).tiles
+    padded_wide = 128 < headdim < 256
+    assert row.num_stages > 1
+    assert tiles == (dataclasses.replace(row, num_stages=1) if padded_wide else row)
+    assert routes.triton_forward_route(dataclasses.replace(spec, softcap=False)).tiles == row
+    assert routes.triton_forward_route(dataclasses.replace(spec, cuda=False)).tiles.num_stages == \
+        tile_config("fwd", spec.block_d, False).num_stages
+
+
 def test_a_route_is_a_printable_value():
     route = routes.forward_route(_spec())
     assert route.kernel == "gluon" and "GluonForward(tiles=TileConfig(" in repr(route)
