@@ -30,10 +30,11 @@
 #   upstream      flash_attn's own tests/test_flash_attn.py (carried in .upstream/) through flashattn.compat:
 #                 the representative subset, its quotas scaled by UPSTREAM_SCALE, on UPSTREAM_N xdist workers
 #                 (default 14: the cost is compiling, on the host's cores); UPSTREAM_SHARD=i/n runs the i-th
-#                 of n interleaved shares (the subset takes ~11 minutes, over one call's limit)
+#                 of n interleaved shares (the subset takes ~9.5 minutes with two collections, over one call's limit)
 #   baseline-train, baseline-decode, baseline-host
 #                 the train table, the decode suite, the host time of the tree carried in .baseline/
-#                 (`git archive REV src scripts | tar -x -C .baseline`), then of this tree, in the same call;
+#                 (`git archive REV src scripts | tar -x -C .baseline; echo REV > .baseline/REV`: the REV its
+#                 results are labelled with), then of this tree, in the same call;
 #                 the current tree's train table and decode suite beside cuDNN and FA4
 # Time limits per stage: STAGE_S (seconds, default per stage below).
 set -uo pipefail
@@ -124,17 +125,19 @@ for stage in "$@"; do
       # the same measurement of the baseline tree, then of this one: one process each, in this call
       what=${stage#baseline-}
       for tree in baseline current; do
-        src=$PWD/src; scripts=scripts; extra=
-        if [ $tree = baseline ]; then src=$PWD/.baseline/src; scripts=.baseline/scripts; fi
+        src=$PWD/src; scripts=scripts; extra=; sha=${FLASHATTN_GIT_SHA:-}
+        if [ $tree = baseline ]; then
+          src=$PWD/.baseline/src; scripts=.baseline/scripts; sha=$(cat .baseline/REV 2>/dev/null || echo baseline)
+        fi
         case $what in
           train)
             # the current tree beside cuDNN and FA4 (run fa4-libs first, carrying .fa4a and .fa4b)
             [ $tree = current ] && extra=,sdpa-cudnn$FA4
-            PYTHONPATH=$src${FA4_PATH:-} timeout 170 python3 -m flashattn bench --quiet --out "$RES/$tree-train" \
+            FLASHATTN_GIT_SHA=$sha PYTHONPATH=$src${FA4_PATH:-} timeout 170 python3 -m flashattn bench --quiet --out "$RES/$tree-train" \
               --suite train --headdims 64,128 --modes fwd,bwd --providers "flashattn$extra" 2>&1 | tail -25 ;;
           decode)
             [ $tree = current ] && extra=,sdpa-cudnn$FA4_DECODE
-            PYTHONPATH=$src${FA4_PATH:-} timeout 120 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" \
+            FLASHATTN_GIT_SHA=$sha PYTHONPATH=$src${FA4_PATH:-} timeout 120 python3 -m flashattn bench --quiet --out "$RES/$tree-decode" \
               --suite decode --providers "flashattn-kvcache,flashattn-kvcache-graph$extra" 2>&1 | tail -25 ;;
           host)
             PYTHONPATH=$src timeout 90 python3 $scripts/host_profile.py "$RES/$tree-host_time.json" 2>&1 \
