@@ -84,7 +84,8 @@ def test_gqa_bf16(h, hk, causal):
 def test_softcap_over_a_padded_wide_head_repeated(d):
     # the 2-stage varlen forward of this spec stopped on a misaligned address on most calls (timing-dependent:
     # clean under compute-sanitizer), so one clean call proves little: 50 calls, each synchronised, on the
-    # route that runs one stage (tests/backends/triton/test_routes.py), then the output against the oracle
+    # route that runs one stage (tests/backends/triton/test_routes.py), the output against the oracle, and
+    # 10 backward calls (the gradients' accuracy at these dims: test_odd_head_dims_bf16)
     lq, lk = [505, 512, 492, 500], [254, 236, 256, 241]
     g = torch.Generator(device="cuda").manual_seed(d)
     q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.float16, generator=g) * 50
@@ -101,6 +102,13 @@ def test_softcap_over_a_padded_wide_head_repeated(d):
     ref, _ = attention_ref_varlen(q, k, v, cu_q, cu_k, upcast=True, **call)
     pt, _ = attention_ref_varlen(q, k, v, cu_q, cu_k, upcast=False, **call)
     assert_close_to_ref(out, ref, pt)
+    # the backward of the same spec (Triton kernels over the same padded head), repeated likewise
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(out)
+    for _ in range(10):
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lq), max(lk), **call)
+        torch.autograd.grad(out, leaves, dout)
+        torch.cuda.synchronize()
 
 
 def test_strided_packed_bf16():
