@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -106,7 +105,7 @@ def _run_case(rank, world, module, func, causal):
         assert_close_to_ref(g, shard(r), shard(p), factor=3.0, name=name)
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+def _worker(rank: int, world: int, out_dir: str, names: list[str]) -> None:
     import torch.distributed as dist
 
     import flashattn.compat
@@ -116,7 +115,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
     flashattn.compat.install()
     config.set_backend("torch")  # the CPU path; the kernels' own tests cover the interpreter
     _ring_modules()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # a file store in the run's own directory, not a TCP port another process could take first
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     path = Path(out_dir) / f"rank{rank}.json"
     results: dict[str, str | None] = {}
@@ -138,13 +138,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
 def run_world(world: int, names: list[str] | None = None) -> dict[str, str | None]:
     """Every case's outcome at this world size: None (passed on every rank) or the failures."""
     names = [c[0] for c in CASES] if names is None else names
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     _warm()
     with tempfile.TemporaryDirectory() as out_dir:
         # fork: a spawned worker would spend seconds importing torch and Triton again before its first case
-        ctx = mp.start_processes(_worker, args=(world, port, out_dir, names), nprocs=world, join=False,
+        ctx = mp.start_processes(_worker, args=(world, out_dir, names), nprocs=world, join=False,
                                  start_method="fork")
         deadline = time.monotonic() + DEADLINE_S
         crashed = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -28,13 +27,7 @@ DEADLINE_S = 150
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str], backend: str) -> None:
+def _worker(rank: int, world: int, out_dir: str, names: list[str], backend: str) -> None:
     if backend == "gloo":
         # the kernels are interpreted on the CPU only if this is set before triton is first imported; the
         # torch backend ignores it, and each case picks its backend (flashattn.config.set_backend)
@@ -45,7 +38,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str], ba
     torch.set_num_threads(1)  # a few processes share two cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # a file store in the run's own directory: a TCP port picked by the parent could be taken by another
+    # process before rank 0 listens on it (it was, once: EADDRINUSE failed a whole world size)
+    dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     import cp_cases
 
@@ -69,7 +64,7 @@ def run_world(world: int, names: list[str], backend: str = "gloo") -> dict[str, 
     """Every case's outcome at this world size: None (passed on every rank) or the failures. ``backend``:
     gloo (CPU tensors) or nccl (one GPU a rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir, names, backend), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, out_dir, names, backend), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + DEADLINE_S
         crashed = None
