@@ -6,10 +6,11 @@ swaps Triton's driver for one that reports an H200 (sm_90, warp 32), turns every
 (compile, do not run), and calls the public functions on CPU tensors with the H200 tile table, so the whole
 TTIR -> TTGIR -> LLVM -> PTX -> cubin pipeline runs here, for free, before any device time is spent.
 
-    python scripts/sm90_compile_check.py [dense] [decode] [sparse] [--quick]
+    python scripts/sm90_compile_check.py [dense] [decode] [sparse] [--quick] [--part I/N]
 
 prints a line per case, then how many cases there were, and exits 1 if any failed (or none ran); --quick:
-the bf16 subset tests/backends/triton/test_sm90_compile.py runs, one family a test.
+the bf16 subset tests/backends/triton/test_sm90_compile.py runs; --part I/N: every N-th case from the I-th
+(the test splits the dense family so that xdist's workers share it).
 """
 
 import os
@@ -367,11 +368,18 @@ def sparse_cases():
 def main() -> int:
     print("triton", triton.__version__, "target sm_90 (fake driver: compile only)")
     failed = ran = 0
-    only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = sys.argv[1:]
+    part = args[args.index("--part") + 1] if "--part" in args else "0/1"
+    index, parts = (int(x) for x in part.split("/"))
+    only = [a for a in args if not a.startswith("--") and a != part]
+    seen = 0
     for group in (dense_cases, decode_cases, sparse_cases):
         if only and group.__name__.removesuffix("_cases") not in only:
             continue
         for name, case in group():
+            seen += 1
+            if (seen - 1) % parts != index:
+                continue
             ran += 1
             t0 = time.perf_counter()
             try:
