@@ -1,7 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_features] [fp8]
+        [ws_features] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -13,6 +13,10 @@ ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone;
 the Triton forward's route) so that a hazard report names one of them. ws_features runs their compile-time
 variants (windows, softcap, ALiBi, sinks, the forward's varlen layout) forward and backward at small odd
 shapes.
+
+softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
+route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
+under the sanitizer, so that racecheck can say whether a shared-memory hazard is behind it.
 
 fp8 runs the FP8 forward (odd head dims, both V layouts, every option, varlen with empty sequences) and the
 FP8 KV cache (contiguous and paged, appending across a page boundary, split).
@@ -257,6 +261,27 @@ def fp8():
                                               causal=True, num_splits=splits, k_descale=kd, v_descale=vd)
                 assert torch.isfinite(out).all()
     torch.cuda.synchronize()
+
+
+def softcap_wide():
+    from dataclasses import replace
+
+    from flashattn.backends.triton import attention, routes
+
+    lq, lk = [505, 512, 492, 500], [254, 236, 256, 241]
+    q = torch.randn(sum(lq), 4, 160, device="cuda", dtype=torch.float16) * 50
+    k, v = (torch.randn(sum(lk), 4, 160, device="cuda", dtype=torch.float16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for ls in (lq, lk))
+    call = dict(causal=True, softcap=50.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                max_seqlen_k=max(lk))
+    route = routes.forward_route(attention.spec_of(q, k, v, **{n: call[n] for n in
+                                                             ("causal", "softcap", "cu_seqlens_q",
+                                                              "max_seqlen_q", "max_seqlen_k")}))
+    for r in (route, replace(route, tiles=replace(route.tiles, num_stages=2))):
+        out, _ = attention.attention_forward(q, k, v, softmax_scale=160 ** -0.5, route=r, **call)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
 
 
 for name in sys.argv[1:] or ("dense", "decode", "decode_bad", "sparse"):
