@@ -332,3 +332,24 @@ def test_make_qkv_strided():
     q, k, v = make_qkv(2, 5, 7, 4, 2, 8, dv=6, layout="strided")
     assert q.shape == (2, 5, 4, 8) and k.shape == (2, 7, 2, 8) and v.shape == (2, 7, 2, 6)
     assert all(not t.is_contiguous() and t.stride(-1) == 1 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("q_scales", ["tensor", "head", "kv-head"])
+def test_fp8_scores_equal_the_dequantised_product(q_scales):
+    # the FP8 baseline's q·k (torch._scaled_mm per batch and head, sizes padded to 16): on the CPU its
+    # accumulation is float32, so it equals the float32 product of the dequantised values but for rounding;
+    # odd lengths and head dim, GQA, every descale layout
+    from flashattn.reference import dequantize_fp8, fp8_scores
+
+    g = torch.Generator().manual_seed(0)
+    b, sq, sk, h, hk, d = 2, 37, 21, 6, 2, 59
+    q8 = (torch.randn(b, sq, h, d, generator=g) * 4).to(torch.float8_e4m3fn)
+    k8 = (torch.randn(b, sk, hk, d, generator=g) * 4).to(torch.float8_e4m3fn)
+    heads = {"tensor": None, "head": h, "kv-head": hk}[q_scales]
+    qd = torch.rand(1, generator=g) + 0.5 if heads is None else torch.rand(b, heads, generator=g) + 0.5
+    kd = torch.rand(b, hk, generator=g) + 0.5
+    q, k = dequantize_fp8(q8, qd, torch.float32), dequantize_fp8(k8, kd, torch.float32)
+    expected = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(h // hk, dim=2))
+    got = fp8_scores(q8, k8, qd, kd)
+    assert got.shape == (b, h, sq, sk) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)

@@ -414,6 +414,35 @@ def dequantize_fp8(x8, descale, dtype=torch.float64):
     return x8.to(dtype) * _descale_view(descale, x8.shape[2], dtype)
 
 
+def fp8_scores(q8, k8, q_descale, k_descale):
+    """q·kᵀ of e4m3 tensors as PyTorch computes it in FP8: ``torch._scaled_mm`` of the raw e4m3 values per
+    (batch, query head), with fast accumulation (on a GPU the FP8 tensor cores' own accumulation, which an
+    FP8 attention kernel's q·k products share; on the CPU exact float32), times the descales in float32.
+
+    q8: (batch, seqlen_q, heads, d), k8: (batch, seqlen_k, heads_k, d) e4m3 with descales (1,) or
+    (batch, heads'), heads' a divisor of the tensor's heads. Returns float32 (batch, heads, seqlen_q,
+    seqlen_k).
+    """
+    b, sq, h, d = q8.shape
+    sk = k8.shape[1]
+    pad = lambda n: n + (-n % 16)  # noqa: E731 - _scaled_mm takes sizes that are multiples of 16
+    a = q8.new_zeros(pad(sq), pad(d))
+    kt = k8.new_zeros(pad(sk), pad(d))
+    one = torch.ones((), device=q8.device)
+    raw = torch.empty(b, h, sq, sk, device=q8.device)
+    g = h // k8.shape[2]
+    for bi in range(b):
+        for hi in range(h):
+            a[:sq, :d] = q8[bi, :, hi]
+            kt[:sk, :d] = k8[bi, :, hi // g]
+            raw[bi, hi] = torch._scaled_mm(a, kt.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                           use_fast_accum=True)[:sq, :sk]
+    factor = _descale_view(q_descale, h, torch.float32) * _descale_view(k_descale, h, torch.float32)
+    if factor.dim():  # per (batch, head): (batch, 1, heads, 1) -> (batch, heads, 1, 1)
+        factor = factor.transpose(1, 2)
+    return raw * factor.to(raw.device)
+
+
 def attention_ref_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, upcast=True, out_dtype=torch.bfloat16,
                       causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                       learnable_sink=None):
@@ -422,9 +451,10 @@ def attention_ref_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, upcast=Tru
     q8, k8, v8: e4m3 (batch, seqlen, heads, d) with descales (1,) or (batch, heads) (q's may be per kv head);
     the options as :func:`attention_ref`.  upcast: :func:`attention_ref` in float64 of the dequantised
     inputs, returned in float64.  upcast=False: the baseline of the tolerance rule, what an FP8 kernel
-    computes without its tiling: q·k of the dequantised values in float32, the softmax numerators
-    exp(s - row max) rounded to e4m3 (in [0, 1], as an FP8 P·V product takes them), P·V in float32 over
-    the raw e4m3 values of v, divided by the unrounded row sum, times v's descale, out in out_dtype.
+    computes without its tiling: q·k as PyTorch's own FP8 product (:func:`fp8_scores`) times the descales,
+    the softmax numerators exp(s - row max) rounded to e4m3 (in [0, 1], as an FP8 P·V product takes them),
+    P·V in float32 over the raw e4m3 values of v, divided by the unrounded row sum, times v's descale, out in
+    out_dtype.
 
     Returns ``(out, lse)`` as :func:`attention_ref`'s.
     """
@@ -433,15 +463,14 @@ def attention_ref_fp8(q8, k8, v8, q_descale, k_descale, v_descale, *, upcast=Tru
     if upcast:
         return attention_ref(dequantize_fp8(q8, q_descale), dequantize_fp8(k8, k_descale),
                              dequantize_fp8(v8, v_descale), upcast=True, **kwargs)
-    q, k = dequantize_fp8(q8, q_descale, torch.float32), dequantize_fp8(k8, k_descale, torch.float32)
-    b, h, _, d = _check_inputs(q, k, v8, alibi_slopes, learnable_sink)
-    sq, sk = q.shape[1], k.shape[1]
+    b, h, _, d = _check_inputs(q8, k8, v8, alibi_slopes, learnable_sink)
+    sq, sk = q8.shape[1], k8.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    scores = torch.einsum("bthd,bshd->bhts", q, _repeat_kv(k, h)) * scale
+    scores = fp8_scores(q8, k8, q_descale, k_descale) * scale
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
-    rows, cols = torch.arange(sq, device=q.device), torch.arange(sk, device=q.device)
-    offset = _offsets(b, sq, sk, None, None, q.device)
+    rows, cols = torch.arange(sq, device=q8.device), torch.arange(sk, device=q8.device)
+    offset = _offsets(b, sq, sk, None, None, q8.device)
     if alibi_slopes is not None:
         scores = scores + _alibi_bias(alibi_slopes, rows, cols, offset, b, h, torch.float32)
     vis = _visible(rows, cols, offset, causal=causal, window_size=window_size, query_padding_mask=None,
