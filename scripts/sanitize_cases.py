@@ -264,6 +264,7 @@ def fp8():
 
 
 def softcap_wide():
+    import itertools
     from dataclasses import replace
 
     from flashattn.backends.triton import attention, routes
@@ -271,15 +272,13 @@ def softcap_wide():
     lq, lk = [505, 512, 492, 500], [254, 236, 256, 241]
     q = torch.randn(sum(lq), 4, 160, device="cuda", dtype=torch.float16) * 50
     k, v = (torch.randn(sum(lk), 4, 160, device="cuda", dtype=torch.float16) for _ in range(2))
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32, device="cuda")
                   for ls in (lq, lk))
-    call = dict(causal=True, softcap=50.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
-                max_seqlen_k=max(lk))
-    route = routes.forward_route(attention.spec_of(q, k, v, **{n: call[n] for n in
-                                                             ("causal", "softcap", "cu_seqlens_q",
-                                                              "max_seqlen_q", "max_seqlen_k")}))
+    call = dict(causal=True, softcap=50.0, cu_seqlens_q=cu_q, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    route = routes.forward_route(attention.spec_of(q, k, v, **call))
     for r in (route, replace(route, tiles=replace(route.tiles, num_stages=2))):
-        out, _ = attention.attention_forward(q, k, v, softmax_scale=160 ** -0.5, route=r, **call)
+        out, _ = attention.attention_forward(q, k, v, softmax_scale=160 ** -0.5, cu_seqlens_k=cu_k, route=r,
+                                             **call)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
 

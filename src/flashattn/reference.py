@@ -425,9 +425,9 @@ def fp8_scores(q8, k8, q_descale, k_descale):
     """
     b, sq, h, d = q8.shape
     sk = k8.shape[1]
-    pad = lambda n: n + (-n % 16)  # noqa: E731 - _scaled_mm takes sizes that are multiples of 16
-    a = q8.new_zeros(pad(sq), pad(d))
-    kt = k8.new_zeros(pad(sk), pad(d))
+    sq16, sk16, d16 = (n + (-n % 16) for n in (sq, sk, d))  # _scaled_mm takes multiples of 16
+    a = q8.new_zeros(sq16, d16)
+    kt = k8.new_zeros(sk16, d16)
     one = torch.ones((), device=q8.device)
     raw = torch.empty(b, h, sq, sk, device=q8.device)
     g = h // k8.shape[2]

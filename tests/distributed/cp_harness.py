@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, out_dir: str, names: list[str], backend: str)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     # a file store in the run's own directory: a TCP port picked by the parent could be taken by another
-    # process before rank 0 listens on it (it was, once: EADDRINUSE failed a whole world size)
+    # process before rank 0 listens on it
     dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     import cp_cases
