@@ -150,7 +150,7 @@ def flash_attn_with_kvcache(
     """
     seqlens_is_int = cache_seqlens is not None and not isinstance(cache_seqlens, Tensor)
     key = launch = None
-    if registry.eager():
+    if registry.eager(q):
         try:
             key = (inputs_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,

@@ -86,6 +86,30 @@ def test_fullgraph_forward_backward_matches_eager(compiler):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_aot_traced_graphs_hold_the_ops_not_their_bodies():
+    # AOTAutograd without dynamo (as in torch.compile's backward on torch versions where
+    # torch.compiler.is_compiling() is False there): the tracer's tensors must reach the registered ops, not
+    # the implementations (a kernel launch on them fails, and the torch backend's body would be inlined)
+    from functorch.compile import aot_function
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return gm
+        return compiler
+
+    inputs = _inputs()
+    compiled = aot_function(_attn_loss, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"))
+    for a, b in zip(_grads(compiled, inputs), _grads(_attn_loss, inputs), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert "flashattn.attn_fwd.default" in graphs["fwd"], graphs["fwd"]
+    assert "flashattn.attn_bwd.default" in graphs["bwd"], graphs["bwd"]
+    inlined = ("aten.exp.", "aten.exp2.", "aten._softmax", "aten.einsum")
+    assert not any(t.startswith(inlined) for t in graphs["fwd"] | graphs["bwd"]), graphs
+
+
 def test_no_recompilation_at_a_fixed_shape():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_attn_loss, fullgraph=True, backend=counter)

@@ -7,7 +7,9 @@ and sees its fake (shape-only) implementation. An eager call skips the custom-op
 kernel time of small problems: it calls the implementation directly, through an autograd.Function made from
 the same setup_context and backward when a differentiable input needs a gradient. One backward serves both
 paths: inside it, calling another Op (the backward op) takes the registered op while compiling and the plain
-implementation otherwise.
+implementation otherwise. "Compiling" is asked of the first argument too: while AOTAutograd traces the
+joint graph (torch.compile's backward, aot_function, export) torch.compiler.is_compiling() can be False,
+and the tensors are then FakeTensor / FunctionalTensor subclasses, which a kernel cannot launch on.
 
     attn_bwd = Op("attn_bwd", bwd_impl, fake=bwd_fake)
     attn_fwd = Op("attn_fwd", fwd_impl, fake=fwd_fake)
@@ -43,10 +45,11 @@ def through_registered_ops() -> Iterator[None]:
         _registered_only = old
 
 
-def eager() -> bool:
-    """Whether calls now take the eager fast paths (not while torch.compile traces, nor inside
-    through_registered_ops): the public functions that keep prepared launches of their own ask it."""
-    return not (_registered_only or torch.compiler.is_compiling())
+def eager(t: torch.Tensor) -> bool:
+    """Whether a call on t now takes the eager fast paths (not while torch.compile or AOTAutograd traces,
+    nor inside through_registered_ops): the public functions that keep prepared launches of their own ask
+    it."""
+    return not (_registered_only or type(t) is not torch.Tensor or torch.compiler.is_compiling())
 
 
 class Op:
@@ -82,7 +85,12 @@ class Op:
             self._apply = self.library_op
 
     def __call__(self, *args):
-        if _registered_only or torch.compiler.is_compiling():
+        # a tensor subclass (a tracer's, or a user's such as nn.Parameter) takes the registered op, whose
+        # dispatch handles it; merge's first argument is a list of tensors
+        first = args[0]
+        if type(first) is list and first:
+            first = first[0]
+        if _registered_only or type(first) is not torch.Tensor or torch.compiler.is_compiling():
             return self.library_op(*args)
         if self._apply is not None and torch.is_grad_enabled() and self._needs_grad(args):
             if self._apply is self.library_op:
