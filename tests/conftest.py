@@ -13,7 +13,9 @@ narrows the dtype list for one test.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 
 import pytest
 import torch
@@ -48,6 +50,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device with `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running")
     config.addinivalue_line("markers", "dtypes(*dtypes): restrict the dtypes a backend/dtype test runs with")
+    config.addinivalue_line("markers", "big_memory: needs tens of GiB of GPU memory (its float64 oracle): "
+                                       "such tests run one at a time across xdist workers")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -89,6 +93,23 @@ def backend(request):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _one_big_memory_test_at_a_time(request):
+    # xdist workers share the one GPU: several float64 oracles of 16K-token problems at once ran it out of
+    # memory. An exclusive lock on one file serialises the marked tests; each returns its cached blocks so
+    # that the next one (in another process) can have them.
+    if request.node.get_closest_marker("big_memory") is None or not HAS_CUDA:
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), "flashattn-big-memory.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # Every test starts from the same RNG state, so a failure reproduces exactly (no reruns).

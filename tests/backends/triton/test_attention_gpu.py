@@ -44,6 +44,7 @@ def _dtype_id(dt):
 # ------------------------------------------------------------------------------- 16K tokens, real dims
 
 
+@pytest.mark.big_memory
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("b, n", [(16, 1024), (4, 4096), (1, 16384)], ids=["b16-n1k", "b4-n4k", "b1-n16k"])
@@ -123,6 +124,7 @@ def test_fp32_inputs():
 # ---------------------------------------------------------------------------------- 128K tokens, causal
 
 
+@pytest.mark.big_memory
 def test_128k_causal_forward_backward_memory():
     """b=1, h=16, d=128, N=128K bf16 causal forward + backward: finite, right where checkable, and the peak
     memory beyond the inputs (q, k, v, dout) below 2.2 GiB, the memory target: out, dq, dk, dv alone are
