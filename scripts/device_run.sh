@@ -86,8 +86,10 @@ for stage in "$@"; do
           | tee -a "$RES/memcheck.log"
       done
       for case in ${SANITIZE_RACECHECK-ws_fwd ws_bwd ws_features fp8 softcap_wide}; do
-        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
-          | tee -a "$RES/racecheck.log"
+        # the full report per case: a hazard's kernel and addresses (the summary alone names neither)
+        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool racecheck --print-limit 40 python3 scripts/sanitize_cases.py \
+          $case > "$RES/racecheck-$case.log" 2>&1
+        tail -3 "$RES/racecheck-$case.log" | tee -a "$RES/racecheck.log"
       done
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     train-table)

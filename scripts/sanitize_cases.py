@@ -155,6 +155,17 @@ def ws_bwd():
         for causal in (False, True):
             q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
             _grad_check(flash_attn_func(q, k, v, causal=causal), q, k, v)
+    # varlen: empty sequences, keys no query sees (no queries), sequences ending inside a 64-key half (masked
+    # dK / dV stores beside the next sequence's TMA stores) and inside a query tile (reduce-adds of zeros
+    # into the next sequence's dQ rows), and programs past the key-tile list
+    lens_q, lens_k = [0, 77, 1, 130, 64, 0, 191, 1], [5, 77, 0, 200, 64, 3, 150, 129]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for ls in (lens_q, lens_k))
+    for d in (64, 128):
+        for causal in (False, True):
+            q, k, v = _qkv((sum(lens_q), 4, d), (sum(lens_k), 2, d), (sum(lens_k), 2, d))
+            _grad_check(flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal),
+                        q, k, v)
     routes.forward_route = default
 
 
@@ -186,8 +197,8 @@ def ws_features():
             options["learnable_sink"] = torch.randn(heads, device="cuda", requires_grad=True)
             inputs.append(options["learnable_sink"])
         _grad_check(flash_attn_func(q, k, v, **options), *inputs)
-    # the varlen forward (its backward is the Triton one): empty sequences, a last tile ending mid-warpgroup,
-    # masked stores of those rows beside the next sequence's TMA stores
+    # varlen, forward and backward: empty sequences, a last tile ending mid-warpgroup, masked stores of those
+    # rows beside the next sequence's TMA stores
     lens_q, lens_k = [0, 77, 1, 130, 64, 0, 191], [5, 77, 0, 200, 64, 3, 150]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for ls in (lens_q, lens_k))

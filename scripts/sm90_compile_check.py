@@ -224,18 +224,20 @@ def dense_cases():
         _fwd_bwd, flash_attn_func, q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
         alibi_slopes=torch.rand(4), learnable_sink=torch.zeros(4, requires_grad=True))
     yield from fp8_cases()
+    # the Gluon kernels' varlen variants, forward and backward: causal and not at d = 64 and 128, then every
+    # option, d = 64 on two and three consumer warpgroups (the forward's), d = 128
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
-    q, k, v = _t(208, 4, 64, grad=True), _t(208, 2, 64, grad=True), _t(208, 2, 64, grad=True)
-    yield "varlen causal", partial(_on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130,
-                                   causal=True, launchers=("forward",))
-    # the Gluon forward's varlen variant with the options (its backward is the Triton one), d = 64 on two and
-    # three consumer warpgroups, d = 128
+    for d in (64,) if QUICK else (64, 128):
+        for causal in (False, True):
+            q, k, v = _t(208, 4, d, grad=True), _t(208, 2, d, grad=True), _t(208, 2, d, grad=True)
+            yield f"varlen gluon d={d} causal={causal}", partial(
+                _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=causal)
     cu_k = torch.tensor([0, 5, 70, 70, 300], dtype=torch.int32)
     for d, tiles in ((64, None), (64, "fwd_ws=192,128,4,3"), (128, None)):
         q, k, v = _t(208, 4, d, grad=True), _t(300, 2, d, grad=True), _t(300, 2, d, grad=True)
         call = partial(_on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu_k, 130, 230,
-                       launchers=("forward",), window_size=(40, 3), softcap=10.0,
-                       alibi_slopes=torch.rand(4, 4), learnable_sink=torch.zeros(4, requires_grad=True))
+                       window_size=(40, 3), softcap=10.0, alibi_slopes=torch.rand(4, 4),
+                       learnable_sink=torch.zeros(4, requires_grad=True))
         yield f"varlen gluon d={d} {tiles or 'table tiles'} window softcap alibi sink", (
             partial(_with_tiles, tiles, call) if tiles else call)
     # S_dmask (return_attn_probs with dropout): its key tiles are 128, 64 and 32 wide by head dim

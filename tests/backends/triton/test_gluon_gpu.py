@@ -425,12 +425,13 @@ def test_extreme_sinks(ws_calls, ws_bwd_calls):
                     window_size=(128, 0))
 
 
-# ---------------------------------------------------------- the Gluon forward on packed sequences (varlen)
-# Its backward is the Triton one (the Gluon backward has no varlen variant): each case checks the forward
-# and, through it, the Triton backward that reads its LSE, sequence by sequence against the oracle.
+# ---------------------------------------------------------- the Gluon kernels on packed sequences (varlen)
+# Each case checks the forward, LSE and gradients sequence by sequence against the oracle; the backward is
+# the Gluon one at d = dv = 64 or 128 (asserted), else the Triton one, reading the Gluon forward's LSE.
 
 
 def _check_varlen(fwd_calls, bwd_calls, lens_q, lens_k, h, hk, d, dtype=torch.bfloat16, dv=None, **options):
+    gluon_backward = d in routes.GLUON_BWD_HEADDIMS and (dv or d) == d
     cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
                                  device="cuda")
     q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -445,12 +446,13 @@ def _check_varlen(fwd_calls, bwd_calls, lens_q, lens_k, h, hk, d, dtype=torch.bf
     sink = options.get("learnable_sink")
     leaves = (q, k, v) + ((sink,) if sink is not None else ())
     grads = torch.autograd.grad(out, leaves, dout)
-    assert not bwd_calls, "varlen has no Gluon backward"
+    assert bool(bwd_calls) == gluon_backward, f"the Gluon backward ran {len(bwd_calls)} times"
     slopes = options.pop("alibi_slopes", None)
     dsink_ref, dsink_pt = 0.0, 0.0
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        if lq == 0:
+        if lq == 0:  # keys no query sees: gradient 0 (dK and dV are allocated uninitialised)
+            assert (grads[1][ks] == 0).all() and (grads[2][ks] == 0).all()
             continue
         if lk == 0:  # no key: out 0, dq 0, lse +inf (the sink's value with one)
             assert (out[qs] == 0).all() and (grads[0][qs] == 0).all()
@@ -498,6 +500,28 @@ def test_varlen_many_documents(ws_calls, ws_bwd_calls, causal):
     lens = [int(x) for x in (torch.rand(160, generator=g) ** 3 * 1500).long() + 1]
     lens[7] = 0
     _check_varlen(ws_calls, ws_bwd_calls, lens, lens, 16, 4, 128, torch.float16, causal=causal)
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred-dq", "step-dq"])
+@pytest.mark.parametrize("features", ["plain", "causal", "swa+softcap"])
+def test_varlen_backward_d64_dq_orders(ws_calls, ws_bwd_calls, monkeypatch, defer, features):
+    # 64-row steps at d = 64, each step's dQ computed in it or one step late; sequences ending inside a
+    # 64-key half, at a tile's end, one past it, and with more keys than queries and fewer
+    torch.manual_seed(0)
+    use_tiles(monkeypatch, "bwd_ws=64,128,4,3")
+    _vary_routes(monkeypatch, backward=dict(defer_dq=defer))
+    options = {} if features == "plain" else (
+        dict(causal=True) if features == "causal" else _options(6, 4, features))
+    _check_varlen(ws_calls, ws_bwd_calls, [63, 64, 65, 128, 129, 300], [63, 130, 65, 1, 129, 257], 4, 2, 64,
+                  **options)
+
+
+def test_varlen_backward_grid_bound(ws_calls, ws_bwd_calls):
+    # every sequence ends in a partial key tile: the grid's bound (the packed keys' whole tiles + one per
+    # sequence: 15) passes the list (12 tiles), and the programs past it get no work and store nothing
+    torch.manual_seed(0)
+    lens = [1, 127, 129, 255, 3, 200, 1, 129]
+    _check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 4, 128, causal=True)
 
 
 def test_varlen_three_consumers(ws_calls, ws_bwd_calls, monkeypatch):

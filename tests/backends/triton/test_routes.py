@@ -70,14 +70,24 @@ def test_every_other_call_routes_to_the_triton_kernels(kw):
 
 @pytest.mark.parametrize("kw", [
     dict(), dict(window=CAUSAL), dict(window=(255, 0), softcap=True, alibi=True, sink=True),
-    dict(headdim=64, headdim_v=64),
+    dict(headdim=64, headdim_v=64), dict(nheads_k=1, window=CAUSAL),
 ], ids=str)
-def test_varlen_takes_the_gluon_forward_and_the_triton_backward(kw):
-    # the Gluon forward masks a tile's rows past its sequence; the Gluon backward has no varlen variant
-    spec = _spec(varlen=True, **kw)
+def test_varlen_takes_the_gluon_kernels(kw):
+    # both mask a tile's rows past its sequence (and store a sequence's last rows by masked stores)
+    spec = _spec(varlen=True, tokens_q=16384, **kw)
     assert isinstance(routes.forward_route(spec), routes.GluonForward)
-    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
-    assert not spec.tma  # nor do the Triton kernels' descriptors, which would read the next sequence
+    assert isinstance(routes.backward_route(spec), routes.GluonBackward)
+    assert not spec.tma  # the Triton kernels' descriptors would read the next sequence instead of zeros
+
+
+def test_varlen_dq_buffer_counts_the_packed_rows():
+    # 64 documents of up to 4K in 64K tokens: a float32 dQ of 64K x 16 x 128 (512 MiB) fits the cap, where
+    # batch x max_seqlen_q rows would be 4x over it
+    spec = _spec(varlen=True, batch=64, seqlen_q=4096, seqlen_k=4096, nheads=16, nheads_k=16, tokens_q=65536)
+    assert routes.dq_buffer_bytes(spec) == 65536 * 16 * 128 * 4 <= routes.DQ_BUFFER_CAP
+    assert isinstance(routes.backward_route(spec), routes.GluonBackward)
+    over = dataclasses.replace(spec, tokens_q=65537)
+    assert isinstance(routes.backward_route(over), routes.TritonBackward)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL), dict(window=(1023, 0), softcap=True, sink=True),

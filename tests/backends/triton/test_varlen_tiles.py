@@ -21,8 +21,17 @@ pytestmark = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernel un
 ], ids=lambda ls: f"{len(ls)} sequences")
 def test_tile_offsets(lengths, block_m):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    offsets = gluon.varlen_tile_offsets(cu, len(lengths), block_m)
+    offsets = gluon.varlen_tile_offsets(cu, len(lengths), block_m, int(cu[-1]))
     expected = [0]
     for n in lengths:
         expected.append(expected[-1] + -(-n // block_m))
     assert offsets.dtype == torch.int32 and offsets.tolist() == expected
+
+
+def test_tile_offsets_clamp_the_sequences_into_the_tokens():
+    # unchecked values (a device tensor without config.check_varlen): each sequence clamped as the kernels
+    # clamp it, first into [0, total], end into [first, total]
+    cu = torch.tensor([0, 300, 100, -50, 700, 900], dtype=torch.int32)
+    offsets = gluon.varlen_tile_offsets(cu, 5, 128, 600)
+    # lengths 300; 0 (end 100 below first 300); 0 (-50 below 100); 600 (first -50 -> 0, end 700 -> 600); 0
+    assert offsets.tolist() == [0, 3, 3, 3, 8, 8]

@@ -108,7 +108,7 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
     spec = routes.Spec(
         batch, h, hk, sq, sk, d, dv, _DTYPE_NAMES[q.dtype], varlen, (max(left, -1), max(right, -1)),
         softcap > 0, alibi_slopes is not None, dropout_p > 0, learnable_sink is not None, deterministic,
-        cuda, capability, tma.aligned(q, k, v, *streamed) if cuda else False,
+        cuda, capability, tma.aligned(q, k, v, *streamed) if cuda else False, q.shape[0] if varlen else 0,
     )
     scalars = (
         softmax_scale * LOG2E,
@@ -261,9 +261,11 @@ def attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, out_dtype
                              descales=(q_descale, k_descale, v_descale), out_dtype=out_dtype)
 
 
-def _dsink(dsink_rows):
-    """The sink's gradient (h,) from its per-row shares (b, h, sq), or None."""
-    return None if dsink_rows is None else dsink_rows.sum((0, 2))
+def _dsink(dsink_rows, varlen: bool = False):
+    """The sink's gradient (h,) from its per-row shares (b, h, sq), or (h, total_q) under varlen; or None."""
+    if dsink_rows is None:
+        return None
+    return dsink_rows.sum(1) if varlen else dsink_rows.sum((0, 2))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
@@ -320,7 +322,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         stats, dq_acc = gluon.backward_buffers(pb, q)
         delta, lse2 = stats[1], stats[0]
         delta_rows = stats.shape[-1]
-        delta_strides = (pb.nheads * delta_rows, delta_rows)
+        # the planes' rows: (b·h, sq padded), or (h, total_q) under varlen
+        delta_strides = (0, stats.stride(1)) if pb.varlen else (pb.nheads * stats.stride(1), stats.stride(1))
         if learnable_sink is not None:
             dsink_rows = torch.empty_like(lse)
     else:
@@ -338,10 +341,11 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                 *pre_args))
     if on_gluon:
         dq, prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale,
-                                      alibi_slopes=alibi_slopes)
+                                      alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                      cu_seqlens_k=cu_seqlens_k)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
-        return dq, dk, dv, _dsink(dsink_rows)
+        return dq, dk, dv, _dsink(dsink_rows, pb.varlen)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)

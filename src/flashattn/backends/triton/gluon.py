@@ -2,11 +2,10 @@
 (kernels/gluon/attn_bwd.py), given their route (routes.GluonForward / routes.GluonBackward).
 
 The routes send them fp16/bf16 calls with TMA-ready tensors on sm90+: the forward at d (padded) and dv of 64,
-128 or 256, dv <= d, in either layout; the backward at d = dv = 64 or 128, padded (routes.takes_gluon_forward,
-takes_gluon_backward): windows, softcap,
-ALiBi, sinks and the forward's varlen layout are compile-time variants of the kernels, each passed as None
-when off (`band_args`, `softcap_args`, `alibi_args`). Both read and write every
-streamed tile through TMA descriptors, built here per call over the call's tensors with the shapes,
+128 or 256, dv <= d; the backward at d = dv = 64 or 128 (routes.takes_gluon_forward, takes_gluon_backward);
+both in either layout. Windows, softcap, ALiBi, sinks and the varlen layout are compile-time variants of
+the kernels, each passed as None when off (`band_args`, `softcap_args`, `alibi_args`). Both read and write
+every streamed tile through TMA descriptors, built here per call over the call's tensors with the shapes,
 strides and shared layouts the route fixes.
 
 Forward grid: persistent (one program per SM, as one fills an SM's registers); after the first, each program
@@ -153,7 +152,7 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     varlen = (None,) * 6
     if pb.varlen:
         streamed = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in streamed)
-        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m)
+        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m, q.shape[0])
         varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1))
     if prepared is None:
         prepared = _prepare_forward(pb, route, *streamed, lse, fp8=descales is not None)
@@ -164,13 +163,15 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     return prepared
 
 
-def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int) -> torch.Tensor:
-    """(batch + 1,) int32: the query tiles of block_m rows before each sequence (the last entry: all of
-    them), which the varlen forward walks as one list (kernels/triton/tiles.py)."""
+def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int, total: int) -> torch.Tensor:
+    """(batch + 1,) int32: the tiles of block_m rows before each sequence of a packed tensor of `total` rows
+    (the last entry: all of them; the sequences clamped into those rows), which the varlen forward walks as
+    one list of query tiles, and the varlen backward as one of key tiles (kernels/triton/tiles.py)."""
     from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
 
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=cu_seqlens.device)
-    launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, batch, BLOCK_M=block_m, BLOCK_B=1024)
+    launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, batch, total, BLOCK_M=block_m,
+           BLOCK_B=1024)
     return offsets
 
 
@@ -207,6 +208,12 @@ def softcap_args(pb) -> tuple:
     return (pb.scalars[1], pb.scalars[2]) if pb.spec.softcap else (None, None)
 
 
+def _lengths(pb, q, k) -> tuple[int, int]:
+    """The kernels' seqlen_q / seqlen_k: the padded lengths, or under varlen the rows of the packed q and k
+    (given as one batch), into which they clamp each sequence cu_seqlens describes."""
+    return (q.shape[1], k.shape[1]) if pb.varlen else (pb.seqlen_q, pb.seqlen_k)
+
+
 def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = False) -> Prepared:
     from flashattn.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 
@@ -231,32 +238,43 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     lse_strides = (0, lse.stride(0)) if pb.varlen else (lse.stride(0), lse.stride(1))
     return Prepared(
         Bound(attn_fwd_ws_kernel, (n_programs,), kwargs), specs,
-        (*lse_strides, pb.nheads, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], n_bh, route.lpt_group, left, right,
+        (*lse_strides, pb.nheads, *_lengths(pb, q, k), pb.scalars[0], n_bh, route.lpt_group, left, right,
          *softcap_args(pb)),
     )
 
 
 def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
     """(stats, dq_acc) in one allocation. stats: the backward kernel's per-row statistics, which the
-    preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O). The
-    kernel's loader brings both with each (Q, dO) tile through one TMA copy, so a row of a plane must be
-    16-byte aligned: hence the padding. dq_acc: the float32 buffer shaped like q (contiguous) into which the
-    kernel adds dQ, zeroed by the preprocess; it starts 16-byte aligned after the planes."""
-    rows = -(-pb.seqlen_q // 4) * 4
-    n_stats = 2 * pb.batch * pb.nheads * rows
+    preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O);
+    varlen: (2, h, total_q), rows total_q rounded up to 4 apart (the descriptor reads past total_q as zeros,
+    and no sequence's rows are padded). The kernel's loader brings both with each (Q, dO) tile through one
+    TMA copy, so a row of a plane must be 16-byte aligned: hence the padding. dq_acc: the float32 buffer
+    shaped like q (contiguous) into which the kernel adds dQ, zeroed by the preprocess; it starts 16-byte
+    aligned after the planes."""
+    n_rows, planes = (q.shape[0], pb.nheads) if pb.varlen else (pb.seqlen_q, pb.batch * pb.nheads)
+    rows = -(-n_rows // 4) * 4
+    n_stats = 2 * planes * rows
     buf = torch.empty(n_stats + q.numel(), dtype=torch.float32, device=q.device)
-    return buf[:n_stats].view(2, pb.batch * pb.nheads, rows), buf[n_stats:].view(q.shape)
+    return buf[:n_stats].view(2, planes, rows)[..., :n_rows], buf[n_stats:].view(q.shape)
 
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
-             prepared: Prepared | None = None, alibi_slopes=None) -> tuple[torch.Tensor, Prepared]:
+             prepared: Prepared | None = None, alibi_slopes=None, cu_seqlens_q=None,
+             cu_seqlens_k=None) -> tuple[torch.Tensor, Prepared]:
     """dq, and fill dk and dv (attention_backward's contract), with the warp-specialised backward; stats and
     dq_acc: as `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. A learnable
-    sink changes nothing here: its gradient comes from the preprocess (attention.py). Returns (dq, the launch
-    prepared)."""
+    sink changes nothing here: its gradient comes from the preprocess (attention.py). Varlen (pb.varlen,
+    cu_seqlens given): the packed tensors go to the descriptors as one batch, and the kernel gets the key
+    tiles before each sequence (`varlen_tile_offsets`). Returns (dq, the launch prepared)."""
+    streamed = (q, dout, k, v, dk, dv, dq_acc)
+    varlen = (None,) * 7
+    if pb.varlen:
+        streamed = tuple(t.unsqueeze(0) for t in streamed)
+        plan = varlen_tile_offsets(cu_seqlens_k, pb.batch, route.tiles.block_n, k.shape[0])
+        varlen = (cu_seqlens_q, cu_seqlens_k, plan, dk, dv, dk.stride(0), dk.stride(1))
     if prepared is None:
-        prepared = _prepare_backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale)
-    prepared((q, dout, k, v, dk, dv, dq_acc, stats), (*prepared.args, *alibi_args(alibi_slopes)))
+        prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
+    prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen))
     return dq_acc.to(q.dtype), prepared
 
 
@@ -268,13 +286,18 @@ def _stats_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
-def _prepare_backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv,
+def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, stats,
                       softmax_scale: float) -> Prepared:
     from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
 
     tiles = route.tiles
     n_bhk = pb.batch * pb.nheads_k
     half_n = tiles.block_n // 2
+    n_tiles = host.cdiv(pb.seqlen_k, tiles.block_n) * pb.batch
+    if pb.varlen:
+        # a bound on the key tiles of every sequence (the kernel reads the exact list): at most one partial
+        # tile per sequence beyond the packed keys' whole tiles; and one program when there are none
+        n_tiles = max(min(n_tiles, host.cdiv(k.shape[1], tiles.block_n) + pb.batch), 1)
     specs = (*(_descriptor_spec(t, tiles.block_m, pb.d) for t in (q, dout)),
              *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
              _descriptor_spec(dq_acc, tiles.block_m, pb.d // 2, "float32"),
@@ -284,7 +307,7 @@ def _prepare_backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_DQ=route.defer_dq, num_warps=4,
                   maxnreg=route.maxnreg)
     return Prepared(
-        Bound(attn_bwd_ws_kernel, (host.cdiv(pb.seqlen_k, tiles.block_n) * n_bhk,), kwargs), specs,
-        (pb.nheads_k, pb.seqlen_q, pb.seqlen_k, pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left,
-         right, *softcap_args(pb)),
+        Bound(attn_bwd_ws_kernel, (n_tiles * pb.nheads_k,), kwargs), specs,
+        (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
+         *softcap_args(pb)),
     )

@@ -14,7 +14,7 @@ Routes of the dense and varlen attention:
             dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature, and the FP8 inference
             calls: the Gluon forward's FP8 variant runs where a caller names its route, until it is measured
             on the GPU);
-  backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls in the padded layout at d = dv =
+  backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d = dv =
             64 or 128 unless deterministic or its float32 dQ buffer would pass `DQ_BUFFER_CAP`, else
             `TritonBackward` (two programs: dK/dV and dQ).
 This module imports neither torch nor Triton.
@@ -49,7 +49,8 @@ _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 class Spec:
     """A dense or varlen attention call as routing sees it.
 
-    seqlen_q / seqlen_k: the padded lengths, or max_seqlen_q / max_seqlen_k for varlen. window: (left, right)
+    seqlen_q / seqlen_k: the padded lengths, or max_seqlen_q / max_seqlen_k for varlen; tokens_q: varlen,
+    the packed query rows (q's first dim), else 0 (batch · seqlen_q). window: (left, right)
     after causal folding (causal sets right = 0), -1 = unbounded: causal is the window (-1, 0). cuda: a CUDA
     device (else the interpreter's CPU tensors); capability: its (major, minor). aligned: every streamed
     tensor (q, k, v, and dout for the backward) has a 16-byte aligned base and strides with a contiguous last
@@ -74,6 +75,7 @@ class Spec:
     cuda: bool = True
     capability: tuple[int, int] = (9, 0)
     aligned: bool = True
+    tokens_q: int = 0
 
     @property
     def group(self) -> int:
@@ -220,13 +222,13 @@ def takes_gluon_forward(spec: Spec) -> bool:
 
 def dq_buffer_bytes(spec: Spec) -> int:
     """The Gluon backward's float32 dQ buffer: one float per element of q."""
-    return spec.batch * spec.seqlen_q * spec.nheads * spec.headdim * 4
+    rows = spec.tokens_q if spec.varlen else spec.batch * spec.seqlen_q
+    return rows * spec.nheads * spec.headdim * 4
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
-    # the padded layout at d = 64 and 128: the Gluon backward has no varlen variant, and d = 256 keeps the
-    # Triton backward
-    return (takes_gluon_forward(spec) and not spec.varlen and spec.headdim in GLUON_BWD_HEADDIMS
+    # d = 64 and 128: d = 256 and dv != d keep the Triton backward
+    return (takes_gluon_forward(spec) and spec.headdim in GLUON_BWD_HEADDIMS
             and spec.headdim_v == spec.headdim and not spec.deterministic
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 

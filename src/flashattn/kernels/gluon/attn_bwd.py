@@ -18,8 +18,11 @@ pair, attn_bwd.py).
 The options are compile-time variants of this one body, as in the forward (scores.py; None when off): a
 window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key tile visiting only the
 query tiles that see it (`_key_tile`) and masking only those at the band's edges; softcap (dS times
-1 − tanh²); ALiBi. A learnable sink needs nothing here: P is recomputed against the LSE that includes it, so
-dS is unchanged, and its gradient comes from the preprocess's row statistics (kernels/triton/attn_bwd.py).
+1 − tanh²); ALiBi; the packed (varlen) layout, whose key tiles of all sequences form one list (a
+program per tile and kv head), a sequence's rows past its end masked and its last keys' dK and dV stored by
+masked stores rather than TMA. A learnable sink needs nothing here: P is recomputed against the LSE that
+includes it, so dS is unchanged, and its gradient comes from the preprocess's row statistics
+(kernels/triton/attn_bwd.py).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
 Triton backward (as flash_attn's flag does). Which calls come here is the routes' choice
 (backends/triton/routes.py).
@@ -38,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashattn.kernels.gluon.schedule import sequence_of_tile, sequence_rows, store_rows
 from flashattn.kernels.gluon.scores import softcapped, with_alibi
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
@@ -55,18 +59,35 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _key_tile(problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, kv head, first key, first query row, query tiles) of this program, in common.grouped_program's
-    order: rank 0 is the first key tile, which every query sees under causal masking. The query tiles are
-    those with a row that sees a key of the tile."""
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right = problem
-    n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
-    per_group = lpt_group * n_tiles
+    """(batch, kv head, first key, first query row, query tiles, the sequence's first query and key rows in
+    the packed tensors, its query and key lengths) of this program; rows and keys count from the sequence's
+    start. Padded layout: common.grouped_program's order, rank 0 the first key tile, which every query sees
+    under causal masking. Varlen (CU_Q given): program p is tile p // nheads_k of the list of every
+    sequence's key tiles (PLAN: the tiles before each sequence), kv head p % nheads_k, each sequence's first
+    tile first; the grid is a bound on the list's length, and the programs past it get no query tiles (and
+    store nothing). The query tiles are those with a row that sees a key of the tile."""
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN = problem
     pid = gl.program_id(0)
-    g = pid // per_group
-    r = pid - g * per_group
-    heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
-    off_bhk = g * lpt_group + r % heads
-    start_n = (r // heads) * BLOCK_N
+    if CU_Q is not None:
+        t = pid // nheads_k
+        off_hk = pid % nheads_k
+        off_b = sequence_of_tile(t, PLAN, n_bhk // nheads_k)
+        # seqlen_q / seqlen_k: the packed tensors' rows
+        q_start, seqlen_q = sequence_rows(CU_Q, off_b, seqlen_q)
+        k_start, seqlen_k = sequence_rows(CU_K, off_b, seqlen_k)
+        start_n = (t - gl.load(PLAN + off_b)) * BLOCK_N
+    else:
+        n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+        per_group = lpt_group * n_tiles
+        g = pid // per_group
+        r = pid - g * per_group
+        heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
+        off_bhk = g * lpt_group + r % heads
+        start_n = (r // heads) * BLOCK_N
+        off_b = off_bhk // nheads_k
+        off_hk = off_bhk % nheads_k
+        q_start = 0
+        k_start = 0
     # query i sees key j iff j <= i + seqlen_k - seqlen_q + right (causal: right = 0): from the first key's
     # first row; and iff j >= i + seqlen_k - seqlen_q - left: up to the last key's last row
     if CAUSAL:
@@ -79,7 +100,10 @@ def _key_tile(problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.
     if left is not None:
         m_end = gl.minimum(gl.maximum(start_n + BLOCK_N - (seqlen_k - seqlen_q) + left, 0), seqlen_q)
     n_m = gl.cdiv(gl.maximum(m_end - m_first, 0), BLOCK_M)
-    return off_bhk // nheads_k, off_bhk % nheads_k, start_n, m_first, n_m
+    if CU_Q is not None:
+        if start_n >= seqlen_k:  # past the list
+            n_m = 0
+    return off_b, off_hk, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -98,13 +122,14 @@ def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
 
 
 @gluon.jit
-def _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+def _store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
               HALF_D: gl.constexpr):
-    """Scale this warpgroup's dQ columns of one query tile and reduce-add them through its staging tile."""
+    """Scale this warpgroup's dQ columns of one query tile and reduce-add them through its staging tile
+    (varlen: rows past the sequence's end add zeros into the next sequence's, or fall past the tensor)."""
     tma.store_wait(0)  # the previous reduce-add has read the staging tile
     dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
     fence_async_shared()
-    _reduce_add(dq_desc, [off_b, m0, off_h, WG * HALF_D], dq_buf)
+    _reduce_add(dq_desc, [desc_b, row, off_h, WG * HALF_D], dq_buf)
 
 
 @gluon.jit
@@ -115,12 +140,17 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     q_smem, do_smem, k_smem, v_smem, stats_smem = smems
     kv_bar, ready, empty, ds_ready, done = bars
     nheads_k = problem[0]
-    off_b, off_hk, start_n, m_first, n_m = _key_tile(problem, BLOCK_M, BLOCK_N, CAUSAL)
+    varlen: gl.constexpr = problem[7] is not None
+    off_b, off_hk, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, BLOCK_M, BLOCK_N,
+                                                                             CAUSAL)
+    # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
+    # rows past its end are the next sequence's (the consumers mask them and store none)
+    desc_b = 0 if varlen else off_b
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
-        row = start_n + w * HALF_N
-        tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hk, 0], kv_bar, k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hk, 0], kv_bar, v_smem.index(w))
+        row = k_start + start_n + w * HALF_N
+        tma.async_copy_global_to_shared(k_desc, [desc_b, row, off_hk, 0], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [desc_b, row, off_hk, 0], kv_bar, v_smem.index(w))
     c = 0
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
@@ -130,11 +160,13 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                             + stats_desc.block_type.nbytes)
-            m0 = m_first + mi * BLOCK_M
-            tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], ready.index(s), q_smem.index(s))
-            tma.async_copy_global_to_shared(do_desc, [off_b, m0, off_h, 0], ready.index(s), do_smem.index(s))
-            tma.async_copy_global_to_shared(stats_desc, [0, off_b * nheads_k * GROUP + off_h, m0],
-                                            ready.index(s), stats_smem.index(s))
+            row = q_start + m_first + mi * BLOCK_M
+            landed = ready.index(s)
+            tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, 0], landed, q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [desc_b, row, off_h, 0], landed, do_smem.index(s))
+            # the stats planes: (2, b·h, rows), or (2, h, packed rows) under varlen
+            tma.async_copy_global_to_shared(stats_desc, [0, desc_b * nheads_k * GROUP + off_h, row], landed,
+                                            stats_smem.index(s))
             c += 1
 
 
@@ -151,11 +183,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars, scales,
-     problem) = args
+     problem, kv_rows) = args
     kv_bar, ready, empty, ds_ready, done = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right = problem
-    off_b, off_hk, start_n, m_first, n_m = _key_tile(problem, BLOCK_M, BLOCK_N, CAUSAL)
+    left = problem[5]
+    right = problem[6]
+    varlen: gl.constexpr = problem[7] is not None
+    off_b, off_hk, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
+        problem, BLOCK_M, BLOCK_N, CAUSAL)
+    desc_b = 0 if varlen else off_b
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, d); dQ: (queries, d / 2)
@@ -221,6 +257,11 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         lse = stats_rows.index(2 * s).load(row_layout)
+        if varlen:
+            # the rows past the sequence's end (the next sequence's, where padded tiles read zeros) count as
+            # rows that saw no key, whose Pᵀ is 0 in either softmax below: a vector op per step, where a
+            # mask over the tile spilled 0.1-0.2 KB more
+            lse = gl.where(offs_q < seqlen_q, lse, float("inf"))
         st = warpgroup_mma_wait(1, deps=(st,))
         # the scores as x · scale (scores.py)
         x, scale = softcapped(st, qk_scale, cap_in, cap_out)
@@ -238,7 +279,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 x, scale = with_alibi(x, scale, dist, slope)
         # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
         # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the band's edges: the
-        # first row's right edge before this warpgroup's last key, the last row's left edge past its first
+        # first row's right edge before this warpgroup's last key, the last row's left edge past its first.
         if (key_tail or (diag_r is not None and m0 + diag_r < key0 + HALF_N - 1)
                 or (diag_l is not None and key0 < m0 + (BLOCK_M - 1) + diag_l)):
             keep = offs_k[:, None] < seqlen_k
@@ -278,9 +319,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.arrive(empty.index(s), count=1)
         if DEFER_DQ:
             if c > 0:
-                _store_dq(dq, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+                _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
+                          HALF_D)
         else:
-            _store_dq(dq, dq_buf, dq_desc, off_b, m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
+            _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
         m0_prev = m0
         off_h_prev = off_h
         dq = warpgroup_mma_init(dq)
@@ -293,7 +335,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             last = n_steps - 1
             dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
             dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
-            _store_dq(dq_last, dq_buf, dq_desc, off_b, m0_prev, off_h_prev, sm_scale, WG, BLOCK_M, HALF_D)
+            _store_dq(dq_last, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
+                      HALF_D)
 
     # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
     # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
@@ -301,9 +344,22 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     mbarrier.wait(done, 0)
     k.store((dk * sm_scale).to(dtype))
     v.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
+    if varlen:
+        DK, DV, stride_km, stride_kh = kv_rows
+        if start_n < seqlen_k:  # a tile of the list
+            if key0 + HALF_N > seqlen_k:
+                # the sequence ends inside this warpgroup's keys, and a TMA store would write the next
+                # sequence's: the keys inside go from the staging buffers by masked stores
+                store_rows(k, DK, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
+                store_rows(v, DV, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
+            else:
+                fence_async_shared()
+                tma.async_copy_shared_to_global(dk_desc, [0, k_start + key0, off_hk, 0], k_smem.index(WG))
+                tma.async_copy_shared_to_global(dv_desc, [0, k_start + key0, off_hk, 0], v_smem.index(WG))
+    else:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
+        tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
     tma.store_wait(0)
 
 
@@ -324,12 +380,15 @@ def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
+    CU_Q, CU_K, PLAN, DK, DV, stride_km, stride_kh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
 ):
     # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
     # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
-    # b · stride_alibi_b + h
+    # b · stride_alibi_b + h. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors, PLAN the key
+    # tiles before each sequence (n_bhk = sequences · nheads_k), DK / DV (stride_km, stride_kh: their row
+    # and head strides) for the masked stores of a sequence's last keys; all None in the padded layout
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
@@ -359,9 +418,10 @@ def attn_bwd_ws_kernel(
     for i in gl.static_range(NBUF):
         mbarrier.init(ds_ready.index(i), count=2)
     bars = (kv_bar, ready, empty, ds_ready, done)
-    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right)
+    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars,
-            (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem)
+            (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
+            (DK, DV, stride_km, stride_kh))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem), bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashattn.kernels.gluon.schedule import next_tile, publish_tile, sequence_of, tile
+from flashattn.kernels.gluon.schedule import next_tile, publish_tile, sequence_of, store_rows, tile
 from flashattn.kernels.gluon.scores import HALF_M, ROW_PARTS, softmax_step
 
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
@@ -237,24 +237,6 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc, gl.convert_layout(m_n, rows), l_n
-
-
-@gluon.jit
-def _store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh):
-    """Rows [0, n_rows) of a warpgroup's staged [HALF_M, d] tile (shared memory) to O's rows from `row` on, of
-    head off_h: 16 bytes a thread and store, no row past n_rows. Masked stores straight from the accumulator's
-    registers, with a 64-bit address per element, spilled 0.4 KB at d = 128."""
-    D: gl.constexpr = tile.shape[1]
-    VEC: gl.constexpr = 16 // tile.dtype.primitive_bitwidth * 8  # elements in 16 bytes
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC), D // VEC], [4, 1], [1, 0])
-    # every warp's rows staged before any thread reads another's
-    gl.thread_barrier()
-    rows = gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ptrs = O + (row + rows).to(gl.int64)[:, None] * stride_om + off_h * stride_oh + cols[None, :]
-    gl.store(ptrs, tile.load(layout), mask=(rows[:, None] < n_rows) & (cols[None, :] < D))
-    # these generic-proxy reads before the loader's TMA (async-proxy) write of the next Q into the buffer
-    fence_async_shared()
 
 
 @gluon.jit
@@ -451,7 +433,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             if row0 + HALF_M > len_q:
                 # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
                 # sequence's: the rows inside go from the staging buffer by masked stores
-                _store_rows(o_tile, O, q_start + row0, len_q - row0, off_h, stride_om, stride_oh)
+                store_rows(o_tile, O, q_start + row0, len_q - row0, off_h, stride_om, stride_oh)
             else:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [0, q_start + row0, off_h, 0], o_buf)
@@ -506,7 +488,8 @@ def attn_fwd_ws_kernel(
     # + h; SINK: float32 (nheads,) logits. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors
     # (whose descriptors have one batch), PLAN the query tiles before each sequence (kernels/triton/tiles.py;
     # its last entry, times nheads, is the work), O with its row and head strides for the rows of a
-    # sequence's last tile; seqlen_q and seqlen_k are then unused (the longest, for the host's grid).
+    # sequence's last tile; seqlen_q and seqlen_k are then the packed tensors' rows, into which each sequence
+    # is clamped (schedule.sequence_rows).
     # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
     # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
     gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")

@@ -5,12 +5,14 @@ Padded layout: work item t is common.grouped_program's (heads in groups, every h
 the Triton forward's order. Varlen (CU_Q given): the query tiles of all sequences form one list without
 holes (kernels/triton/tiles.py writes the tiles before each sequence, PLAN); work item t is tile t // nheads
 of it, head t % nheads, a sequence's last tile (its heaviest under causal masking) first. The loader finds a
-tile's sequence by bisection and hands it on with the tile, so the consumers do not search.
+tile's sequence by bisection and hands it on with the tile, so the consumers do not search. The varlen
+backward (kernels/gluon/attn_bwd.py) finds its key tile's sequence with the same search, and both store a
+sequence's last rows with `store_rows`.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from flashattn.kernels.triton.common import (
     grouped_program,  # scalar arithmetic: Gluon calls triton.jit helpers
@@ -18,9 +20,10 @@ from flashattn.kernels.triton.common import (
 
 
 @gluon.jit
-def _sequence_of(g, PLAN, batch):
-    """The sequence b of query tile g of the varlen list: PLAN[b] <= g < PLAN[b + 1], by bisection (a
-    sequence without tiles has PLAN[b] = PLAN[b + 1], so the search never stops on one)."""
+def sequence_of_tile(g, PLAN, batch):
+    """The sequence b of tile g of a varlen list (the forward's query tiles, the backward's key tiles):
+    PLAN[b] <= g < PLAN[b + 1], by bisection (a sequence without tiles has PLAN[b] = PLAN[b + 1], so the
+    search never stops on one; a g past the list gives the last sequence with PLAN[b] <= g)."""
     lo = 0
     hi = batch  # PLAN[lo] <= g < PLAN[hi] throughout
     while hi - lo > 1:
@@ -33,13 +36,23 @@ def _sequence_of(g, PLAN, batch):
 
 
 @gluon.jit
+def sequence_rows(CU, b, total):
+    """(first row, length) of sequence b in a packed tensor of `total` rows, clamped into them as
+    common.seq_bounds clamps it: cu_seqlens' values are not checked on the device (that would cost a sync),
+    so a bad one gives wrong rows, never an access out of bounds."""
+    first = gl.minimum(gl.maximum(gl.load(CU + b), 0), total)
+    end = gl.minimum(gl.maximum(gl.load(CU + b + 1), first), total)
+    return first, end - first
+
+
+@gluon.jit
 def sequence_of(t, problem):
     """The sequence of work item t (the loader's search; 0 in the padded layout, which derives it in
     `tile`)."""
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
     b = 0
     if CU_Q is not None:
-        b = _sequence_of(t // nheads, PLAN, n_bh // nheads)
+        b = sequence_of_tile(t // nheads, PLAN, n_bh // nheads)
     return b
 
 
@@ -52,10 +65,9 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     n_start + n_k · BLOCK_N)."""
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
     if CU_Q is not None:
-        q_start = gl.load(CU_Q + b)
-        seqlen_q = gl.load(CU_Q + b + 1) - q_start
-        k_start = gl.load(CU_K + b)
-        seqlen_k = gl.load(CU_K + b + 1) - k_start
+        # seqlen_q / seqlen_k: the packed tensors' rows
+        q_start, seqlen_q = sequence_rows(CU_Q, b, seqlen_q)
+        k_start, seqlen_k = sequence_rows(CU_K, b, seqlen_k)
         n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
         rank = t // nheads - gl.load(PLAN + b)
         off_b = b
@@ -114,3 +126,24 @@ def next_tile(tile_smem, tile_ready, i):
     if tile_smem.shape[0] > 2:
         b = gl.max(tile_smem.index(2 + qb).load(rows), 0)
     return t, b
+
+
+@gluon.jit
+def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh):
+    """Rows [0, n_rows) of a warpgroup's staged [rows, d] tile (shared memory) to O's rows from `row` on, of
+    head off_h: 16 bytes a thread and store, no row past n_rows; where a packed sequence ends inside a tile,
+    whose TMA store would write the next sequence's rows (the forward's O, the backward's dK and dV). Masked
+    stores straight from the accumulator's registers, with a 64-bit address per element, spilled 0.4 KB at
+    d = 128."""
+    ROWS: gl.constexpr = tile.shape[0]
+    D: gl.constexpr = tile.shape[1]
+    VEC: gl.constexpr = 16 // tile.dtype.primitive_bitwidth * 8  # elements in 16 bytes
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC), D // VEC], [4, 1], [1, 0])
+    # every warp's rows staged before any thread reads another's
+    gl.thread_barrier()
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptrs = O + (row + rows).to(gl.int64)[:, None] * stride_om + off_h * stride_oh + cols[None, :]
+    gl.store(ptrs, tile.load(layout), mask=(rows[:, None] < n_rows) & (cols[None, :] < D))
+    # these generic-proxy reads before a later TMA (async-proxy) write into the buffer (the forward's next Q)
+    fence_async_shared()

@@ -43,13 +43,13 @@ def attn_bwd_preprocess_kernel(
 ):
     # GLUON: the Gluon backward's inputs (kernels/gluon/attn_bwd.py). D goes with the LSE in base 2 (LSE2)
     # into its TMA-read stats planes, whose rows are padded to delta_rows >= seqlen_q (the padding rows get
-    # D = 0 and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing), and the float32 dQ buffer
-    # (contiguous (b, sq, h, d), padded layout, d = dv) is zeroed here, which saves a launch of its own:
-    # ~15-30 us of host time on the H200 machine. Otherwise D is shaped like the LSE (delta_rows =
-    # seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read. SINK (Gluon only; None: no sink): each row's
-    # share of the sink's gradient goes to DSINK_ROWS, shaped like the LSE, from the statistics at hand:
-    # d loss / d sink = -P_sink · D with P_sink = exp(sink - lse), whose LSE includes the sink (the sink
-    # has no value, so dS and D are those of the keys alone)
+    # D = 0 and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing; varlen: a plane holds
+    # every sequence's rows, unpadded), and the float32 dQ buffer (contiguous like q, d = dv) is zeroed
+    # here, which saves a launch of its own: ~15-30 us of host time on the H200 machine. Otherwise D is
+    # shaped like the LSE (delta_rows = seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read. SINK
+    # (Gluon only; None: no sink): each row's share of the sink's gradient goes to DSINK_ROWS, shaped like
+    # the LSE, from the statistics at hand: d loss / d sink = -P_sink · D with P_sink = exp(sink - lse),
+    # whose LSE includes the sink (the sink has no value, so dS and D are those of the keys alone)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = (off_bh % nheads).to(tl.int64)
@@ -65,17 +65,17 @@ def attn_bwd_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     delta_offs = off_b64 * stride_delta_b + off_h * stride_delta_h + row0 + offs_m
     # seqlen_q is this sequence's own length from here (varlen); the Gluon planes' padding rows get zeros
-    n_rows = delta_rows if GLUON else seqlen_q
+    n_rows = delta_rows if GLUON and not IS_VARLEN else seqlen_q
     tl.store(Delta + delta_offs, delta, mask=offs_m < n_rows)
     if GLUON:
-        lse = tl.load(LSE + off_b64 * stride_lse_b + off_h * stride_lse_h + offs_m, mask=offs_m < seqlen_q,
-                      other=0.0)
+        lse_offs = off_b64 * stride_lse_b + off_h * stride_lse_h + row0 + offs_m
+        lse = tl.load(LSE + lse_offs, mask=offs_m < seqlen_q, other=0.0)
         tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < n_rows)
         if SINK is not None:
             p_sink = tl.exp(tl.load(SINK + off_h) - lse)
-            tl.store(DSINK_ROWS + off_b64 * stride_lse_b + off_h * stride_lse_h + offs_m, -p_sink * delta,
-                     mask=offs_m < seqlen_q)
-        rows = (off_b64 * seqlen_q + offs_m) * nheads + off_h
+            tl.store(DSINK_ROWS + lse_offs, -p_sink * delta, mask=offs_m < seqlen_q)
+        # q's rows: (b, sq) in the padded layout, the packed ones under varlen
+        rows = ((row0 + offs_m) if IS_VARLEN else (off_b64 * seqlen_q + offs_m)) * nheads + off_h
         ptrs = DQ_ACC + rows[:, None] * HEAD_DIM_V + offs_d[None, :]
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),
                  mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM_V))

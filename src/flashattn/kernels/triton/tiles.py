@@ -12,16 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
-def varlen_tile_offsets_kernel(CU_SEQLENS, OFFSETS, batch, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+def varlen_tile_offsets_kernel(CU_SEQLENS, OFFSETS, batch, total, BLOCK_M: tl.constexpr,
+                               BLOCK_B: tl.constexpr):
     """OFFSETS[b] = Σ_{b' < b} cdiv(len_b', BLOCK_M) for b in [0, batch] (OFFSETS[batch]: every sequence's
-    tiles), len_b = CU_SEQLENS[b + 1] - CU_SEQLENS[b]. One program, BLOCK_B sequences at a time."""
+    tiles), len_b = CU_SEQLENS[b + 1] - CU_SEQLENS[b] clamped as the kernels clamp it (common.seq_bounds,
+    schedule.sequence_rows: the values are not checked on the device) into the packed tensor's `total` rows.
+    One program, BLOCK_B sequences at a time."""
     tl.store(OFFSETS, 0)
     carry = 0
     for start in range(0, batch, BLOCK_B):
         offs = start + tl.arange(0, BLOCK_B)
         inside = offs < batch
-        lens = tl.load(CU_SEQLENS + offs + 1, mask=inside, other=0) - tl.load(CU_SEQLENS + offs, mask=inside,
-                                                                               other=0)
-        tiles = (lens + BLOCK_M - 1) // BLOCK_M
+        first = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + offs, mask=inside, other=0), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + offs + 1, mask=inside, other=0), first), total)
+        tiles = (end - first + BLOCK_M - 1) // BLOCK_M
         tl.store(OFFSETS + offs + 1, carry + tl.cumsum(tiles, 0), mask=inside)
         carry += tl.sum(tiles, 0)
