@@ -1,15 +1,16 @@
 """`flashattn` (this project, through its public API, with the case's window, packing, softcap and sink) and,
-for A/B timing, the same attention on other routes (flashattn.backends.triton.routes) through the launchers
-with an explicit route:
-`flashattn-triton` (the Triton kernels forward and backward), `flashattn-triton-bwd` (the Triton backward
-only), `flashattn-ptr` (the Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor`
-(the default routes with the launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one
-program per query tile instead of its persistent grid); and `torch-backend` (its pure-PyTorch backend)."""
+for A/B timing, the same attention on other routes (flashattn.backends.triton.routes): through the launchers
+with an explicit route, `flashattn-triton` (the Triton kernels forward and backward), `flashattn-ptr` (the
+Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor` (the default routes with the
+launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of
+its persistent grid); through the public call, every option included, `flashattn-triton-bwd` (with the
+Triton backward); and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -84,6 +85,29 @@ def _setup_torch_backend(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.
     return prepared
 
 
+@contextlib.contextmanager
+def _triton_backward() -> Iterator[None]:
+    """Public calls take the Triton backward while inside: routes.backward_route swapped for the bench's
+    duration (the launchers look it up per call), their signature cache emptied on the way in and out."""
+    from flashattn.backends.triton import attention, routes
+
+    real = routes.backward_route
+    routes.backward_route = routes.triton_backward_route
+    attention._backward_cache.clear()
+    try:
+        yield
+    finally:
+        routes.backward_route = real
+        attention._backward_cache.clear()
+
+
+def _setup_triton_backward(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+    with _triton_backward():  # the row's route_bwd says what runs
+        prepared = _setup_public(case, q, k, v)
+    prepared.context = _triton_backward
+    return prepared
+
+
 class _Routed(torch.autograd.Function):
     """The dense launchers forward and backward on fixed routes (no validation: the bench's inputs)."""
 
@@ -138,8 +162,8 @@ def _providers() -> list[Provider]:
         Provider("flashattn-triton", routed(r.triton_forward_route, r.triton_backward_route),
                  "this project's Triton kernels forward and backward (the routes every feature takes), "
                  "through the launchers (A/B timing)"),
-        Provider("flashattn-triton-bwd", routed(r.forward_route, r.triton_backward_route),
-                 "this project's default forward with the Triton backward (A/B timing)"),
+        Provider("flashattn-triton-bwd", _setup_triton_backward,
+                 "this project's public call (every option) with the Triton backward (A/B timing)"),
         Provider("flashattn-ptr", routed(_replace(r.triton_forward_route, tma=False),
                                          _replace(r.triton_backward_route, tma=False)),
                  "this project's Triton kernels on pointer loads instead of TMA descriptors (A/B timing)"),
