@@ -41,7 +41,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashattn.kernels.gluon.schedule import sequence_of_tile, sequence_rows, store_rows
+from flashattn.kernels.gluon.schedule import (
+    next_tile,
+    publish_tile,
+    sequence_of_tile,
+    sequence_rows,
+    store_rows,
+)
 from flashattn.kernels.gluon.scores import softcapped, with_alibi
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
@@ -58,20 +64,39 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _key_tile(problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_sequence(problem):
+    """Varlen: (this program's tile of the key-tile list, its sequence), found by bisection (the loader's
+    search, whose result it hands the consumers through shared memory: `_program_sequence`)."""
+    nheads_k = problem[0]
+    t = gl.program_id(0) // nheads_k
+    return t, sequence_of_tile(t, problem[9], problem[3] // nheads_k)
+
+
+@gluon.jit
+def _program_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
+    """A consumer's copy of the sequence the loader found (0 in the padded layout): the consumers do not
+    search themselves, as in the forward (schedule.py)."""
+    b = 0
+    if varlen:
+        _, b = next_tile(seq_smem, seq_ready, 0)
+    return b
+
+
+@gluon.jit
+def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(batch, kv head, first key, first query row, query tiles, the sequence's first query and key rows in
     the packed tensors, its query and key lengths) of this program; rows and keys count from the sequence's
     start. Padded layout: common.grouped_program's order, rank 0 the first key tile, which every query sees
-    under causal masking. Varlen (CU_Q given): program p is tile p // nheads_k of the list of every
-    sequence's key tiles (PLAN: the tiles before each sequence), kv head p % nheads_k, each sequence's first
-    tile first; the grid is a bound on the list's length, and the programs past it get no query tiles (and
-    store nothing). The query tiles are those with a row that sees a key of the tile."""
+    under causal masking. Varlen (CU_Q given; off_b: the program's sequence, `_key_sequence`): program p is
+    tile p // nheads_k of the list of every sequence's key tiles (PLAN: the tiles before each sequence), kv
+    head p % nheads_k, each sequence's first tile first; the grid is a bound on the list's length, and the
+    programs past it get no query tiles (and store nothing). The query tiles are those with a row that sees
+    a key of the tile."""
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN = problem
     pid = gl.program_id(0)
     if CU_Q is not None:
         t = pid // nheads_k
         off_hk = pid % nheads_k
-        off_b = sequence_of_tile(t, PLAN, n_bhk // nheads_k)
         # seqlen_q / seqlen_k: the packed tensors' rows
         q_start, seqlen_q = sequence_rows(CU_Q, off_b, seqlen_q)
         k_start, seqlen_k = sequence_rows(CU_K, off_b, seqlen_k)
@@ -137,11 +162,15 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     descs, smems, bars, problem = loader_args
     q_desc, do_desc, k_desc, v_desc, stats_desc = descs
-    q_smem, do_smem, k_smem, v_smem, stats_smem = smems
-    kv_bar, ready, empty, ds_ready, done = bars
+    q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
+    kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     nheads_k = problem[0]
     varlen: gl.constexpr = problem[7] is not None
-    off_b, off_hk, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, BLOCK_M, BLOCK_N,
+    b = 0
+    if varlen:
+        t, b = _key_sequence(problem)
+        publish_tile(seq_smem, seq_ready, 0, t, b)
+    off_b, off_hk, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, b, BLOCK_M, BLOCK_N,
                                                                              CAUSAL)
     # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
     # rows past its end are the next sequence's (the consumers mask them and store none)
@@ -182,15 +211,15 @@ def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               WG: gl.constexpr):
-    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars, scales,
-     problem, kv_rows) = args
-    kv_bar, ready, empty, ds_ready, done = bars
+    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
+     scales, problem, kv_rows) = args
+    kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
     off_b, off_hk, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
-        problem, BLOCK_M, BLOCK_N, CAUSAL)
+        problem, _program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL)
     desc_b = 0 if varlen else off_b
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -410,6 +439,12 @@ def attn_bwd_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # varlen: the program's tile and sequence, from the loader's search (schedule.publish_tile's slots;
+    # 32 bytes, allocated in the padded layout too, where nothing uses them)
+    seq_smem = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if CU_Q is not None:
+        mbarrier.init(seq_ready.index(0), count=1)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
@@ -417,13 +452,13 @@ def attn_bwd_ws_kernel(
         mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
     for i in gl.static_range(NBUF):
         mbarrier.init(ds_ready.index(i), count=2)
-    bars = (kv_bar, ready, empty, ds_ready, done)
+    bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN)
-    args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, bars,
-            (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
+    args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
+            seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
             (DK, DV, stride_km, stride_kh))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
-                   (q_smem, do_smem, k_smem, v_smem, stats_smem), bars, problem)
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
