@@ -296,7 +296,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
             stats, dq_acc = gluon.backward_buffers(pb, q)
             dsink_rows = None if learnable_sink is None else torch.empty_like(lse)
-            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], learnable_sink, dsink_rows, *pre_args))
+            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], learnable_sink, dsink_rows, None,
+                        *pre_args))
             dq, _ = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
                                    alibi_slopes)
             return dq, dk, dv, _dsink(dsink_rows)
@@ -317,9 +318,12 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # (gluon.backward_buffers): the preprocess zeroes the one and fills the other (no launch of its own)
     # and a learnable sink's gradient rows (dsink_rows; the Triton backward's dQ role writes its own)
     on_gluon = isinstance(route, routes.GluonBackward)
-    dsink_rows = None
+    dsink_rows = stats_row0 = None
     if on_gluon:
         stats, dq_acc = gluon.backward_buffers(pb, q)
+        if pb.varlen:
+            # each sequence's rows in the stats planes from a 16-byte aligned offset (gluon.backward_buffers)
+            stats_row0 = gluon.varlen_tile_offsets(cu_seqlens_q, pb.batch, 4, q.shape[0])
         delta, lse2 = stats[1], stats[0]
         delta_rows = stats.shape[-1]
         # the planes' rows: (b·h, sq padded), or (h, total_q) under varlen
@@ -338,11 +342,11 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)
     preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, learnable_sink if on_gluon else None, dsink_rows,
-                *pre_args))
+                stats_row0, *pre_args))
     if on_gluon:
         dq, prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale,
                                       alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                      cu_seqlens_k=cu_seqlens_k)
+                                      cu_seqlens_k=cu_seqlens_k, stats_row0=stats_row0)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
         return dq, dk, dv, _dsink(dsink_rows, pb.varlen)

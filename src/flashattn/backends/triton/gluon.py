@@ -246,32 +246,37 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
 def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
     """(stats, dq_acc) in one allocation. stats: the backward kernel's per-row statistics, which the
     preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O);
-    varlen: (2, h, total_q), rows total_q rounded up to 4 apart (the descriptor reads past total_q as zeros,
-    and no sequence's rows are padded). The kernel's loader brings both with each (Q, dO) tile through one
-    TMA copy, so a row of a plane must be 16-byte aligned: hence the padding. dq_acc: the float32 buffer
-    shaped like q (contiguous) into which the kernel adds dQ, zeroed by the preprocess; it starts 16-byte
-    aligned after the planes."""
-    n_rows, planes = (q.shape[0], pb.nheads) if pb.varlen else (pb.seqlen_q, pb.batch * pb.nheads)
-    rows = -(-n_rows // 4) * 4
+    varlen: (2, h, rows) with sequence b's rows from 4 · stats_row0[b] on (varlen_tile_offsets of cu_seqlens_q
+    in 4-row steps), a bound on those offsets' end, the rows between sequences unwritten (the kernel counts
+    every row past a sequence's end as a row without keys, whatever its stats). The kernel's loader brings
+    both with each (Q, dO) tile through one TMA copy, whose start in the innermost dim must be 16-byte
+    aligned (an unaligned one stopped the H200 on an illegal instruction): hence the padding. dq_acc: the
+    float32 buffer shaped like q (contiguous) into which the kernel adds dQ, zeroed by the preprocess; it
+    starts 16-byte aligned after the planes."""
+    if pb.varlen:
+        rows, planes = 4 * (-(-q.shape[0] // 4) + pb.batch), pb.nheads
+    else:
+        rows, planes = -(-pb.seqlen_q // 4) * 4, pb.batch * pb.nheads
     n_stats = 2 * planes * rows
     buf = torch.empty(n_stats + q.numel(), dtype=torch.float32, device=q.device)
-    return buf[:n_stats].view(2, planes, rows)[..., :n_rows], buf[n_stats:].view(q.shape)
+    return buf[:n_stats].view(2, planes, rows), buf[n_stats:].view(q.shape)
 
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
              prepared: Prepared | None = None, alibi_slopes=None, cu_seqlens_q=None,
-             cu_seqlens_k=None) -> tuple[torch.Tensor, Prepared]:
+             cu_seqlens_k=None, stats_row0=None) -> tuple[torch.Tensor, Prepared]:
     """dq, and fill dk and dv (attention_backward's contract), with the warp-specialised backward; stats and
     dq_acc: as `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. A learnable
     sink changes nothing here: its gradient comes from the preprocess (attention.py). Varlen (pb.varlen,
-    cu_seqlens given): the packed tensors go to the descriptors as one batch, and the kernel gets the key
-    tiles before each sequence (`varlen_tile_offsets`). Returns (dq, the launch prepared)."""
+    cu_seqlens and stats_row0 given, see `backward_buffers`): the packed tensors go to the descriptors as one
+    batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, the
+    launch prepared)."""
     streamed = (q, dout, k, v, dk, dv, dq_acc)
-    varlen = (None,) * 7
+    varlen = (None,) * 8
     if pb.varlen:
         streamed = tuple(t.unsqueeze(0) for t in streamed)
         plan = varlen_tile_offsets(cu_seqlens_k, pb.batch, route.tiles.block_n, k.shape[0])
-        varlen = (cu_seqlens_q, cu_seqlens_k, plan, dk, dv, dk.stride(0), dk.stride(1))
+        varlen = (cu_seqlens_q, cu_seqlens_k, plan, stats_row0, dk, dv, dk.stride(0), dk.stride(1))
     if prepared is None:
         prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
     prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen))

@@ -92,7 +92,7 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
     head p % nheads_k, each sequence's first tile first; the grid is a bound on the list's length, and the
     programs past it get no query tiles (and store nothing). The query tiles are those with a row that sees
     a key of the tile."""
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN = problem
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0 = problem
     pid = gl.program_id(0)
     if CU_Q is not None:
         t = pid // nheads_k
@@ -175,6 +175,9 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
     # rows past its end are the next sequence's (the consumers mask them and store none)
     desc_b = 0 if varlen else off_b
+    stats_row0 = 0
+    if varlen:
+        stats_row0 = 4 * gl.load(problem[10] + off_b)
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
         row = k_start + start_n + w * HALF_N
@@ -189,12 +192,14 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                             + stats_desc.block_type.nbytes)
-            row = q_start + m_first + mi * BLOCK_M
+            m0 = m_first + mi * BLOCK_M
             landed = ready.index(s)
-            tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, 0], landed, q_smem.index(s))
-            tma.async_copy_global_to_shared(do_desc, [desc_b, row, off_h, 0], landed, do_smem.index(s))
-            # the stats planes: (2, b·h, rows), or (2, h, packed rows) under varlen
-            tma.async_copy_global_to_shared(stats_desc, [0, desc_b * nheads_k * GROUP + off_h, row], landed,
+            tma.async_copy_global_to_shared(q_desc, [desc_b, q_start + m0, off_h, 0], landed, q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [desc_b, q_start + m0, off_h, 0], landed,
+                                            do_smem.index(s))
+            # the stats planes: (2, b·h, rows), or (2, h, rows) under varlen, a sequence's from stats_row0
+            plane = desc_b * nheads_k * GROUP + off_h
+            tma.async_copy_global_to_shared(stats_desc, [0, plane, stats_row0 + m0], landed,
                                             stats_smem.index(s))
             c += 1
 
@@ -286,11 +291,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         lse = stats_rows.index(2 * s).load(row_layout)
+        inside = None
         if varlen:
-            # the rows past the sequence's end (the next sequence's, where padded tiles read zeros) count as
-            # rows that saw no key, whose Pᵀ is 0 in either softmax below: a vector op per step, where a
-            # mask over the tile spilled 0.1-0.2 KB more
-            lse = gl.where(offs_q < seqlen_q, lse, float("inf"))
+            # the rows past the sequence's end (the next sequence's, where padded tiles read zeros; their
+            # stats rows may be unwritten) count as rows that saw no key, whose Pᵀ is 0 in either softmax
+            # below, and D 0: a vector op per step, where a mask over the tile spilled 0.1-0.2 KB more
+            inside = offs_q < seqlen_q
+            lse = gl.where(inside, lse, float("inf"))
         st = warpgroup_mma_wait(1, deps=(st,))
         # the scores as x · scale (scores.py)
         x, scale = softcapped(st, qk_scale, cap_in, cap_out)
@@ -322,6 +329,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         delta = stats_rows.index(2 * s + 1).load(row_layout)
+        if varlen:
+            delta = gl.where(inside, delta, 0.0)
         dst = pt * (dpt - delta[None, :])
         if cap_in is not None:
             dst = dst * _dtanh(pt, stats_rows.index(2 * s).load(row_layout), cap_out, slope, offs_q, offs_k,
@@ -409,15 +418,17 @@ def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
-    CU_Q, CU_K, PLAN, DK, DV, stride_km, stride_kh,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
 ):
     # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
     # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
     # b · stride_alibi_b + h. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors, PLAN the key
-    # tiles before each sequence (n_bhk = sequences · nheads_k), DK / DV (stride_km, stride_kh: their row
-    # and head strides) for the masked stores of a sequence's last keys; all None in the padded layout
+    # tiles before each sequence (n_bhk = sequences · nheads_k), STATS_ROW0 where each sequence's rows start
+    # in the stats planes (in 4-row units: a TMA start must be 16-byte aligned), DK / DV (stride_km,
+    # stride_kh: their row and head strides) for the masked stores of a sequence's last keys; all None in the
+    # padded layout
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
@@ -453,7 +464,7 @@ def attn_bwd_ws_kernel(
     for i in gl.static_range(NBUF):
         mbarrier.init(ds_ready.index(i), count=2)
     bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
-    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN)
+    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
             (DK, DV, stride_km, stride_kh))

@@ -33,7 +33,7 @@ from flashattn.kernels.triton.common import (
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2, SINK, DSINK_ROWS,
+    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2, SINK, DSINK_ROWS, STATS_ROW0,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
@@ -43,8 +43,9 @@ def attn_bwd_preprocess_kernel(
 ):
     # GLUON: the Gluon backward's inputs (kernels/gluon/attn_bwd.py). D goes with the LSE in base 2 (LSE2)
     # into its TMA-read stats planes, whose rows are padded to delta_rows >= seqlen_q (the padding rows get
-    # D = 0 and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing; varlen: a plane holds
-    # every sequence's rows, unpadded), and the float32 dQ buffer (contiguous like q, d = dv) is zeroed
+    # D = 0 and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing; varlen: sequence b's rows
+    # start at 4 · STATS_ROW0[b], 16-byte aligned for the kernel's TMA, and the rows between sequences are
+    # not written), and the float32 dQ buffer (contiguous like q, d = dv) is zeroed
     # here, which saves a launch of its own: ~15-30 us of host time on the H200 machine. Otherwise D is
     # shaped like the LSE (delta_rows = seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read. SINK
     # (Gluon only; None: no sink): each row's share of the sink's gradient goes to DSINK_ROWS, shaped like
@@ -63,7 +64,10 @@ def attn_bwd_preprocess_kernel(
     do = load_tile(DO + off_b64 * stride_dob + row0 * stride_dom + off_h * stride_doh, offs_m, offs_d,
                    stride_dom, seqlen_q, HEAD_DIM_V, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    delta_offs = off_b64 * stride_delta_b + off_h * stride_delta_h + row0 + offs_m
+    stats_row0 = row0
+    if GLUON and IS_VARLEN:
+        stats_row0 = 4 * tl.load(STATS_ROW0 + off_b).to(tl.int64)
+    delta_offs = off_b64 * stride_delta_b + off_h * stride_delta_h + stats_row0 + offs_m
     # seqlen_q is this sequence's own length from here (varlen); the Gluon planes' padding rows get zeros
     n_rows = delta_rows if GLUON and not IS_VARLEN else seqlen_q
     tl.store(Delta + delta_offs, delta, mask=offs_m < n_rows)
