@@ -16,7 +16,7 @@
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384)
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
-#                 cuDNN (and FA4)
+#                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA (and FA4)
 #   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
@@ -97,7 +97,8 @@ for stage in "$@"; do
       bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "flashattn,sdpa-cudnn$FA4" ;;
     workloads)
-      bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
+      bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd \
+        --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ;;
     features)
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)
