@@ -324,7 +324,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(0, n_loop):
                 acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                             v_empty, c + j, n_start + j * BLOCK_N, offs_q, seqlen_k,
+                                             v_empty, c + j, n_start + j * BLOCK_N, offs_q, len_k,
                                              tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
                                              unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
                                              HEAD_DIM_V, TREES)
