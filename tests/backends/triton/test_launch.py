@@ -181,7 +181,7 @@ def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
     sink_args = (torch.randn(h), torch.full_like(lse, float("nan"))) if sink else (None, None)
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
-        o, do, stats[1], o, dq_acc, lse, stats[0], *sink_args, *o.stride()[:3], *do.stride()[:3],
+        o, do, stats[1], o, dq_acc, lse, stats[0], *sink_args, None, *o.stride()[:3], *do.stride()[:3],
         lse.stride(0), lse.stride(1), h * rows, rows, h, sq, rows,
         HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True,
     )
@@ -194,3 +194,45 @@ def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
         expected = -torch.exp(sink_t[None, :, None] - lse) * delta.reshape(b, h, sq)
         torch.testing.assert_close(dsink_rows, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(stats[:, :, sq:], torch.zeros(2, b * h, rows - sq))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
+@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
+def test_preprocess_fills_the_varlen_gluon_backward_inputs(sink):
+    """Varlen GLUON: sequence b's D and base-2 LSE go to the stats planes from row 4 · STATS_ROW0[b] (the
+    offsets in 4-row steps, a 16-byte aligned start for the kernel's TMA), rows between sequences untouched;
+    the float32 dQ buffer is zeroed at the packed rows; the sink's shares land at the LSE's packed rows."""
+    from flashattn.backends.triton import gluon
+    from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
+
+    lens, h, d = [0, 5, 1, 8, 3], 2, 40
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total, batch = int(cu[-1]), len(lens)
+    row0 = gluon.varlen_tile_offsets(cu, batch, 4, total)
+    assert row0.tolist() == [0, 0, 2, 3, 5, 6]
+    rows = 4 * (-(-total // 4) + batch)
+    o, do = (torch.randn(total, h, d, dtype=torch.float16) for _ in range(2))
+    lse = torch.randn(h, total)
+    stats = torch.full((2, h, rows), float("nan"))
+    dq_acc = torch.full((total, h, d), float("nan"))
+    sink_args = (torch.randn(h), torch.full_like(lse, float("nan"))) if sink else (None, None)
+    launch_mod.launch(
+        attn_bwd_preprocess_kernel, (-(-max(lens) // 32), batch * h),
+        o, do, stats[1], cu, dq_acc, lse, stats[0], *sink_args, row0,
+        0, *o.stride()[:2], 0, *do.stride()[:2], 0, lse.stride(0), 0, rows, h, total, rows,
+        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=True, GLUON=True,
+    )
+    assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
+    delta = (o.float() * do.float()).sum(-1).t()  # (h, total)
+    written = torch.zeros(rows, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        start, at = int(cu[i]), 4 * int(row0[i])
+        torch.testing.assert_close(stats[1, :, at:at + n], delta[:, start:start + n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stats[0, :, at:at + n], lse[:, start:start + n] / math.log(2), rtol=1e-6,
+                                   atol=0)
+        written[at:at + n] = True
+    assert stats[:, :, ~written].isnan().all()  # nothing else written
+    if sink:
+        sink_t, dsink_rows = sink_args
+        expected = -torch.exp(sink_t[:, None] - lse) * delta
+        torch.testing.assert_close(dsink_rows, expected, rtol=1e-5, atol=1e-6)
