@@ -9,12 +9,15 @@ e4m3's 2^-4 relative rounding, so that baseline error is ~1e-2 of |out|: these t
 descale, head, mask or layout (errors of order |out|), not the last bit.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from utils import assert_close_to_ref, is_interpreted
 
 import flashattn
 from flashattn import fp8, reference
+from flashattn.backends.triton import attention as launchers
 from flashattn.backends.triton import routes
 from flashattn.errors import FlashAttnError
 from flashattn.ops import attention_fp8 as fp8_ops
@@ -134,13 +137,34 @@ def test_fp8_varlen_with_per_sequence_descales(backend):
                torch.float32, causal=True)
 
 
-def test_fp8_calls_route_to_the_triton_forward():
-    spec = routes.Spec(2, 16, 16, 4096, 4096, 128, 128, dtype="float8_e4m3fn", window=(-1, 0))
+@pytest.mark.parametrize("kw, gluon", [
+    # where the fp8 suite measured the Gluon FP8 variant ahead: from 2K tokens, under a mask from 2K at
+    # d >= 128 and from 8K at d = 64
+    (dict(), True), (dict(window=(-1, 0)), True), (dict(seqlen_q=1, seqlen_k=2048), True),
+    (dict(headdim=256, headdim_v=256, window=(-1, 0)), True), (dict(headdim=64, headdim_v=64), True),
+    (dict(headdim=64, headdim_v=64, window=(-1, 0), seqlen_q=8192, seqlen_k=8192), True),
+    (dict(seqlen_q=1024, seqlen_k=1024), False), (dict(headdim=64, headdim_v=64, window=(-1, 0)), False),
+    (dict(headdim=64, headdim_v=64, window=(100, 100)), False),
+    # what its launch does not take: varlen (refused), a float32 output, no TMA, another head dim
+    (dict(varlen=True), False), (dict(out_dtype="float32"), False), (dict(out_dtype=""), False),
+    (dict(aligned=False), False), (dict(cuda=False), False), (dict(capability=(8, 0)), False),
+    (dict(headdim=96, headdim_v=96), False), (dict(seqlen_k=0), False),
+], ids=str)
+def test_fp8_routes(kw, gluon):
+    base = routes.Spec(2, 16, 16, 4096, 4096, 128, 128, dtype="float8_e4m3fn", out_dtype="bfloat16")
+    spec = dataclasses.replace(base, **kw)
     assert spec.element_size == 1 and not spec.gluon_features and not spec.tma_ready
-    assert isinstance(routes.forward_route(spec), routes.TritonForward)
-    # the Gluon FP8 variant, where a route names it: never the half-diagonal step (its V tiles are K-major)
-    assert not routes.gluon_forward_route(spec).half_diag
-    assert routes.gluon_forward_route(routes.Spec(2, 16, 16, 4096, 4096, 128, 128, window=(-1, 0))).half_diag
+    route = routes.forward_route(spec)
+    assert isinstance(route, routes.GluonForward if gluon else routes.TritonForward)
+    if gluon:  # never the half-diagonal step: its V tiles are K-major
+        assert not route.half_diag
+
+
+def test_fp8_spec_carries_the_output_dtype():
+    q8, k8, v8, *_ = _inputs(1, 20, 36, 2, 1, 32, seed=5)
+    assert launchers.spec_of(q8, k8, v8).out_dtype == "bfloat16"
+    assert launchers.spec_of(q8, k8, v8, out_dtype=torch.float32).out_dtype == "float32"
+    assert launchers.spec_of(*(t.half() for t in (q8, k8, v8))).out_dtype == ""
 
 
 def test_registered_op_matches_eager_and_passes_opcheck(backend):

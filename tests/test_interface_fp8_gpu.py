@@ -9,7 +9,7 @@ from utils import assert_close_to_ref
 import flashattn
 from flashattn import fp8, reference
 from flashattn.backends.triton import attention as launchers
-from flashattn.backends.triton import routes
+from flashattn.backends.triton import gluon, routes
 from flashattn.errors import FlashAttnError
 
 pytestmark = pytest.mark.gpu
@@ -127,8 +127,8 @@ def test_quantize_kernels_match_the_torch_backend(granularity, dtype):
 
 
 def _gluon_fp8(q8, k8, v8, qd, kd, vd, **options):
-    """The Gluon forward's FP8 variant, on its explicit route (the default routes keep FP8 on the Triton
-    forward until this one is measured)."""
+    """The Gluon forward's FP8 variant, on its explicit route at any length (the default routes take it
+    from 2K tokens, routes.takes_gluon_fp8_forward)."""
     spec = launchers.spec_of(q8, k8, v8, **{k: v for k, v in options.items() if k != "cu_seqlens_k"})
     route = routes.gluon_forward_route(spec)
     assert isinstance(route, routes.GluonForward)
@@ -164,8 +164,28 @@ def test_gluon_fp8_three_consumer_warpgroups():
     _check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seq_contiguous", [True, False], ids=["v-seq-major", "v-row-major"])
+def test_fp8_default_route_takes_the_gluon_variant_from_2k(monkeypatch, causal, seq_contiguous):
+    # the public call at 2100 tokens, d = 128: the default route is the Gluon FP8 variant (asserted by a spy
+    # on its launcher), V of either layout, against the oracle
+    calls = []
+    real = gluon.forward
+    monkeypatch.setattr(gluon, "forward", lambda *a, **k: (calls.append(a[2].shape), real(*a, **k))[1])
+    b, s, h, hk, d = 1, 2100, 4, 2, 128
+    (q8, qd), (k8, kd) = _quantized((b, s, h, d), seed=1, sign=-1), _quantized((b, s, hk, d), seed=2)
+    v8, vd = _quantized((b, s, hk, d), seed=3, seq_contiguous=seq_contiguous)
+    assert isinstance(routes.forward_route(launchers.spec_of(q8, k8, v8, causal=causal)), routes.GluonForward)
+    out, lse, _ = flashattn.flash_attn_func(q8, k8, v8, causal=causal, return_attn_probs=True, q_descale=qd,
+                                            k_descale=kd, v_descale=vd)
+    assert calls, "the Gluon FP8 forward did not run"
+    _check(out, lse, q8, k8, v8, qd, kd, vd, causal=causal)
+
+
 def test_gluon_fp8_refuses_varlen():
-    # its varlen launch stopped on an illegal instruction on the H200: refused with a clear error until fixed
+    # its varlen launch stopped on an illegal instruction on the H200 (likely cause: a sequence's first key is
+    # the start of its K-major V tiles' innermost dim, which TMA needs 16-byte aligned, as the varlen
+    # backward's stats copy showed): refused with a clear error until fixed
     cu = torch.tensor([0, 300, 1365], dtype=torch.int32, device="cuda")
     (q8, qd), (k8, kd), (v8, vd) = (_quantized((1, 1365, n, 128), "tensor", i)
                                     for i, n in enumerate((8, 2, 2)))

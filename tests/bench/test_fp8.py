@@ -66,7 +66,8 @@ def test_default_cases_are_16k_tokens_at_hidden_2048():
     assert {c.causal for c in cases} == {False, True}
     assert SUITE.modes == ("fwd",) and SUITE.device == "cuda"
     assert SUITE.providers == ("flashattn-fp8", "flashattn-fp8-rowv", "flashattn-fp8-gluon",
-                               "flashattn-fp8+quant", "flashattn-fp8+rot+quant", "flashattn", "sdpa-cudnn")
+                               "flashattn-fp8-triton", "flashattn-fp8+quant", "flashattn-fp8+rot+quant",
+                               "flashattn", "sdpa-cudnn")
     quick = SUITE.build_cases(SUITE.grid(True))
     assert {(c.headdim, c.seqlen_q, c.batch) for c in quick} == {(128, 4096, 4), (128, 16384, 1)}
 
@@ -292,10 +293,10 @@ def test_fp8_suite_smoke_on_cpu(tmp_path, monkeypatch):
     assert cli.run(args) == 0
     rows = json.loads((tmp_path / "fp8.json").read_text())["rows"]
     timed = {(r["provider"], r["causal"]): r for r in rows if r["mode"] == "fwd"}
-    assert len(timed) == 7 * 2
+    assert len(timed) == 8 * 2
     for (name, causal), r in timed.items():
         assert (r["batch"], r["nheads"], r["seqlen_q"], r["headdim"], r["inputs"]) == (2, 2, 64, 32, "normal")
-        if name in ("sdpa-cudnn", "flashattn-fp8-gluon"):
+        if name in ("sdpa-cudnn", "flashattn-fp8-gluon", "flashattn-fp8-triton"):
             assert r["error"] == f"skipped: {name} runs on CUDA devices only" and r["ms"] is None
             continue
         assert r["error"] is None, (name, r["error"])

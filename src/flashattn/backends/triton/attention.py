@@ -79,9 +79,10 @@ class _Problem:
 
 def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
              rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic=False,
-             streamed=()) -> _Problem:
+             streamed=(), out_dtype=None) -> _Problem:
     """streamed: the tensors besides q, k, v that the kernels stream (dout in the backward): with them, the
-    spec's `aligned` says whether all of them suit TMA descriptors."""
+    spec's `aligned` says whether all of them suit TMA descriptors (an FP8 call's v aside: the launchers lay
+    it out K-major, gluon.kmajor_v). out_dtype: an FP8 call's (None: bfloat16)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         batch = cu_seqlens_q.shape[0] - 1
@@ -105,10 +106,13 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         right = 0
     dv = v.shape[-1]
     cuda, capability = tma.device_facts(q.device)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    tensors = (q, k, *streamed) if fp8 else (q, k, v, *streamed)
     spec = routes.Spec(
         batch, h, hk, sq, sk, d, dv, _DTYPE_NAMES[q.dtype], varlen, (max(left, -1), max(right, -1)),
         softcap > 0, alibi_slopes is not None, dropout_p > 0, learnable_sink is not None, deterministic,
-        cuda, capability, tma.aligned(q, k, v, *streamed) if cuda else False, q.shape[0] if varlen else 0,
+        cuda, capability, tma.aligned(*tensors) if cuda else False, q.shape[0] if varlen else 0,
+        _DTYPE_NAMES[out_dtype or torch.bfloat16] if fp8 else "",
     )
     scalars = (
         softmax_scale * LOG2E,
@@ -126,12 +130,13 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
 
 def spec_of(q, k, v, *, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
             dropout_p: float = 0.0, learnable_sink=None, cu_seqlens_q=None, max_seqlen_q=None,
-            max_seqlen_k=None, deterministic: bool = False, dout=None) -> routes.Spec:
-    """The routing spec of a call on these tensors (dout: the backward's, whose alignment counts too): what
-    attention_forward / attention_backward route by, for callers that build a route of their own."""
+            max_seqlen_k=None, deterministic: bool = False, dout=None, out_dtype=None) -> routes.Spec:
+    """The routing spec of a call on these tensors (dout: the backward's, whose alignment counts too;
+    out_dtype: an FP8 call's, None for bfloat16): what attention_forward / attention_backward route by, for
+    callers that build a route of their own."""
     return _problem(q, k, v, 1.0, causal, window_size, softcap, alibi_slopes, dropout_p, 0, 0, cu_seqlens_q,
                     max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
-                    () if dout is None else (dout,)).spec
+                    () if dout is None else (dout,), out_dtype).spec
 
 
 def _alibi_args(alibi_slopes, dummy):
@@ -189,7 +194,8 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
             gluon.forward(pb, route, q, k, v, out, lse, prepared, alibi_slopes, learnable_sink)
             return out, lse
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
-                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink)
+                  rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink,
+                  out_dtype=out_dtype if descales is not None else None)
     if route is None:
         route = routes.forward_route(pb.spec)
     out_shape = (*q.shape[:-1], pb.dv)
@@ -198,7 +204,9 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if isinstance(route, routes.GluonForward):
         if descales is not None and pb.varlen:
-            # its varlen launch stopped on an illegal instruction on the H200 (the padded one is correct)
+            # its varlen launch stopped on an illegal instruction on the H200 (the padded one is correct);
+            # likely cause: a sequence's first key starts its K-major V tiles in their innermost dim, which
+            # a TMA copy needs 16-byte aligned (the fault the varlen backward's stats copy had)
             raise FlashAttnError("the Gluon FP8 forward takes the padded layout only; varlen FP8 calls take "
                                  "the default (Triton) route")
         if descales is not None and out.dtype not in (torch.float16, torch.bfloat16):

@@ -13,8 +13,8 @@ takes its next query tile from a shared counter, so under a causal mask the prog
 static walk with the grid's stride left the busiest 15% over the mean); the kernel's last program zeroes the
 counter again, so one per stream serves every call (`_tile_counter`).
 
-FP8 (e4m3 q, k, v with descales; a route names it: the default routes keep FP8 on the Triton forward until
-this variant is measured): V goes to its descriptor K-major, as a (batch, heads_k, dv, seqlen) view of a
+FP8 (e4m3 q, k, v with descales; the default route takes it where it measured faster,
+routes.takes_gluon_fp8_forward): V goes to its descriptor K-major, as a (batch, heads_k, dv, seqlen) view of a
 seqlen-contiguous V (`kmajor_v`, which copies a V of another layout, or one whose seqlen is not a multiple
 of 16, into that layout), O is 16-bit.
 

@@ -11,9 +11,9 @@ Routes of the dense and varlen attention:
   forward:  `GluonForward` (the warp-specialised Hopper kernel, kernels/gluon/attn_fwd.py) for 16-bit calls
             with TMA-ready tensors on sm90+, d (padded) and dv of 64, 128 or 256 with dv <= d (192 / 128
             included), padded or varlen, with any window (causal included), softcap, ALiBi or sink, and no
-            dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature, and the FP8 inference
-            calls: the Gluon forward's FP8 variant runs where a caller names its route, until it is measured
-            on the GPU);
+            dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature). FP8 inference calls
+            take the Gluon forward's FP8 variant in the padded layout with a 16-bit output where the H200
+            measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d = dv =
             64 or 128 unless deterministic or its float32 dQ buffer would pass `DQ_BUFFER_CAP`, else
             `TritonBackward` (two programs: dK/dV and dQ).
@@ -50,11 +50,12 @@ class Spec:
     """A dense or varlen attention call as routing sees it.
 
     seqlen_q / seqlen_k: the padded lengths, or max_seqlen_q / max_seqlen_k for varlen; tokens_q: varlen,
-    the packed query rows (q's first dim), else 0 (batch · seqlen_q). window: (left, right)
-    after causal folding (causal sets right = 0), -1 = unbounded: causal is the window (-1, 0). cuda: a CUDA
-    device (else the interpreter's CPU tensors); capability: its (major, minor). aligned: every streamed
-    tensor (q, k, v, and dout for the backward) has a 16-byte aligned base and strides with a contiguous last
-    dim.
+    the packed query rows (q's first dim), else 0 (batch · seqlen_q); out_dtype: an FP8 call's output dtype
+    ("" otherwise). window: (left, right) after causal folding (causal sets right = 0), -1 = unbounded:
+    causal is the window (-1, 0). cuda: a CUDA device (else the interpreter's CPU tensors); capability: its
+    (major, minor). aligned: every streamed tensor (q, k, v, and dout for the backward; an FP8 call's q and
+    k, its V being laid out K-major by the launcher) has a 16-byte aligned base and strides with a
+    contiguous last dim.
     """
 
     batch: int
@@ -76,6 +77,7 @@ class Spec:
     capability: tuple[int, int] = (9, 0)
     aligned: bool = True
     tokens_q: int = 0
+    out_dtype: str = ""
 
     @property
     def group(self) -> int:
@@ -264,9 +266,26 @@ def triton_forward_route(spec: Spec) -> TritonForward:
     return TritonForward(tiles, _triton_tma(spec, tiles), _stream_group(spec))
 
 
+def takes_gluon_fp8_forward(spec: Spec) -> bool:
+    """An FP8 call that the Gluon forward's FP8 variant serves faster than the Triton one: the padded layout
+    (its varlen launch is refused, attention.py), a 16-bit output, the Gluon head dims, and the lengths where
+    the fp8 suite measured it ahead on the H200 (benchmarks/results/2026-12-01-fp8): from 2K tokens, and
+    under a mask from 2K at d >= 128 and from 8K at d = 64, it ran +3% to +25% (one point -0.6%: d 256 8K
+    full); at 1K it lost up to 31% under causal masking, and d 64 lost up to 2.6% under it below 8K."""
+    if not (spec.dtype == "float8_e4m3fn" and spec.cuda and spec.capability[0] >= 9 and spec.aligned
+            and not spec.varlen and spec.out_dtype in ("float16", "bfloat16")
+            and block_d(spec.headdim) in GLUON_HEADDIMS and spec.headdim_v in GLUON_HEADDIMS
+            and spec.headdim_v <= block_d(spec.headdim) and min(spec.seqlen_q, spec.seqlen_k) > 0):
+        return False
+    shortest = 8192 if spec.banded and block_d(spec.headdim) <= 64 else 2048
+    return spec.longest >= shortest
+
+
 def forward_route(spec: Spec) -> TritonForward | GluonForward:
     """The forward's default route."""
-    return gluon_forward_route(spec) if takes_gluon_forward(spec) else triton_forward_route(spec)
+    if takes_gluon_forward(spec) or takes_gluon_fp8_forward(spec):
+        return gluon_forward_route(spec)
+    return triton_forward_route(spec)
 
 
 def _kv_group(spec: Spec) -> int:

@@ -6,8 +6,9 @@ k_descale and v_descale, on the case's inputs quantised by flashattn.fp8 (the ou
 - `flashattn-fp8-rowv`: the same with V in the ordinary layout, read in place: the Triton kernel then makes
   the K-major P·V operand with byte permutes in registers, and the difference from flashattn-fp8 is their
   cost (against seqlen-contiguous loads, vectorised only at key lengths that are multiples of 16);
-- `flashattn-fp8-gluon`: flashattn-fp8 on the warp-specialised Gluon forward's FP8 variant, through the
-  launcher with that route named (the default routes keep FP8 on the Triton forward until it is measured);
+- `flashattn-fp8-gluon` / `flashattn-fp8-triton`: flashattn-fp8 on the warp-specialised Gluon forward's FP8
+  variant / on the Triton forward's, through the launcher with that route named (the default route takes
+  the Gluon one from 2K tokens, routes.takes_gluon_fp8_forward);
 - `flashattn-fp8+quant`: flashattn-fp8 with the three quantize calls (q, k, v from the case's dtype) inside
   the timed call, so its time says whether quantising costs more than FP8 saves;
 - `flashattn-fp8+rot+quant`: the same with the rotation of incoherent processing (quantize's rotate_seed:
@@ -104,15 +105,20 @@ def fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dic
                                      **options)
 
 
-def gluon_fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dict) -> torch.Tensor:
-    """The Gluon forward's FP8 variant on x, through the launcher with its route named."""
-    from flashattn.backends.triton import attention, routes
+def named_route(route_name: str) -> Callable:
+    """A call of the FP8 forward on x through the launcher with routes.<route_name>(spec) named."""
 
-    route = routes.gluon_forward_route(attention.spec_of(x.q8, x.k8, x.v8, causal=case.causal, **options))
-    out, _ = attention.attention_forward_fp8(x.q8, x.k8, x.v8, x.q_descale, x.k_descale, x.v_descale,
-                                             out_dtype=out_dtype, softmax_scale=x.q8.shape[-1] ** -0.5,
-                                             causal=case.causal, route=route, **options)
-    return out
+    def call(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dict) -> torch.Tensor:
+        from flashattn.backends.triton import attention, routes
+
+        spec = attention.spec_of(x.q8, x.k8, x.v8, causal=case.causal, out_dtype=out_dtype, **options)
+        route = getattr(routes, route_name)(spec)
+        out, _ = attention.attention_forward_fp8(x.q8, x.k8, x.v8, x.q_descale, x.k_descale, x.v_descale,
+                                                 out_dtype=out_dtype, softmax_scale=x.q8.shape[-1] ** -0.5,
+                                                 causal=case.causal, route=route, **options)
+        return out
+
+    return call
 
 
 Call = Callable[[Fp8Inputs, Case, torch.dtype, dict], torch.Tensor]
@@ -165,6 +171,7 @@ _DESCRIPTIONS = {
     "flashattn-fp8+quant": "flashattn-fp8 with quantize() of q, k, v inside the timed call",
     "flashattn-fp8+rot+quant": "flashattn-fp8 with quantize(rotate_seed=) inside the timed call",
     "flashattn-fp8-gluon": "flashattn-fp8 on the Gluon forward's FP8 variant (its route named)",
+    "flashattn-fp8-triton": "flashattn-fp8 on the Triton forward's FP8 variant (its route named)",
 }
 
 
@@ -174,7 +181,11 @@ def _setup(recipe: Recipe) -> Callable[..., Prepared]:
 
 PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recipe in RECIPES.items()] + [
     Provider("flashattn-fp8-gluon",
-             lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=gluon_fp8_attention,
+             lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=named_route("gluon_forward_route"),
                                            route_fwd="GluonForward"),
              _DESCRIPTIONS["flashattn-fp8-gluon"]),
+    Provider("flashattn-fp8-triton",
+             lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=named_route("triton_forward_route"),
+                                           route_fwd="TritonForward"),
+             _DESCRIPTIONS["flashattn-fp8-triton"]),
 ]

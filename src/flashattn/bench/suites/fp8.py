@@ -3,10 +3,12 @@ accuracy by quantisation recipe.
 
 Speed (mode fwd): 16K tokens at hidden 2048 (d64 h32, d128 h16, d256 h8; N 1K..16K with b = 16K / N),
 causal and not, the FlashAttention-3 paper's FP8 sweep. Side by side in one process:
-- `flashattn-fp8`: per-head descales, V quantised seqlen-contiguous, so the timed call is the attention only;
+- `flashattn-fp8`: per-head descales, V quantised seqlen-contiguous, so the timed call is the attention only
+  (the default route: the Gluon FP8 variant from 2K tokens, else the Triton one);
 - `flashattn-fp8-rowv`: V in the ordinary layout, read in place (the kernel transposes its tiles in
   registers: that cost);
-- `flashattn-fp8-gluon`: flashattn-fp8 on the Gluon forward's FP8 variant, its route named (CUDA only);
+- `flashattn-fp8-gluon` / `flashattn-fp8-triton`: flashattn-fp8 on the Gluon / the Triton forward's FP8
+  variant, its route named (CUDA only);
 - `flashattn-fp8+quant` / `flashattn-fp8+rot+quant`: quantize() of q, k, v from bf16 (with the rotation in
   the same passes) inside the timed call: above flashattn's time, quantising costs more than FP8 saves;
 - `flashattn` (our bf16 forward, the harness's usual call) and `sdpa-cudnn` (bf16; CUDA only).
@@ -60,10 +62,10 @@ SEQLENS = (1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
 BF16 = "flashattn"
 OURS = "flashattn-fp8"
-PROVIDERS = (OURS, "flashattn-fp8-rowv", "flashattn-fp8-gluon", "flashattn-fp8+quant",
+PROVIDERS = (OURS, "flashattn-fp8-rowv", "flashattn-fp8-gluon", "flashattn-fp8-triton", "flashattn-fp8+quant",
              "flashattn-fp8+rot+quant", BF16, "sdpa-cudnn")
-# the Gluon kernels do not run under the interpreter
-CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon")
+# the Gluon kernels do not run under the interpreter; the named-route ones are A/B timing of the GPU's routes
+CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon", "flashattn-fp8-triton")
 
 ACCURACY_MODE = "accuracy"
 ACCURACY_SEQLEN = 4096
@@ -273,7 +275,8 @@ SUITE = Fp8Suite(
         f"FP8 (e4m3) forward vs bf16, inference. Speed: {TOKENS} tokens, hidden {HIDDEN} (d64 h32, d128 h16, "
         "d256 h8), N 1K..16K, causal and not; flashattn-fp8 (per-head descales, V seqlen-contiguous, "
         "quantised before the timed call), flashattn-fp8-rowv (V in the ordinary layout, read in place), "
-        "flashattn-fp8-gluon (the Gluon forward's FP8 variant), flashattn-fp8+quant and "
+        "flashattn-fp8-gluon and flashattn-fp8-triton (each FP8 variant on its named route), "
+        "flashattn-fp8+quant and "
         "flashattn-fp8+rot+quant (quantize() of q, k, v, rotated or not, inside the timed call), flashattn "
         "and sdpa-cudnn in bf16. The FP8 providers are checked "
         "against the float64 oracle on the dequantised values of their own e4m3 inputs, within 2x plain "
