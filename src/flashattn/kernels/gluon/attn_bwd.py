@@ -295,7 +295,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         if varlen:
             # the rows past the sequence's end (the next sequence's, where padded tiles read zeros; their
             # stats rows may be unwritten) count as rows that saw no key, whose Pᵀ is 0 in either softmax
-            # below, and D 0: a vector op per step, where a mask over the tile spilled 0.1-0.2 KB more
+            # below, and D 0: a vector op per step rather than a predicate over the tile in every step
+            # (ptxas spilled the same either way)
             inside = offs_q < seqlen_q
             lse = gl.where(inside, lse, float("inf"))
         st = warpgroup_mma_wait(1, deps=(st,))
@@ -315,7 +316,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 x, scale = with_alibi(x, scale, dist, slope)
         # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
         # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the band's edges: the
-        # first row's right edge before this warpgroup's last key, the last row's left edge past its first.
+        # first row's right edge before this warpgroup's last key, the last row's left edge past its first
         if (key_tail or (diag_r is not None and m0 + diag_r < key0 + HALF_N - 1)
                 or (diag_l is not None and key0 < m0 + (BLOCK_M - 1) + diag_l)):
             keep = offs_k[:, None] < seqlen_k
