@@ -99,6 +99,16 @@ def _routes(q, k, v, fwd, bwd, causal=False, **kw):
     dense_ops.attention_backward(torch.ones_like(out), q, k, v, out, lse, route=b, **options)
 
 
+def _varlen_backward(q, k, v, cu, max_seqlen, bwd, causal=False):
+    """The varlen launchers, forward on its default route and backward on bwd(spec)'s."""
+    options = dict(softmax_scale=q.shape[-1] ** -0.5, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                   max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+    out, lse = dense_ops.attention_forward(q, k, v, **options)
+    spec = dense_ops.spec_of(q, k, v, causal=causal, cu_seqlens_q=cu, max_seqlen_q=max_seqlen,
+                             max_seqlen_k=max_seqlen)
+    dense_ops.attention_backward(torch.ones_like(out), q, k, v, out, lse, route=bwd(spec), **options)
+
+
 def _on_gluon(fn, *args, launchers=("backward", "forward"), **kw):
     """fn(*args, **kw), which must launch the Gluon kernels named (both by default): a case meant for them
     that the routes sent to the Triton kernels would compile those instead, and pass."""
@@ -209,6 +219,19 @@ def dense_cases():
         k, v = _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
         yield f"dense gluon d={d} dv={dv} causal softcap", partial(
             _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=("forward",), causal=True, softcap=20.0)
+    # the Gluon backward's group split (a named route): MQA and GQA parts adding dK / dV with atomics,
+    # padded and varlen, d = 64 (64-row steps, deferred dQ) and 128
+    def split(n):
+        return lambda spec: dataclasses.replace(routes.gluon_backward_route(spec), group_split=n)
+
+    for d, hk, n, causal in ((128, 1, 4, True), (64, 2, 2, False)):
+        q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, d)
+        yield f"dense gluon bwd d={d} h8/{hk} group_split={n} causal={causal}", partial(
+            _routes, q, k, v, routes.gluon_forward_route, split(n), causal=causal)
+    cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
+    q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)
+    yield "varlen gluon bwd d=128 h8/1 group_split=8 causal", partial(
+        _varlen_backward, q, k, v, cu, 130, split(8), causal=True)
     # d = 128 without GQA: ptxas crashed (SIGSEGV) on the dK/dV program's descriptor loads at these shapes,
     # so that program loads Q/dO through pointers
     for sq, causal in ((300, False), (300, True), (512, True)):

@@ -392,7 +392,7 @@ def test_host_time_is_a_gpu_only_field():
 
 
 @pytest.mark.parametrize("name", ["flashattn-triton", "flashattn-triton-bwd", "flashattn-ptr",
-                                  "flashattn-headmajor", "flashattn-ws-tiles"])
+                                  "flashattn-headmajor", "flashattn-ws-tiles", "flashattn-bwd-split4"])
 def test_route_providers_compute_the_same_attention(name):
     # the A/B providers time the library on other routes: same function, checked like any provider
     from flashattn.bench import providers

@@ -222,6 +222,32 @@ def test_backward_d64_dq_orders(ws_bwd_calls, monkeypatch, defer, sq, sk, h, hk,
     assert ws_bwd_calls
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h, hk, split, d", [(8, 1, 8, 128), (8, 1, 4, 64), (8, 2, 2, 128), (12, 4, 3, 64)],
+                         ids=["mqa-8", "mqa-4-d64", "gqa4-2", "gqa3-3-d64"])
+def test_backward_group_split(ws_bwd_calls, monkeypatch, h, hk, split, d, causal):
+    # the group's parts add dK and dV into float32 buffers: every part's share lands once, at odd lengths
+    _vary_routes(monkeypatch, backward=dict(group_split=split))
+    check_against_oracle(*_qkv(2, 300, 1100, h, hk, d), causal=causal)
+    check_against_oracle(*_qkv(1, 1023, 113, h, hk, d), causal=causal)
+    assert ws_bwd_calls
+
+
+def test_backward_group_split_varlen(ws_calls, ws_bwd_calls, monkeypatch):
+    torch.manual_seed(0)
+    _vary_routes(monkeypatch, backward=dict(group_split=4))
+    _check_varlen(ws_calls, ws_bwd_calls, VARLEN_Q, VARLEN_K, 8, 2, 128, causal=True)
+
+
+def test_backward_group_split_must_divide_the_group(ws_bwd_calls, monkeypatch):
+    from flashattn.errors import FlashAttnError
+
+    _vary_routes(monkeypatch, backward=dict(group_split=3))
+    q, k, v = _qkv(1, 64, 64, 8, 2, 64)
+    with pytest.raises(FlashAttnError, match="group_split is 3; it must divide the GQA group"):
+        flash_attn_func(q, k, v).sum().backward()
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_fp16_and_packed(ws_bwd_calls, d):
     check_against_oracle(*_qkv(2, 1000, 1200, 4, 2, d, torch.float16), causal=True)

@@ -32,6 +32,7 @@ from flashattn.backends.triton import host
 from flashattn.backends.triton.launch import Bound, launch
 from flashattn.backends.triton.merge import sm_count
 from flashattn.backends.triton.routes import HALF_M, GluonBackward, GluonForward
+from flashattn.errors import FlashAttnError
 
 
 @functools.lru_cache(maxsize=32)
@@ -277,9 +278,19 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
         streamed = tuple(t.unsqueeze(0) for t in streamed)
         plan = varlen_tile_offsets(cu_seqlens_k, pb.batch, route.tiles.block_n, k.shape[0])
         varlen = (cu_seqlens_q, cu_seqlens_k, plan, stats_row0, dk, dv, dk.stride(0), dk.stride(1))
+    split = (None, None)
+    if route.group_split > 1:
+        if pb.flags["GROUP"] % route.group_split:
+            raise FlashAttnError(f"group_split is {route.group_split}; it must divide the GQA group "
+                                 f"({pb.flags['GROUP']} query heads per kv head)")
+        # the parts' dK and dV, summed in float32, then cast into dk and dv
+        split = tuple(torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
     if prepared is None:
         prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
-    prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen))
+    prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split))
+    if route.group_split > 1:
+        dk.copy_(split[0])
+        dv.copy_(split[1])
     return dq_acc.to(q.dtype), prepared
 
 
@@ -296,7 +307,7 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
     from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
 
     tiles = route.tiles
-    n_bhk = pb.batch * pb.nheads_k
+    n_bhk = pb.batch * pb.nheads_k * route.group_split  # the group's parts count as heads of their own
     half_n = tiles.block_n // 2
     n_tiles = host.cdiv(pb.seqlen_k, tiles.block_n) * pb.batch
     if pb.varlen:
@@ -309,10 +320,10 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
              (list(stats.shape), list(stats.stride()), [2, 1, tiles.block_m], _stats_layout()))
     causal, left, right = band_args(pb)
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                  STAGES=tiles.num_stages, CAUSAL=causal, DEFER_DQ=route.defer_dq, num_warps=4,
-                  maxnreg=route.maxnreg)
+                  STAGES=tiles.num_stages, CAUSAL=causal, DEFER_DQ=route.defer_dq, SPLIT=route.group_split,
+                  num_warps=4, maxnreg=route.maxnreg)
     return Prepared(
-        Bound(attn_bwd_ws_kernel, (n_tiles * pb.nheads_k,), kwargs), specs,
+        Bound(attn_bwd_ws_kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
         (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
          *softcap_args(pb)),
     )

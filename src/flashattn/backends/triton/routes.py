@@ -178,6 +178,10 @@ class GluonBackward:
     kv_group: int
     defer_dq: bool = False  # 64-row steps at d = 64: each step computes the previous step's dQ
     maxnreg: int = MAXNREG_TWO
+    # programs per key tile and kv head, each over group / group_split query heads, adding dK and dV into
+    # float32 buffers (a divisor of the GQA group; 1: one program walks the whole group, no atomics). Not on
+    # a default route until the H200 has timed it
+    group_split: int = 1
     kernel = "gluon"
 
 

@@ -3,7 +3,8 @@ for A/B timing, the same attention on other routes (flashattn.backends.triton.ro
 with an explicit route, `flashattn-triton` (the Triton kernels forward and backward), `flashattn-ptr` (the
 Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor` (the default routes with the
 launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of
-its persistent grid); through the public call, every option included, `flashattn-triton-bwd` (with the
+its persistent grid), `flashattn-bwd-split{2,4,8}` (the Gluon backward's GQA group in parts); through the
+public call, every option included, `flashattn-triton-bwd` (with the
 Triton backward); and `torch-backend` (its pure-PyTorch backend)."""
 
 from __future__ import annotations
@@ -155,6 +156,21 @@ def _replace(route_fn: Callable, kind: type | None = None, **fields) -> Callable
     return make
 
 
+def _group_split(n: int) -> Callable:
+    """The default backward route, its Gluon one with the GQA group split into gcd(n, group) parts."""
+    import math
+
+    from flashattn.backends.triton import routes as r
+
+    def make(spec):
+        route = r.backward_route(spec)
+        if not isinstance(route, r.GluonBackward):
+            return route
+        return dataclasses.replace(route, group_split=math.gcd(n, spec.group))
+
+    return make
+
+
 def _providers() -> list[Provider]:
     from flashattn.backends.triton import routes as r
 
@@ -172,6 +188,9 @@ def _providers() -> list[Provider]:
                         _replace(r.backward_route, r.TritonBackward, kv_group=1, q_group=1)),
                  "this project's default routes with the launch order head by head instead of grouped "
                  "heaviest-first (A/B timing)"),
+        *(Provider(f"flashattn-bwd-split{n}", routed(r.forward_route, _group_split(n)),
+                   f"this project's default routes with the Gluon backward's GQA group split into {n} parts "
+                   "per key tile, dK/dV added in float32 (A/B timing)") for n in (2, 4, 8)),
         Provider("flashattn-ws-tiles", routed(_replace(r.forward_route, r.GluonForward, persistent=False),
                                               r.backward_route),
                  "this project's Gluon forward on one program per query tile instead of its persistent grid "

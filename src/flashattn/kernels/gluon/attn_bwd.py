@@ -15,6 +15,9 @@ pair, attn_bwd.py).
     leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here.
     DEFER_DQ (d = 64, 64-row steps): each step computes the previous step's dQ, so the dSᵀ hand-off no
     longer holds the two warpgroups in step.
+    SPLIT > 1 (GQA/MQA): SPLIT programs per key tile and kv head, each over GROUP / SPLIT of the group's
+    query heads, add their dK and dV into float32 buffers with atomics (FA3's GQA scheme), which the
+    launcher casts; a group of 32 heads on one program holds that program's key tile 32x as long.
 The options are compile-time variants of this one body, as in the forward (scores.py; None when off): a
 window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key tile visiting only the
 query tiles that see it (`_key_tile`) and masking only those at the band's edges; softcap (dS times
@@ -64,12 +67,12 @@ def _reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _key_sequence(problem):
+def _key_sequence(problem, SPLIT: gl.constexpr):
     """Varlen: (this program's tile of the key-tile list, its sequence), found by bisection (the loader's
     search, whose result it hands the consumers through shared memory: `_program_sequence`)."""
-    nheads_k = problem[0]
-    t = gl.program_id(0) // nheads_k
-    return t, sequence_of_tile(t, problem[9], problem[3] // nheads_k)
+    per_tile = problem[0] * SPLIT  # nheads_k · SPLIT programs per key tile
+    t = gl.program_id(0) // per_tile
+    return t, sequence_of_tile(t, problem[9], problem[3] // per_tile)
 
 
 @gluon.jit
@@ -83,20 +86,23 @@ def _program_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
 
 
 @gluon.jit
-def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, kv head, first key, first query row, query tiles, the sequence's first query and key rows in
-    the packed tensors, its query and key lengths) of this program; rows and keys count from the sequence's
-    start. Padded layout: common.grouped_program's order, rank 0 the first key tile, which every query sees
-    under causal masking. Varlen (CU_Q given; off_b: the program's sequence, `_key_sequence`): program p is
-    tile p // nheads_k of the list of every sequence's key tiles (PLAN: the tiles before each sequence), kv
-    head p % nheads_k, each sequence's first tile first; the grid is a bound on the list's length, and the
-    programs past it get no query tiles (and store nothing). The query tiles are those with a row that sees
-    a key of the tile."""
+def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              SPLIT: gl.constexpr):
+    """(batch, kv head, its part of the group (SPLIT), first key, first query row, query tiles, the
+    sequence's first query and key rows in the packed tensors, its query and key lengths) of this program;
+    rows and keys count from the sequence's start. n_bhk counts batch · kv heads · SPLIT (the group's parts
+    as heads of their own). Padded layout: common.grouped_program's order, rank 0 the first key tile, which
+    every query sees under causal masking. Varlen (CU_Q given; off_b: the program's sequence,
+    `_key_sequence`): program p is tile p // (nheads_k · SPLIT) of the list of every sequence's key tiles
+    (PLAN: the tiles before each sequence), then kv head and part, each sequence's first tile first; the grid
+    is a bound on the list's length, and the programs past it get no query tiles (and store nothing). The
+    query tiles are those with a row that sees a key of the tile."""
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0 = problem
     pid = gl.program_id(0)
     if CU_Q is not None:
-        t = pid // nheads_k
-        off_hk = pid % nheads_k
+        t = pid // (nheads_k * SPLIT)
+        off_hk = (pid // SPLIT) % nheads_k
+        part = pid % SPLIT
         # seqlen_q / seqlen_k: the packed tensors' rows
         q_start, seqlen_q = sequence_rows(CU_Q, off_b, seqlen_q)
         k_start, seqlen_k = sequence_rows(CU_K, off_b, seqlen_k)
@@ -109,6 +115,8 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
         heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
         off_bhk = g * lpt_group + r % heads
         start_n = (r // heads) * BLOCK_N
+        part = off_bhk % SPLIT
+        off_bhk = off_bhk // SPLIT
         off_b = off_bhk // nheads_k
         off_hk = off_bhk % nheads_k
         q_start = 0
@@ -128,7 +136,7 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
     if CU_Q is not None:
         if start_n >= seqlen_k:  # past the list
             n_m = 0
-    return off_b, off_hk, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k
+    return off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -159,7 +167,7 @@ def _store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexp
 
 @gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     descs, smems, bars, problem = loader_args
     q_desc, do_desc, k_desc, v_desc, stats_desc = descs
     q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
@@ -168,10 +176,12 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     varlen: gl.constexpr = problem[7] is not None
     b = 0
     if varlen:
-        t, b = _key_sequence(problem)
+        t, b = _key_sequence(problem, SPLIT)
         publish_tile(seq_smem, seq_ready, 0, t, b)
-    off_b, off_hk, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, b, BLOCK_M, BLOCK_N,
-                                                                             CAUSAL)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, b, BLOCK_M,
+                                                                                   BLOCK_N, CAUSAL, SPLIT)
+    HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
+    head0 = off_hk * GROUP + part * HEADS
     # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
     # rows past its end are the next sequence's (the consumers mask them and store none)
     desc_b = 0 if varlen else off_b
@@ -184,8 +194,8 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
         tma.async_copy_global_to_shared(k_desc, [desc_b, row, off_hk, 0], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [desc_b, row, off_hk, 0], kv_bar, v_smem.index(w))
     c = 0
-    for g in range(GROUP):
-        off_h = off_hk * GROUP + g
+    for g in range(HEADS):
+        off_h = head0 + g
         for mi in range(n_m):
             s = c % STAGES
             # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
@@ -215,16 +225,18 @@ def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-              WG: gl.constexpr):
+              SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
-     scales, problem, kv_rows) = args
+     scales, problem, kv_rows, kv_acc) = args
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
-    off_b, off_hk, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
-        problem, _program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
+        problem, _program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT)
+    HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
+    head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -264,8 +276,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     dq = warpgroup_mma_init(q_zero)
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
     m0_prev = m_first
-    off_h_prev = off_hk * GROUP
-    n_steps = GROUP * n_m
+    off_h_prev = head0
+    n_steps = HEADS * n_m
     # n_m >= 1 wherever a step runs; the clamp is what the shipped kernel was measured with (without it, ptxas
     # allocates differently: 8 B more of spill loads in the causal build)
     steps_per_head = gl.maximum(n_m, 1)
@@ -277,7 +289,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for c in range(n_steps):
         g = c // steps_per_head
-        off_h = off_hk * GROUP + g
+        off_h = head0 + g
         m0 = m_first + (c - g * steps_per_head) * BLOCK_M
         s = c % STAGES
         b = c % NBUF
@@ -381,47 +393,67 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
     mbarrier.arrive(done, count=1)
     mbarrier.wait(done, 0)
-    k.store((dk * sm_scale).to(dtype))
-    v.store(dv.to(dtype))
-    if varlen:
-        DK, DV, stride_km, stride_kh = kv_rows
-        if start_n < seqlen_k:  # a tile of the list
-            if key0 + HALF_N > seqlen_k:
-                # the sequence ends inside this warpgroup's keys, and a TMA store would write the next
-                # sequence's: the keys inside go from the staging buffers by masked stores
-                store_rows(k, DK, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
-                store_rows(v, DV, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
-            else:
-                fence_async_shared()
-                tma.async_copy_shared_to_global(dk_desc, [0, k_start + key0, off_hk, 0], k_smem.index(WG))
-                tma.async_copy_shared_to_global(dv_desc, [0, k_start + key0, off_hk, 0], v_smem.index(WG))
+    if SPLIT > 1:
+        # a part of the group: its share of dK and dV added into the float32 buffers (shaped like k)
+        if start_n < seqlen_k:  # past the varlen list: nothing
+            DK_ACC, DV_ACC = kv_acc
+            rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            # element offsets in a contiguous (b, sk, h_k, d) buffer, or (total_k, h_k, d) under varlen
+            nheads_k = problem[0]
+            key_row0 = off_b.to(gl.int64) * seqlen_k
+            if varlen:
+                key_row0 = k_start.to(gl.int64)
+            first = (key_row0 * nheads_k + off_hk) * HEAD_DIM
+            offs = first + (rows.to(gl.int64) * (nheads_k * HEAD_DIM))[:, None] + cols[None, :]
+            inside = (rows < seqlen_k)[:, None] & (cols < HEAD_DIM)[None, :]
+            gl.atomic_add(DK_ACC + offs, dk * sm_scale, mask=inside, sem="relaxed")
+            gl.atomic_add(DV_ACC + offs, dv, mask=inside, sem="relaxed")
     else:
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
-        tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        if varlen:
+            DK, DV, stride_km, stride_kh = kv_rows
+            if start_n < seqlen_k:  # a tile of the list
+                if key0 + HALF_N > seqlen_k:
+                    # the sequence ends inside this warpgroup's keys, and a TMA store would write the next
+                    # sequence's: the keys inside go from the staging buffers by masked stores
+                    store_rows(k, DK, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
+                    store_rows(v, DV, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
+                else:
+                    fence_async_shared()
+                    key = k_start + key0
+                    tma.async_copy_shared_to_global(dk_desc, [0, key, off_hk, 0], k_smem.index(WG))
+                    tma.async_copy_shared_to_global(dv_desc, [0, key, off_hk, 0], v_smem.index(WG))
+        else:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
+            tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
     tma.store_wait(0)
 
 
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 0)
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+               SPLIT: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr):
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+               SPLIT: gl.constexpr):
     # a worker partition: the loader's signature
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, 1)
 
 
 @gluon.jit
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
-    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
 ):
     # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
     # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
@@ -429,8 +461,10 @@ def attn_bwd_ws_kernel(
     # tiles before each sequence (n_bhk = sequences · nheads_k), STATS_ROW0 where each sequence's rows start
     # in the stats planes (in 4-row units: a TMA start must be 16-byte aligned), DK / DV (stride_km,
     # stride_kh: their row and head strides) for the masked stores of a sequence's last keys; all None in the
-    # padded layout
+    # padded layout. SPLIT > 1: DK_ACC / DV_ACC, zeroed float32 buffers shaped like k (contiguous), into
+    # which the programs add (None otherwise); n_bhk counts batch · kv heads · SPLIT
     gl.static_assert(BLOCK_N == 2 * HALF_N)
+    gl.static_assert(GROUP % SPLIT == 0)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
     dtype: gl.constexpr = q_desc.dtype
@@ -468,13 +502,13 @@ def attn_bwd_ws_kernel(
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
-            (DK, DV, stride_km, stride_kh))
+            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's
     gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ)),
-        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
     ], [4, 1], [240, 24])
