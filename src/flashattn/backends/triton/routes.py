@@ -217,13 +217,16 @@ def gluon_forward_tiles(spec: Spec) -> TileConfig:
     return tiles
 
 
-def takes_gluon_forward(spec: Spec) -> bool:
+def _gluon_shapes(spec: Spec) -> bool:
     # Q and K padded to a tile width (TMA reads the columns past d as zeros); V and O staged in Q's buffer,
     # hence no wider, and not padded (a varlen tile's last rows are stored by column-exact masked stores)
     # (and a descriptor needs rows: a varlen batch of only empty sequences, max_seqlen 0, may have none)
-    return (spec.gluon_features and spec.tma_ready and block_d(spec.headdim) in GLUON_HEADDIMS
-            and spec.headdim_v in GLUON_HEADDIMS and spec.headdim_v <= block_d(spec.headdim)
-            and min(spec.seqlen_q, spec.seqlen_k) > 0)
+    return (block_d(spec.headdim) in GLUON_HEADDIMS and spec.headdim_v in GLUON_HEADDIMS
+            and spec.headdim_v <= block_d(spec.headdim) and min(spec.seqlen_q, spec.seqlen_k) > 0)
+
+
+def takes_gluon_forward(spec: Spec) -> bool:
+    return spec.gluon_features and spec.tma_ready and _gluon_shapes(spec)
 
 
 def dq_buffer_bytes(spec: Spec) -> int:
@@ -277,9 +280,7 @@ def takes_gluon_fp8_forward(spec: Spec) -> bool:
     under a mask from 2K at d >= 128 and from 8K at d = 64, it ran +3% to +25% (one point -0.6%: d 256 8K
     full); at 1K it lost up to 31% under causal masking, and d 64 lost up to 2.6% under it below 8K."""
     if not (spec.dtype == "float8_e4m3fn" and spec.cuda and spec.capability[0] >= 9 and spec.aligned
-            and not spec.varlen and spec.out_dtype in ("float16", "bfloat16")
-            and block_d(spec.headdim) in GLUON_HEADDIMS and spec.headdim_v in GLUON_HEADDIMS
-            and spec.headdim_v <= block_d(spec.headdim) and min(spec.seqlen_q, spec.seqlen_k) > 0):
+            and not spec.varlen and spec.out_dtype in ("float16", "bfloat16") and _gluon_shapes(spec)):
         return False
     shortest = 8192 if spec.banded and block_d(spec.headdim) <= 64 else 2048
     return spec.longest >= shortest
