@@ -48,10 +48,10 @@ from flashattn.kernels.gluon.schedule import (
     next_tile,
     publish_tile,
     sequence_of_tile,
-    sequence_rows,
     store_rows,
 )
 from flashattn.kernels.gluon.scores import softcapped, with_alibi
+from flashattn.kernels.triton.common import seq_bounds  # scalar arithmetic: Gluon calls triton.jit helpers
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -103,9 +103,9 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
         t = pid // (nheads_k * SPLIT)
         off_hk = (pid // SPLIT) % nheads_k
         part = pid % SPLIT
-        # seqlen_q / seqlen_k: the packed tensors' rows
-        q_start, seqlen_q = sequence_rows(CU_Q, off_b, seqlen_q)
-        k_start, seqlen_k = sequence_rows(CU_K, off_b, seqlen_k)
+        # seqlen_q / seqlen_k: the packed tensors' rows, each sequence clamped into them
+        q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, True)
+        k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, True)
         start_n = (t - gl.load(PLAN + off_b)) * BLOCK_N
     else:
         n_tiles = gl.cdiv(seqlen_k, BLOCK_N)

@@ -489,7 +489,7 @@ def attn_fwd_ws_kernel(
     # (whose descriptors have one batch), PLAN the query tiles before each sequence (kernels/triton/tiles.py;
     # its last entry, times nheads, is the work), O with its row and head strides for the rows of a
     # sequence's last tile; seqlen_q and seqlen_k are then the packed tensors' rows, into which each sequence
-    # is clamped (schedule.sequence_rows).
+    # is clamped (common.seq_bounds, as in the Triton kernels).
     # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
     # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
     gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")

@@ -14,8 +14,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from flashattn.kernels.triton.common import (
-    grouped_program,  # scalar arithmetic: Gluon calls triton.jit helpers
+from flashattn.kernels.triton.common import (  # scalar arithmetic: Gluon calls triton.jit helpers
+    grouped_program,
+    seq_bounds,
 )
 
 
@@ -33,16 +34,6 @@ def sequence_of_tile(g, PLAN, batch):
         else:
             hi = mid
     return lo
-
-
-@gluon.jit
-def sequence_rows(CU, b, total):
-    """(first row, length) of sequence b in a packed tensor of `total` rows, clamped into them as
-    common.seq_bounds clamps it: cu_seqlens' values are not checked on the device (that would cost a sync),
-    so a bad one gives wrong rows, never an access out of bounds."""
-    first = gl.minimum(gl.maximum(gl.load(CU + b), 0), total)
-    end = gl.minimum(gl.maximum(gl.load(CU + b + 1), first), total)
-    return first, end - first
 
 
 @gluon.jit
@@ -65,9 +56,10 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     n_start + n_k · BLOCK_N)."""
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
     if CU_Q is not None:
-        # seqlen_q / seqlen_k: the packed tensors' rows
-        q_start, seqlen_q = sequence_rows(CU_Q, b, seqlen_q)
-        k_start, seqlen_k = sequence_rows(CU_K, b, seqlen_k)
+        # seqlen_q / seqlen_k: the packed tensors' rows, into which each sequence is clamped as the Triton
+        # kernels clamp it (cu_seqlens' values are not checked on the device)
+        q_start, seqlen_q = seq_bounds(CU_Q, b, seqlen_q, True)
+        k_start, seqlen_k = seq_bounds(CU_K, b, seqlen_k, True)
         n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
         rank = t // nheads - gl.load(PLAN + b)
         off_b = b

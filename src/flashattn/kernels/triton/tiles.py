@@ -15,8 +15,8 @@ import triton.language as tl
 def varlen_tile_offsets_kernel(CU_SEQLENS, OFFSETS, batch, total, BLOCK_M: tl.constexpr,
                                BLOCK_B: tl.constexpr):
     """OFFSETS[b] = Σ_{b' < b} cdiv(len_b', BLOCK_M) for b in [0, batch] (OFFSETS[batch]: every sequence's
-    tiles), len_b = CU_SEQLENS[b + 1] - CU_SEQLENS[b] clamped as the kernels clamp it (common.seq_bounds,
-    schedule.sequence_rows: the values are not checked on the device) into the packed tensor's `total` rows.
+    tiles), len_b = CU_SEQLENS[b + 1] - CU_SEQLENS[b] clamped into the packed tensor's `total` rows as every
+    kernel clamps it (common.seq_bounds, the Gluon kernels' too: the values are not checked on the device).
     One program, BLOCK_B sequences at a time."""
     tl.store(OFFSETS, 0)
     carry = 0
