@@ -191,6 +191,24 @@ def test_gluon_backward_defers_dq_on_64_row_steps_at_d64():
         assert not routes.backward_route(_spec(window=window)).defer_dq  # d = 128
 
 
+@pytest.mark.parametrize("nheads, nheads_k, split", [
+    (32, 1, 8), (32, 8, 2), (32, 4, 4), (16, 2, 4), (6, 1, 3), (12, 4, 1), (8, 4, 1), (4, 4, 1), (5, 1, 1),
+    (7, 1, 1),
+])
+def test_the_gluon_backward_splits_a_gqa_group_into_parts_of_two_or_more_heads(nheads, nheads_k, split):
+    # the largest divisor of the group up to min(8, group / 2)
+    spec = _spec(nheads=nheads, nheads_k=nheads_k, window=CAUSAL)
+    assert routes.gluon_backward_route(spec).group_split == split
+
+
+def test_the_group_split_stays_off_where_its_buffers_pass_the_cap():
+    # float32 dK and dV: 2 x 4 bytes x (b x sk x h_k x d); 32/8 at 64K tokens is 512 MiB
+    fits = _spec(nheads=32, nheads_k=8, seqlen_q=16384, seqlen_k=16384)
+    assert routes.gluon_backward_route(fits).group_split == 2
+    big = dataclasses.replace(fits, seqlen_q=65536, seqlen_k=65536)
+    assert routes.gluon_backward_route(big).group_split == 1
+
+
 def test_launch_order_groups_heads_only_under_a_band():
     assert routes.forward_route(_spec()).lpt_group == 1
     banded = routes.forward_route(_spec(window=(256, 0), nheads=32, nheads_k=32))

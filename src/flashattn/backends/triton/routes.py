@@ -37,6 +37,9 @@ MAXNREG_THREE = 128  # 16 warps (three consumer warpgroups and the loader's) x 1
 # target (2.2 GiB beyond the inputs for forward + backward, b=1, h=16, d=128) leaves no room for a 1 GiB
 # buffer
 DQ_BUFFER_CAP = 512 << 20
+# the float32 dK and dV buffers of the Gluon backward's GQA group split, beyond which one program walks the
+# whole group instead (they come on top of the dQ buffer)
+SPLIT_BUFFER_CAP = 256 << 20
 # bytes of streamed tiles (K/V, or Q/dO in the dK/dV role) that one group of heads may keep live in L2
 # (50 MiB on the H200): interleaving every head lost 4-9% to L2 misses in the block-sparse kernels
 L2_BUDGET = 16 << 20
@@ -179,8 +182,7 @@ class GluonBackward:
     defer_dq: bool = False  # 64-row steps at d = 64: each step computes the previous step's dQ
     maxnreg: int = MAXNREG_TWO
     # programs per key tile and kv head, each over group / group_split query heads, adding dK and dV into
-    # float32 buffers (a divisor of the GQA group; 1: one program walks the whole group, no atomics). Not on
-    # a default route until the H200 has timed it
+    # float32 buffers (a divisor of the GQA group; 1: one program walks the whole group, no atomics)
     group_split: int = 1
     kernel = "gluon"
 
@@ -298,6 +300,20 @@ def _kv_group(spec: Spec) -> int:
     return lpt_group(spec, spec.batch * spec.nheads_k, spec.seqlen_q * row_bytes * spec.group)
 
 
+def group_split(spec: Spec) -> int:
+    """Programs per key tile and kv head of the Gluon backward: the largest divisor of the GQA group up to
+    min(8, group / 2), so that each program walks two or more of the group's query heads. On the H200
+    (benchmarks/results/2026-12-02-workloads-fa4, b2 N8K d128 causal) MQA 32/1 ran its backward at 295
+    TFLOP/s with one program per key tile, 366 split in 2 and 479 in 8; GQA 32/8 at 482, 500 split in 2
+    and 494 in 4. Not where the float32 dK and dV buffers would pass SPLIT_BUFFER_CAP (varlen: counted over
+    batch · max_seqlen_k keys, a bound on the packed ones)."""
+    most = min(8, spec.group // 2)
+    buffers = 2 * spec.batch * spec.seqlen_k * spec.nheads_k * spec.headdim * 4
+    if most < 2 or buffers > SPLIT_BUFFER_CAP:
+        return 1
+    return max(n for n in range(1, most + 1) if spec.group % n == 0)
+
+
 def gluon_backward_route(spec: Spec) -> GluonBackward:
     """The Gluon backward's route for a spec it takes (takes_gluon_backward)."""
     # the causal rows (at d = 64, 64-row steps) under any mask, and where a softcap or ALiBi holds more per
@@ -306,7 +322,7 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
     # 64-row steps at d = 64 compute each step's dQ one step late: the four dS^T buffers this needs leave no
     # shared memory for 128-row steps
     return GluonBackward(tiles, _kv_group(spec), defer_dq=spec.headdim == 64 and tiles.block_m == 64,
-                         maxnreg=tiles.maxnreg or MAXNREG_TWO)
+                         maxnreg=tiles.maxnreg or MAXNREG_TWO, group_split=group_split(spec))
 
 
 def triton_backward_route(spec: Spec) -> TritonBackward:
