@@ -269,13 +269,6 @@ def attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, out_dtype
                              descales=(q_descale, k_descale, v_descale), out_dtype=out_dtype)
 
 
-def _dsink(dsink_rows, varlen: bool = False):
-    """The sink's gradient (h,) from its per-row shares (b, h, sq), or (h, total_q) under varlen; or None."""
-    if dsink_rows is None:
-        return None
-    return dsink_rows.sum(1) if varlen else dsink_rows.sum((0, 2))
-
-
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                        learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -303,12 +296,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)  # unpacked: as attention_forward's
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
             stats, dq_acc = gluon.backward_buffers(pb, q)
-            dsink_rows = None if learnable_sink is None else torch.empty_like(lse)
-            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], learnable_sink, dsink_rows, None,
-                        *pre_args))
-            dq, _ = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
-                                   alibi_slopes)
-            return dq, dk, dv, _dsink(dsink_rows)
+            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], None, *pre_args))
+            return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
+                                  alibi_slopes, learnable_sink)[:4]
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
                   (dout,))
@@ -324,9 +314,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
 
     # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
     # (gluon.backward_buffers): the preprocess zeroes the one and fills the other (no launch of its own)
-    # and a learnable sink's gradient rows (dsink_rows; the Triton backward's dQ role writes its own)
     on_gluon = isinstance(route, routes.GluonBackward)
-    dsink_rows = stats_row0 = None
+    stats_row0 = None
     if on_gluon:
         stats, dq_acc = gluon.backward_buffers(pb, q)
         if pb.varlen:
@@ -336,8 +325,6 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         delta_rows = stats.shape[-1]
         # the planes' rows: (b·h, sq padded), or (h, total_q) under varlen
         delta_strides = (0, stats.stride(1)) if pb.varlen else (pb.nheads * stats.stride(1), stats.stride(1))
-        if learnable_sink is not None:
-            dsink_rows = torch.empty_like(lse)
     else:
         delta = lse2 = dq_acc = torch.empty_like(lse)
         delta_rows, delta_strides = pb.seqlen_q, lse_strides
@@ -349,15 +336,15 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)
-    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, learnable_sink if on_gluon else None, dsink_rows,
-                stats_row0, *pre_args))
+    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, stats_row0, *pre_args))
     if on_gluon:
-        dq, prepared = gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale,
-                                      alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                      cu_seqlens_k=cu_seqlens_k, stats_row0=stats_row0)
+        dq, dk, dv, dsink, prepared = gluon.backward(
+            pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, alibi_slopes=alibi_slopes,
+            learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            stats_row0=stats_row0)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
-        return dq, dk, dv, _dsink(dsink_rows, pb.varlen)
+        return dq, dk, dv, dsink
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)

@@ -264,14 +264,14 @@ def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
-             prepared: Prepared | None = None, alibi_slopes=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, stats_row0=None) -> tuple[torch.Tensor, Prepared]:
-    """dq, and fill dk and dv (attention_backward's contract), with the warp-specialised backward; stats and
-    dq_acc: as `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. A learnable
-    sink changes nothing here: its gradient comes from the preprocess (attention.py). Varlen (pb.varlen,
+             prepared: Prepared | None = None, alibi_slopes=None, learnable_sink=None, cu_seqlens_q=None,
+             cu_seqlens_k=None, stats_row0=None) -> tuple:
+    """dq, dk and dv (dk and dv filled: attention_backward's contract) and the sink's gradient ((h,) float32,
+    or None without learnable_sink), with the warp-specialised backward; stats and dq_acc: as
+    `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Varlen (pb.varlen,
     cu_seqlens and stats_row0 given, see `backward_buffers`): the packed tensors go to the descriptors as one
-    batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, the
-    launch prepared)."""
+    batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, dk,
+    dv, dsink, the launch prepared)."""
     streamed = (q, dout, k, v, dk, dv, dq_acc)
     varlen = (None,) * 8
     if pb.varlen:
@@ -285,13 +285,16 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
                                  f"({pb.flags['GROUP']} query heads per kv head)")
         # the parts' dK and dV, summed in float32, then cast into dk and dv
         split = tuple(torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    # the sink's gradient, added into by the programs
+    dsink = None if learnable_sink is None else torch.zeros(pb.nheads, dtype=torch.float32, device=q.device)
     if prepared is None:
         prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
-    prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split))
+    prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split, learnable_sink,
+                                  dsink))
     if route.group_split > 1:
         dk.copy_(split[0])
         dv.copy_(split[1])
-    return dq_acc.to(q.dtype), prepared
+    return dq_acc.to(q.dtype), dk, dv, dsink, prepared
 
 
 @functools.cache

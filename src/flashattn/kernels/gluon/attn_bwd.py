@@ -23,9 +23,10 @@ window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key
 query tiles that see it (`_key_tile`) and masking only those at the band's edges; softcap (dS times
 1 − tanh²); ALiBi; the packed (varlen) layout, whose key tiles of all sequences form one list (a
 program per tile and kv head), a sequence's rows past its end masked and its last keys' dK and dV stored by
-masked stores rather than TMA. A learnable sink needs nothing here: P is recomputed against the LSE that
-includes it, so dS is unchanged, and its gradient comes from the preprocess's row statistics
-(kernels/triton/attn_bwd.py).
+masked stores rather than TMA. A learnable sink leaves dS unchanged (P is recomputed against the LSE that
+includes it); its gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, is summed here from the float32 Pᵀ and dPᵀ and added
+once per program and head (the preprocess's D = rowsum(dO ∘ O) comes from the rounded output, and over the
+many rows of that sum its error passed plain PyTorch's several-fold).
 The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
 Triton backward (as flash_attn's flag does). Which calls come here is the routes' choice
 (backends/triton/routes.py).
@@ -166,6 +167,17 @@ def _store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexp
 
 
 @gluon.jit
+def _add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Atomically add a scalar into *ptr, once: from the one thread that owns element (0, 0) of a tile in
+    `layout`, a wgmma accumulator layout, which holds each element in exactly one thread."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    first = (rows[:, None] == 0) & (cols[None, :] == 0)
+    offs = rows[:, None] * 0 + cols[None, :] * 0
+    gl.atomic_add(ptr + offs, gl.zeros([ROWS, COLS], gl.float32, layout) + value, mask=first, sem="relaxed")
+
+
+@gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     descs, smems, bars, problem = loader_args
@@ -227,7 +239,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
-     scales, problem, kv_rows, kv_acc) = args
+     scales, problem, kv_rows, kv_acc, sink) = args
+    SINK, DSINK = sink
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     left = problem[5]
@@ -287,6 +300,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     # tile is unswizzled (Triton 3.6's Gluon names it _reinterpret; the project pins triton 3.6.*)
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # this head's share of the sink's gradient so far, per key (SINK)
+    sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
     for c in range(n_steps):
         g = c // steps_per_head
         off_h = head0 + g
@@ -341,6 +356,20 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             pt = gl.exp2(x * scale - lse[None, :])
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        if SINK is not None:
+            # P_sink = exp(sink - lse) per row: 0 where the row saw no key (lse = +inf, varlen's rows past
+            # the sequence included); rows past seqlen_q in the padded layout have dO = 0, hence dPᵀ = 0.
+            # The LSE read again from shared memory (ALiBi under causal masking has folded a bias into
+            # `lse`; and holding `lse` this far spilled 0.4 KB more at d = 64)
+            lse_rows = stats_rows.index(2 * s).load(row_layout)
+            if varlen:
+                lse_rows = gl.where(inside, lse_rows, float("inf"))
+            p_sink = gl.exp2(gl.load(SINK + off_h) * LOG2E - lse_rows)
+            # summed over the queries, within each warp (a sum over the keys would cross warps every step)
+            sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
+            if c % steps_per_head == steps_per_head - 1:  # the head's last step
+                _add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, HALF_N, BLOCK_M)
+                sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
         delta = stats_rows.index(2 * s + 1).load(row_layout)
         if varlen:
             delta = gl.where(inside, delta, 0.0)
@@ -451,7 +480,7 @@ def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
-    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC, SINK, DSINK,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
 ):
@@ -462,7 +491,8 @@ def attn_bwd_ws_kernel(
     # in the stats planes (in 4-row units: a TMA start must be 16-byte aligned), DK / DV (stride_km,
     # stride_kh: their row and head strides) for the masked stores of a sequence's last keys; all None in the
     # padded layout. SPLIT > 1: DK_ACC / DV_ACC, zeroed float32 buffers shaped like k (contiguous), into
-    # which the programs add (None otherwise); n_bhk counts batch · kv heads · SPLIT
+    # which the programs add (None otherwise); n_bhk counts batch · kv heads · SPLIT. SINK: a learnable
+    # sink's float32 values (h,), and DSINK the zeroed (h,) float32 its gradient is added into (None without)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     gl.static_assert(GROUP % SPLIT == 0)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
@@ -502,7 +532,7 @@ def attn_bwd_ws_kernel(
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
-            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC))
+            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC), (SINK, DSINK))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
