@@ -13,7 +13,7 @@
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
 #                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, unset all, empty none; SANITIZE_S: seconds a case)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
-#                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384)
+#                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_PROVIDERS: another list)
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list
@@ -95,7 +95,7 @@ for stage in "$@"; do
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     train-table)
       bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
-        ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "flashattn,sdpa-cudnn$FA4" ;;
+        ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
     workloads)
       bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd \
         --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ;;

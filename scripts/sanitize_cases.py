@@ -1,7 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_features] [fp8] [softcap_wide]
+        [ws_deterministic] [ws_features] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -12,7 +12,7 @@ launch), through flash_attn_with_kvcache and a DecodePlan.
 ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after
 the Triton forward's route) so that a hazard report names one of them. ws_features runs their compile-time
 variants (windows, softcap, ALiBi, sinks, the forward's varlen layout) forward and backward at small odd
-shapes.
+shapes. ws_deterministic runs the backward's fixed-order dQ variant (deterministic=True).
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -167,6 +167,23 @@ def ws_bwd():
             _grad_check(flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal),
                         q, k, v)
     routes.forward_route = default
+
+
+def ws_deterministic():
+    # deterministic=True on the Gluon backward: its dQ writer warp and counters, under both orders (a right
+    # edge: the last key tile first; none: the first), d = 64 (deferred dQ) and 128, GQA, and varlen with
+    # empty sequences and programs past the key-tile list
+    for b, sq, sk, h, hk, d, opts in [(1, 200, 300, 4, 2, 128, dict(causal=True)), (2, 130, 67, 4, 2, 64, {}),
+                                      (1, 300, 200, 4, 4, 64, dict(window_size=(50, 20))),
+                                      (1, 257, 257, 2, 1, 128, dict(window_size=(100, -1)))]:
+        q, k, v = _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
+    lens = [0, 77, 1, 300, 0, 129]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    for causal in (False, True):
+        q, k, v = _qkv((sum(lens), 4, 128), (sum(lens), 2, 128), (sum(lens), 2, 128))
+        _grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                           deterministic=True), q, k, v)
 
 
 def ws_features():

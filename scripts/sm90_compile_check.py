@@ -263,6 +263,19 @@ def dense_cases():
                        learnable_sink=torch.zeros(4, requires_grad=True))
         yield f"varlen gluon d={d} {tiles or 'table tiles'} window softcap alibi sink", (
             partial(_with_tiles, tiles, call) if tiles else call)
+    # deterministic=True on the Gluon backward (its dQ writer warp and counters): the order under a right edge
+    # (causal; a two-sided window) and without one (full; a left edge only), d = 64 (deferred dQ) and 128,
+    # GQA, padded and varlen
+    det = [(64, dict(causal=True)), (128, dict()), (128, dict(window_size=(300, -1))),
+           (64, dict(window_size=(100, 37)))]
+    for d, opts in det[:2] if QUICK else det:
+        q, k, v = _t(1, 1100, 4, d, grad=True), _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, d, grad=True)
+        yield f"dense gluon deterministic d={d} {opts}", partial(
+            _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, deterministic=True, **opts)
+    q, k, v = _t(208, 4, 128, grad=True), _t(208, 2, 128, grad=True), _t(208, 2, 128, grad=True)
+    yield "varlen gluon deterministic d=128 causal", partial(
+        _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,
+        deterministic=True)
     # S_dmask (return_attn_probs with dropout): its key tiles are 128, 64 and 32 wide by head dim
     for d in (32, 64, 128, 256):
         q, k, v = _t(2, 150, 4, d), _t(2, 190, 2, d), _t(2, 190, 2, d)

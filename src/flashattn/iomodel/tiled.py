@@ -36,12 +36,12 @@ def padded_headdim(d: int) -> int:
     return block_d(d)
 
 
-def route_spec(shape: AttnShape, *, deterministic: bool = False) -> routes.Spec:
+def route_spec(shape: AttnShape) -> routes.Spec:
     """The routing spec of `shape` on the H200 (16-bit unless dtype_bytes is 4, TMA-ready tensors): the IO
     model follows the launchers' own routes, so it follows tuning without a second copy of the numbers."""
     return routes.Spec(shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                        shape.headdim, shape.headdim, "float32" if shape.dtype_bytes == 4 else "bfloat16",
-                       window=shape.bounds, deterministic=deterministic)
+                       window=shape.bounds)
 
 
 def kernel_tiles(kernel: str, headdim: int, seqlen: int | None = None) -> tuple[int, int]:
@@ -221,7 +221,7 @@ def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int 
     if kernel == "ws" or (kernel is None and ws_tiles is not None):
         block_m, block_n = ws_tiles or (64, 128)  # "ws" forced where the launcher would not take it
         return _ws_backward_io(shape, block_m1 or block_m, block_n1 or block_n, machine, ctas_per_sm)
-    triton = routes.backward_route(route_spec(shape, deterministic=True))
+    triton = routes.triton_backward_route(route_spec(shape))
     m1, n1 = triton.dkdv_tiles.block_m, triton.dkdv_tiles.block_n
     m2, n2 = triton.dq_tiles.block_m, triton.dq_tiles.block_n
     block_m1, block_n1, block_m2, block_n2 = block_m1 or m1, block_n1 or n1, block_m2 or m2, block_n2 or n2

@@ -23,14 +23,23 @@ from flashattn.reference import attention_ref
 pytestmark = pytest.mark.gpu
 
 
+class _Calls(list):
+    """The q shape of every call to a Gluon launcher; `routes`: the route of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.routes = []
+
+
 def _spy(monkeypatch, launcher: str) -> list:
     """On the Triton backend, the q shape of every call to gluon.<launcher> (a Gluon kernel ran)."""
     monkeypatch.setattr(flashattn_config, "backend", "triton")
-    calls = []
+    calls = _Calls()
     real = getattr(gluon, launcher)
 
     def spy(*args, **kwargs):
         calls.append(args[2].shape)
+        calls.routes.append(args[1])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gluon, launcher, spy)
@@ -256,9 +265,61 @@ def test_backward_fp16_and_packed(ws_bwd_calls, d):
     assert len(ws_bwd_calls) == 2
 
 
-def test_backward_deterministic_keeps_triton(ws_bwd_calls):
+# deterministic=True: the fixed-order dQ variant of the Gluon backward. Both orders (a right edge: the last
+# key tile adds first; none: the first), GQA, sq != sk both ways, 64-row (deferred dQ) and 128-row steps
+DETERMINISTIC = {"causal": dict(causal=True), "full": {}, "swa": dict(causal=True, window_size=(255, -1)),
+                 "window": dict(window_size=(100, 37)), "left": dict(window_size=(300, -1)),
+                 "right": dict(window_size=(-1, 64))}
+
+
+def _grads(q, k, v, dout, **options):
+    out = flash_attn_func(q, k, v, **options)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
+@pytest.mark.parametrize("name", list(DETERMINISTIC))
+def test_backward_deterministic(ws_bwd_calls, name, sq, sk, d):
+    torch.manual_seed(0)
+    options = DETERMINISTIC[name]
+    q, k, v = _qkv(2, sq, sk, 4, 2, d)
+    causal = options.get("causal", False)
+    window = options.get("window_size", (-1, -1))
+    check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
+        q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
+    assert ws_bwd_calls and all(r.deterministic for r in ws_bwd_calls.routes)
+    # bitwise the same gradients, call after call
+    dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
+    first = _grads(q, k, v, dout, deterministic=True, **options)
+    for _ in range(3):
+        again = _grads(q, k, v, dout, deterministic=True, **options)
+        for name_, a, b in zip("qkv", first, again, strict=True):
+            assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_deterministic_varlen(ws_calls, ws_bwd_calls, causal):
+    # empty sequences, one-row ones, several key tiles; bitwise the same twice
+    lens = [0, 77, 1, 700, 0, 129, 300]
+    _check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 2, 128, causal=causal, deterministic=True)
+    assert all(r.deterministic for r in ws_bwd_calls.routes)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, 2, 2))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, deterministic=True)
+    dout = torch.randn_like(out)
+    runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                                       deterministic=True), (q, k, v), dout)
+            for _ in range(3)]
+    for a, b in zip(runs[0], runs[1] + runs[2], strict=False):
+        assert torch.equal(a, b)
+
+
+def test_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):
     q, k, v = _qkv(1, 512, 512, 2, 2, 128)
-    flash_attn_func(q, k, v, causal=True, deterministic=True).sum().backward()
+    sink = torch.randn(2, device="cuda", requires_grad=True)
+    flash_attn_func(q, k, v, causal=True, deterministic=True, learnable_sink=sink).sum().backward()
     assert not ws_bwd_calls
 
 

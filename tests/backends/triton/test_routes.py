@@ -113,9 +113,19 @@ def test_dv_below_d_takes_the_gluon_forward_and_the_triton_backward(d, dv, block
     assert isinstance(routes.backward_route(spec), routes.TritonBackward)
 
 
-def test_deterministic_backward_takes_the_triton_programs():
-    # the Gluon backward adds dQ by reduce-adds in a varying order
-    spec = _spec(deterministic=True)
+@pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL, nheads=32, nheads_k=1), dict(varlen=True)],
+                         ids=str)
+def test_deterministic_backward_takes_the_gluon_fixed_order_variant(kw):
+    # its dQ adds in a fixed order, and no group split (whose dK/dV atomics have none)
+    spec = _spec(deterministic=True, **kw)
+    route = routes.backward_route(spec)
+    assert isinstance(route, routes.GluonBackward) and route.deterministic and route.group_split == 1
+    assert not routes.backward_route(_spec(**kw)).deterministic
+
+
+def test_deterministic_backward_with_a_sink_takes_the_triton_programs():
+    # the Gluon programs add the sink's gradient in no fixed order
+    spec = _spec(deterministic=True, sink=True)
     assert isinstance(routes.forward_route(spec), routes.GluonForward)
     assert isinstance(routes.backward_route(spec), routes.TritonBackward)
 

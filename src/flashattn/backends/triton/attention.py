@@ -275,8 +275,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                        max_seqlen_k=None, deterministic=False, route=None):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
 
-    The Gluon backward adds dQ in a varying order; `deterministic` routes to the Triton
-    programs, where every gradient element is written by one program. route: as attention_forward's.
+    The Gluon backward adds dQ in a varying order unless `deterministic`, which takes its fixed-order
+    variant (routes.GluonBackward.deterministic; with a learnable sink the Triton programs, where every
+    gradient element is written by one program). route: as attention_forward's.
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()

@@ -287,10 +287,18 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
         split = tuple(torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
     # the sink's gradient, added into by the programs
     dsink = None if learnable_sink is None else torch.zeros(pb.nheads, dtype=torch.float32, device=q.device)
+    # deterministic: a counter per query head and row (of which each query tile's first row's is used):
+    # (b, h, sq), or (h, total_q) under varlen
+    lock = (None, 0, 0)
+    if route.deterministic:
+        rows = q.shape[0] if pb.varlen else pb.seqlen_q
+        counters = torch.zeros(pb.nheads * rows * (1 if pb.varlen else pb.batch), dtype=torch.int32,
+                               device=q.device)
+        lock = (counters, 0 if pb.varlen else pb.nheads * rows, rows)
     if prepared is None:
         prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
     prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split, learnable_sink,
-                                  dsink))
+                                  dsink, *lock))
     if route.group_split > 1:
         dk.copy_(split[0])
         dv.copy_(split[1])

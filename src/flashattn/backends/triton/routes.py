@@ -15,8 +15,9 @@ Routes of the dense and varlen attention:
             take the Gluon forward's FP8 variant in the padded layout with a 16-bit output where the H200
             measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d = dv =
-            64 or 128 unless deterministic or its float32 dQ buffer would pass `DQ_BUFFER_CAP`, else
-            `TritonBackward` (two programs: dK/dV and dQ).
+            64 or 128 unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic too, in its
+            fixed-order variant, but not with a learnable sink), else `TritonBackward` (two programs:
+            dK/dV and dQ).
 This module imports neither torch nor Triton.
 """
 
@@ -175,7 +176,7 @@ class TritonBackward:
 @dataclass(frozen=True)
 class GluonBackward:
     """kernels/gluon/attn_bwd.py: dK/dV per key tile with dQ added into a float32 buffer by TMA
-    reduce-adds (their order varies: not deterministic)."""
+    reduce-adds (their order varies unless deterministic)."""
 
     tiles: TileConfig  # block_m: query rows per step; block_n: keys per program; num_stages: (Q, dO) slots
     kv_group: int
@@ -184,6 +185,9 @@ class GluonBackward:
     # programs per key tile and kv head, each over group / group_split query heads, adding dK and dV into
     # float32 buffers (a divisor of the GQA group; 1: one program walks the whole group, no atomics)
     group_split: int = 1
+    # the dQ adds into each query tile in a fixed order (a dQ-writer warp and counters): bitwise-reproducible
+    # gradients; no group split with it
+    deterministic: bool = False
     kernel = "gluon"
 
 
@@ -238,9 +242,10 @@ def dq_buffer_bytes(spec: Spec) -> int:
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
-    # d = 64 and 128: d = 256 and dv != d keep the Triton backward
+    # d = 64 and 128: d = 256 and dv != d keep the Triton backward; so does a deterministic call with a
+    # learnable sink, whose gradient the Gluon programs add in no fixed order
     return (takes_gluon_forward(spec) and spec.headdim in GLUON_BWD_HEADDIMS
-            and spec.headdim_v == spec.headdim and not spec.deterministic
+            and spec.headdim_v == spec.headdim and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 
 
@@ -307,6 +312,8 @@ def group_split(spec: Spec) -> int:
     TFLOP/s with one program per key tile, 366 split in 2 and 479 in 8; GQA 32/8 at 482, 500 split in 2
     and 494 in 4. Not where the float32 dK and dV buffers would pass SPLIT_BUFFER_CAP (varlen: counted over
     batch · max_seqlen_k keys, a bound on the packed ones)."""
+    if spec.deterministic:  # the parts add dK and dV in no fixed order
+        return 1
     most = min(8, spec.group // 2)
     buffers = 2 * spec.batch * spec.seqlen_k * spec.nheads_k * spec.headdim * 4
     if most < 2 or buffers > SPLIT_BUFFER_CAP:
@@ -322,7 +329,8 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
     # 64-row steps at d = 64 compute each step's dQ one step late: the four dS^T buffers this needs leave no
     # shared memory for 128-row steps
     return GluonBackward(tiles, _kv_group(spec), defer_dq=spec.headdim == 64 and tiles.block_m == 64,
-                         maxnreg=tiles.maxnreg or MAXNREG_TWO, group_split=group_split(spec))
+                         maxnreg=tiles.maxnreg or MAXNREG_TWO, group_split=group_split(spec),
+                         deterministic=spec.deterministic)
 
 
 def triton_backward_route(spec: Spec) -> TritonBackward:

@@ -3,7 +3,8 @@ for A/B timing, the same attention on other routes (flashattn.backends.triton.ro
 with an explicit route, `flashattn-triton` (the Triton kernels forward and backward), `flashattn-ptr` (the
 Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor` (the default routes with the
 launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of
-its persistent grid), `flashattn-bwd-split{2,4,8}` (the Gluon backward's GQA group in parts); through the
+its persistent grid), `flashattn-bwd-split{2,4,8}` (the Gluon backward's GQA group in parts),
+`flashattn-deterministic` (its fixed-order dQ variant); through the
 public call, every option included, `flashattn-triton-bwd` (with the
 Triton backward); and `torch-backend` (its pure-PyTorch backend)."""
 
@@ -191,6 +192,11 @@ def _providers() -> list[Provider]:
         *(Provider(f"flashattn-bwd-split{n}", routed(r.forward_route, _group_split(n)),
                    f"this project's default routes with the Gluon backward's GQA group split into {n} parts "
                    "per key tile, dK/dV added in float32 (A/B timing)") for n in (2, 4, 8)),
+        Provider("flashattn-deterministic",
+                 routed(r.forward_route, _replace(r.backward_route, r.GluonBackward, deterministic=True,
+                                                  group_split=1)),
+                 "this project's default routes with the Gluon backward's fixed-order dQ variant, as "
+                 "deterministic=True takes it (plain attention; A/B timing)"),
         Provider("flashattn-ws-tiles", routed(_replace(r.forward_route, r.GluonForward, persistent=False),
                                               r.backward_route),
                  "this project's Gluon forward on one program per query tile instead of its persistent grid "

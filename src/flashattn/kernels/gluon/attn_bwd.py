@@ -27,9 +27,15 @@ masked stores rather than TMA. A learnable sink leaves dS unchanged (P is recomp
 includes it); its gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, is summed here from the float32 Pᵀ and dPᵀ and added
 once per program and head (the preprocess's D = rowsum(dO ∘ O) comes from the rounded output, and over the
 many rows of that sum its error passed plain PyTorch's several-fold).
-The reduce order across programs varies, so dQ is not bitwise reproducible: `deterministic=True` keeps the
-Triton backward (as flash_attn's flag does). Which calls come here is the routes' choice
-(backends/triton/routes.py).
+The reduce order across programs varies, so dQ is not bitwise reproducible, except under DETERMINISTIC
+(FA3's scheme): the consumers stage their dQ halves for a dQ-writer warp, which adds a step's halves only
+once the programs before it in a fixed order have added theirs into that query tile (a counter per query
+head and tile in global memory, LOCK), waits until its adds have landed, and counts itself in. The order:
+under a right edge (causal included), the last key tile first, and the programs are launched in that order
+(REVERSE), so that each step's predecessors reached that query tile a step or more earlier (a key tile's
+first query tile lies 128 rows past its predecessor's); without one, the first key tile first. Each program
+waits only for programs launched before it, which are running or done. Which calls come here is the routes'
+choice (backends/triton/routes.py).
 """
 
 from triton._C.libtriton import ir
@@ -88,7 +94,7 @@ def _program_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
 
 @gluon.jit
 def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, REVERSE: gl.constexpr = False):
     """(batch, kv head, its part of the group (SPLIT), first key, first query row, query tiles, the
     sequence's first query and key rows in the packed tensors, its query and key lengths) of this program;
     rows and keys count from the sequence's start. n_bhk counts batch · kv heads · SPLIT (the group's parts
@@ -97,7 +103,9 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
     `_key_sequence`): program p is tile p // (nheads_k · SPLIT) of the list of every sequence's key tiles
     (PLAN: the tiles before each sequence), then kv head and part, each sequence's first tile first; the grid
     is a bound on the list's length, and the programs past it get no query tiles (and store nothing). The
-    query tiles are those with a row that sees a key of the tile."""
+    query tiles are those with a row that sees a key of the tile. REVERSE: each head's (each sequence's) key
+    tiles in the opposite order, the last one at the lowest rank (DETERMINISTIC's order under a right
+    edge)."""
     nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0 = problem
     pid = gl.program_id(0)
     if CU_Q is not None:
@@ -107,7 +115,12 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
         # seqlen_q / seqlen_k: the packed tensors' rows, each sequence clamped into them
         q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, True)
         k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, True)
-        start_n = (t - gl.load(PLAN + off_b)) * BLOCK_N
+        if REVERSE:
+            start_n = (gl.load(PLAN + off_b + 1) - 1 - t) * BLOCK_N
+            if start_n < 0:  # past the list (t past the last sequence's tiles)
+                start_n = seqlen_k
+        else:
+            start_n = (t - gl.load(PLAN + off_b)) * BLOCK_N
     else:
         n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
         per_group = lpt_group * n_tiles
@@ -116,6 +129,8 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
         heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
         off_bhk = g * lpt_group + r % heads
         start_n = (r // heads) * BLOCK_N
+        if REVERSE:
+            start_n = (n_tiles - 1 - r // heads) * BLOCK_N
         part = off_bhk % SPLIT
         off_bhk = off_bhk // SPLIT
         off_b = off_bhk // nheads_k
@@ -157,13 +172,54 @@ def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
 
 @gluon.jit
 def _store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-              HALF_D: gl.constexpr):
+              HALF_D: gl.constexpr, handoff, k):
     """Scale this warpgroup's dQ columns of one query tile and reduce-add them through its staging tile
-    (varlen: rows past the sequence's end add zeros into the next sequence's, or fall past the tensor)."""
-    tma.store_wait(0)  # the previous reduce-add has read the staging tile
-    dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
-    fence_async_shared()
-    _reduce_add(dq_desc, [desc_b, row, off_h, WG * HALF_D], dq_buf)
+    (varlen: rows past the sequence's end add zeros into the next sequence's, or fall past the tensor).
+    DETERMINISTIC (handoff: the dQ writer's (dq_full, dq_empty) barriers; k: this store's index): stage them
+    for the writer instead, once it has read the previous store's."""
+    if handoff is not None:
+        dq_full, dq_empty = handoff
+        # a fresh mbarrier counts as having completed the phase before 0, so the first store does not wait
+        mbarrier.wait(dq_empty, (k & 1) ^ 1)
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
+        fence_async_shared()
+        mbarrier.arrive(dq_full, count=1)
+    else:
+        tma.store_wait(0)  # the previous reduce-add has read the staging tile
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
+        fence_async_shared()
+        _reduce_add(dq_desc, [desc_b, row, off_h, WG * HALF_D], dq_buf)
+
+
+@gluon.jit
+def _lanes():
+    """0..31 across the dQ writer's one warp."""
+    return gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+
+
+@gluon.jit
+def _wait_count(counter, target, lanes):
+    """Spin until the int32 counter in global memory reaches target (acquire: what was written before its
+    increments is visible after), then order what follows, TMA operations included, after it."""
+    ptrs = counter + lanes * 0
+    seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    while gl.min(seen, axis=0) < target:
+        seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("fence.proxy.async;\n\tmov.u32 $0, 0;", "=r,r", [lanes], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _count_in(counter, lanes):
+    """Wait until this warp's TMA operations have completed, their writes included (tma.store_wait waits
+    for their reads only), then add 1 to the counter with release semantics, from lane 0."""
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tcp.async.bulk.wait_group 0;\n\tbar.warp.sync -1;\n\t"
+        "setp.eq.u32 p, $1, 0;\n\t@p fence.proxy.async;\n\t@p red.release.gpu.global.add.s32 [$2], 1;\n\t"
+        "mov.u32 $0, 0;\n\t}",
+        "=r,r,l", [lanes, counter + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -180,7 +236,7 @@ def _add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.con
 @gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    descs, smems, bars, problem = loader_args
+    descs, smems, bars, problem, _ = loader_args
     q_desc, do_desc, k_desc, v_desc, stats_desc = descs
     q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
@@ -190,8 +246,10 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     if varlen:
         t, b = _key_sequence(problem, SPLIT)
         publish_tile(seq_smem, seq_ready, 0, t, b)
+    reverse: gl.constexpr = loader_args[4] is not None and (CAUSAL or problem[6] is not None)
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, b, BLOCK_M,
-                                                                                   BLOCK_N, CAUSAL, SPLIT)
+                                                                                   BLOCK_N, CAUSAL, SPLIT,
+                                                                                   reverse)
     HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
     head0 = off_hk * GROUP + part * HEADS
     # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
@@ -239,15 +297,21 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
-     scales, problem, kv_rows, kv_acc, sink) = args
+     scales, problem, kv_rows, kv_acc, sink, det) = args
     SINK, DSINK = sink
+    LOCK, _, dq_full, dq_empty = det
+    handoff = None
+    if LOCK is not None:
+        handoff = (dq_full, dq_empty)
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
+    # DETERMINISTIC's launch order: each head's key tiles last first under a right edge (causal included)
+    reverse: gl.constexpr = LOCK is not None and (CAUSAL or right is not None)
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
-        problem, _program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT)
+        problem, _program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
     HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
     head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b
@@ -400,9 +464,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         if DEFER_DQ:
             if c > 0:
                 _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
-                          HALF_D)
+                          HALF_D, handoff, c - 1)
         else:
-            _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0, off_h, sm_scale, WG, BLOCK_M, HALF_D)
+            _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0, off_h, sm_scale, WG, BLOCK_M, HALF_D,
+                      handoff, c)
         m0_prev = m0
         off_h_prev = off_h
         dq = warpgroup_mma_init(dq)
@@ -416,7 +481,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
             dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
             _store_dq(dq_last, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
-                      HALF_D)
+                      HALF_D, handoff, last)
 
     # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
     # shared memory stages dK and dV for the TMA stores (rows past seqlen_k are clipped)
@@ -462,6 +527,66 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
+def _dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+               SPLIT: gl.constexpr):
+    """DETERMINISTIC: reduce-add each staged dQ tile (both warpgroups' column halves) in the fixed order.
+    Store k of this program is step k's query tile and head, in the consumers' step order (DEFER_DQ stores
+    a step late, in the same order). At query tile m the programs add in the order of their key tiles, the
+    last first under a right edge; its counter holds how many have added, so this program waits for the
+    number of key tiles that see m and come before its own."""
+    dq_desc = args[2]
+    dq_smem = args[9]
+    seq_smem = args[10]
+    seq_ready = args[11][5]
+    problem = args[13]
+    LOCK, lock_strides, dq_full, dq_empty = args[17]
+    stride_lock_b, stride_lock_h = lock_strides
+    left = problem[5]
+    right = problem[6]
+    varlen: gl.constexpr = problem[7] is not None
+    b = 0
+    if varlen:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        mbarrier.wait(seq_ready.index(0), 0)
+        b = gl.max(seq_smem.index(2).load(one), 0)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
+        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, LOCK is not None and (CAUSAL or right is not None))
+    HEADS: gl.constexpr = GROUP // SPLIT
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    head0 = off_hk * GROUP + part * HEADS
+    desc_b = 0 if varlen else off_b
+    n = start_n // BLOCK_N
+    n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
+    diag = seqlen_k - seqlen_q
+    lanes = _lanes()
+    steps_per_head = gl.maximum(n_m, 1)
+    for c in range(HEADS * n_m):
+        g = c // steps_per_head
+        off_h = head0 + g
+        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        # the key tiles that see query tile m0 form one run [lo, hi] (_key_tile); before this one: those
+        # above it under a right edge (the last row's right edge bounds hi), else those below it
+        if CAUSAL:
+            before = gl.minimum(n_last, (m0 + BLOCK_M - 1 + diag) // BLOCK_N) - n
+        elif right is not None:
+            before = gl.minimum(n_last, (m0 + BLOCK_M - 1 + diag + right) // BLOCK_N) - n
+        elif left is not None:
+            before = n - gl.maximum(m0 + diag - left, 0) // BLOCK_N
+        else:
+            before = n
+        counter = (LOCK + off_b.to(gl.int64) * stride_lock_b + off_h.to(gl.int64) * stride_lock_h
+                   + q_start + m0)
+        _wait_count(counter, before, lanes)  # while the consumers compute the step
+        mbarrier.wait(dq_full, c & 1)
+        for w in gl.static_range(2):
+            _reduce_add(dq_desc, [desc_b, q_start + m0, off_h, w * HALF_D], dq_smem.index(w))
+        tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
+        mbarrier.arrive(dq_empty, count=1)
+        _count_in(counter, lanes)
+
+
+@gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
                SPLIT: gl.constexpr):
@@ -481,6 +606,7 @@ def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
     CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC, SINK, DSINK,
+    LOCK, stride_lock_b, stride_lock_h,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
 ):
@@ -492,8 +618,12 @@ def attn_bwd_ws_kernel(
     # stride_kh: their row and head strides) for the masked stores of a sequence's last keys; all None in the
     # padded layout. SPLIT > 1: DK_ACC / DV_ACC, zeroed float32 buffers shaped like k (contiguous), into
     # which the programs add (None otherwise); n_bhk counts batch · kv heads · SPLIT. SINK: a learnable
-    # sink's float32 values (h,), and DSINK the zeroed (h,) float32 its gradient is added into (None without)
+    # sink's float32 values (h,), and DSINK the zeroed (h,) float32 its gradient is added into (None without).
+    # LOCK (DETERMINISTIC; else None): zeroed int32 counters, query tile m0 of head h of batch b at
+    # b · stride_lock_b + h · stride_lock_h + m0 (varlen: b's packed first row + m0, stride_lock_b 0)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
+    # the split's dK/dV atomics and the sink's add in no fixed order: not with DETERMINISTIC
+    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
     gl.static_assert(GROUP % SPLIT == 0)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
@@ -521,6 +651,12 @@ def attn_bwd_ws_kernel(
     seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if CU_Q is not None:
         mbarrier.init(seq_ready.index(0), count=1)
+    # DETERMINISTIC: the staged dQ halves of both warpgroups, and their release by the dQ writer
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if LOCK is not None:
+        mbarrier.init(dq_full, count=2)
+        mbarrier.init(dq_empty, count=1)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
@@ -532,13 +668,26 @@ def attn_bwd_ws_kernel(
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
-            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC), (SINK, DSINK))
+            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC), (SINK, DSINK),
+            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
-                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem)
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
-    # consumer thread and 24 for the loader's
-    gl.warp_specialize([
-        (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
-        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
-    ], [4, 1], [240, 24])
+    # consumer thread and 24 for the loader's; DETERMINISTIC's dQ writer is a second one-warp partition, in
+    # the loader's warpgroup
+    if LOCK is not None:
+        gl.warp_specialize([
+            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
+            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
+                          SPLIT)),
+            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+            (_dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
+                          SPLIT)),
+        ], [4, 1, 1], [240, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
+            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
+                          SPLIT)),
+            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+        ], [4, 1], [240, 24])
