@@ -163,13 +163,11 @@ def test_an_installed_hook_takes_the_jit(fake_cuda):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
-@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
 @pytest.mark.parametrize("sq", [1, 17, 113])
-def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
+def test_preprocess_fills_the_gluon_backward_inputs(sq):
     """GLUON: the backward's preprocess zeroes the Gluon backward's float32 dQ buffer, every row and column of
     it (the tail tile included), and writes D = rowsum(dO * O) and the LSE in base 2 into the stats planes,
-    whose padding rows (up to a multiple of 4) get zeros; with a sink, each row's share of its gradient,
-    -exp(sink - lse) · D."""
+    whose padding rows (up to a multiple of 4) get zeros. (A sink's gradient is the Gluon kernel's.)"""
     from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 
     b, h, d = 2, 3, 40
@@ -178,10 +176,9 @@ def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
     lse = torch.randn(b, h, sq)
     stats = torch.full((2, b * h, rows), float("nan"))
     dq_acc = torch.full((b, sq, h, d), float("nan"))
-    sink_args = (torch.randn(h), torch.full_like(lse, float("nan"))) if sink else (None, None)
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
-        o, do, stats[1], o, dq_acc, lse, stats[0], *sink_args, None, *o.stride()[:3], *do.stride()[:3],
+        o, do, stats[1], o, dq_acc, lse, stats[0], None, *o.stride()[:3], *do.stride()[:3],
         lse.stride(0), lse.stride(1), h * rows, rows, h, sq, rows,
         HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True,
     )
@@ -189,19 +186,14 @@ def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).reshape(b * h, sq)
     torch.testing.assert_close(stats[1, :, :sq], delta, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[0, :, :sq], lse.reshape(b * h, sq) / math.log(2), rtol=1e-6, atol=0)
-    if sink:
-        sink_t, dsink_rows = sink_args
-        expected = -torch.exp(sink_t[None, :, None] - lse) * delta.reshape(b, h, sq)
-        torch.testing.assert_close(dsink_rows, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(stats[:, :, sq:], torch.zeros(2, b * h, rows - sq))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
-@pytest.mark.parametrize("sink", [False, True], ids=["no-sink", "sink"])
-def test_preprocess_fills_the_varlen_gluon_backward_inputs(sink):
+def test_preprocess_fills_the_varlen_gluon_backward_inputs():
     """Varlen GLUON: sequence b's D and base-2 LSE go to the stats planes from row 4 · STATS_ROW0[b] (the
     offsets in 4-row steps, a 16-byte aligned start for the kernel's TMA), rows between sequences untouched;
-    the float32 dQ buffer is zeroed at the packed rows; the sink's shares land at the LSE's packed rows."""
+    the float32 dQ buffer is zeroed at the packed rows."""
     from flashattn.backends.triton import gluon
     from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 
@@ -215,10 +207,9 @@ def test_preprocess_fills_the_varlen_gluon_backward_inputs(sink):
     lse = torch.randn(h, total)
     stats = torch.full((2, h, rows), float("nan"))
     dq_acc = torch.full((total, h, d), float("nan"))
-    sink_args = (torch.randn(h), torch.full_like(lse, float("nan"))) if sink else (None, None)
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-max(lens) // 32), batch * h),
-        o, do, stats[1], cu, dq_acc, lse, stats[0], *sink_args, row0,
+        o, do, stats[1], cu, dq_acc, lse, stats[0], row0,
         0, *o.stride()[:2], 0, *do.stride()[:2], 0, lse.stride(0), 0, rows, h, total, rows,
         HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=True, GLUON=True,
     )
@@ -232,7 +223,3 @@ def test_preprocess_fills_the_varlen_gluon_backward_inputs(sink):
                                    atol=0)
         written[at:at + n] = True
     assert stats[:, :, ~written].isnan().all()  # nothing else written
-    if sink:
-        sink_t, dsink_rows = sink_args
-        expected = -torch.exp(sink_t[:, None] - lse) * delta
-        torch.testing.assert_close(dsink_rows, expected, rtol=1e-5, atol=1e-6)
