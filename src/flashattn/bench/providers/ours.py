@@ -193,8 +193,8 @@ def _providers() -> list[Provider]:
                    f"this project's default routes with the Gluon backward's GQA group split into {n} parts "
                    "per key tile, dK/dV added in float32 (A/B timing)") for n in (2, 4, 8)),
         Provider("flashattn-deterministic",
-                 routed(r.forward_route, _replace(r.backward_route, r.GluonBackward, deterministic=True,
-                                                  group_split=1)),
+                 routed(r.forward_route, lambda spec: r.backward_route(
+                     dataclasses.replace(spec, deterministic=True))),
                  "this project's default routes with the Gluon backward's fixed-order dQ variant, as "
                  "deterministic=True takes it (plain attention; A/B timing)"),
         Provider("flashattn-ws-tiles", routed(_replace(r.forward_route, r.GluonForward, persistent=False),
