@@ -58,6 +58,13 @@ def _dense_defect(d: Draw, env) -> Call:
     return Call("dense", defects[name], invalid=name)
 
 
+# defects in cu_seqlens' or max_seqlen's values, which only a device-to-host copy can see: read in host
+# memory always, on a device under config.check_varlen (else handed to the kernels unchecked)
+VARLEN_VALUE_DEFECTS = frozenset({"cu decreasing", "cu first not 0", "cu past the tokens",
+                                  "max_seqlen below the longest", "max_seqlen_k below the longest",
+                                  "qkvpacked cu"})
+
+
 def _varlen_defect(d: Draw, env) -> Call:
     lens = [3, 0, 6]
     q, k, v = (_tensor(d, (9, 2, 16), env.dtypes[0], env.device) for _ in range(3))
@@ -88,7 +95,18 @@ def _varlen_defect(d: Draw, env) -> Call:
     }
     del lens
     name = d.pick(sorted(defects))
-    return Call("varlen", defects[name], invalid=name)
+    if name not in VARLEN_VALUE_DEFECTS:
+        return Call("varlen", defects[name], invalid=name)
+    checked = env.device == "cpu" or d.chance(0.5)  # host values are always read; device ones on request
+
+    def run():
+        with config.use_check_varlen(checked):
+            return defects[name]()
+    if checked:
+        return Call("varlen", run, invalid=name)
+    # unchecked device values reach the kernels, which clamp every row into the packed tensors: the results
+    # are not specified, the check is memcheck's (the GPU sample), so any result passes here
+    return Call("varlen-unchecked", run, check=lambda result: None, detail={"unchecked": name})
 
 
 def _other_defect(d: Draw, env) -> Call:
