@@ -60,6 +60,17 @@ def test_fp8_forward(name, d, seq_contiguous):
     _check(out, lse, q8, k8, v8, qd, kd, vd, alibi_slopes=alibi, learnable_sink=sink, **opts)
 
 
+@pytest.mark.parametrize("d, dv", [(16, 16), (16, 32), (32, 16), (40, 40)])
+def test_fp8_forward_small_head_dims(d, dv):
+    # an 8-bit q·kᵀ needs 32 reduction columns on the GPU: d below 32 is padded to 32, not 16
+    b, sq, sk, h, hk = 2, 17, 113, 4, 2
+    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
+    v8, vd = _quantized((b, sk, hk, dv), seed=3)
+    out, lse, _ = flashattn.flash_attn_func(q8, k8, v8, return_attn_probs=True, q_descale=qd, k_descale=kd,
+                                            v_descale=vd, causal=True)
+    _check(out, lse, q8, k8, v8, qd, kd, vd, causal=True)
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_fp8_gqa_per_kv_head_q_descale(granularity):
     b, s, h, hk, d = 2, 777, 16, 4, 128

@@ -12,9 +12,10 @@ def pow2(x: int) -> int:
     return 1 << (x - 1).bit_length() if x > 1 else 1
 
 
-def block_d(d: int) -> int:
-    # tl.dot needs K >= 16; non-powers of two are padded and masked
-    return max(16, pow2(d))
+def block_d(d: int, elem_bytes: int = 2) -> int:
+    # tl.dot needs K >= 16, and K >= 32 for 8-bit operands (elem_bytes 1: FP8's q·kᵀ); non-powers of two
+    # are padded and masked
+    return max(32 if elem_bytes == 1 else 16, pow2(d))
 
 
 def dot_precision(dtype) -> str:
