@@ -301,6 +301,10 @@ def fp8_cases():
             qkv, descales = quantized(1, 300, 4, 2, d)
             yield f"fp8 forward d={d} causal={causal}", partial(flash_attn_func, *qkv, causal=causal,
                                                                 **descales)
+    # head dims below 32: an 8-bit q·kᵀ needs 32 reduction columns (d 16 is padded to 32)
+    for d in (16, 40):
+        qkv, descales = quantized(1, 70, 4, 2, d)
+        yield f"fp8 forward d={d} causal=True", partial(flash_attn_func, *qkv, causal=True, **descales)
     qkv, descales = quantized(2, 190, 4, 2, 128)
     yield "fp8 forward window softcap alibi sink", partial(
         flash_attn_func, *qkv, window_size=(40, 3), softcap=10.0, alibi_slopes=torch.rand(4),

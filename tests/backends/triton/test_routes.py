@@ -343,6 +343,23 @@ def test_launches_carry_the_register_cap(monkeypatch):
     assert [opts["maxnreg"] for _, opts in calls] == [96, 80, None]
 
 
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("d, dv, block_dv", [(40, 8, 64), (40, 24, 64), (40, 16, 16), (40, 40, 64),
+                                             (64, 32, 32), (8, 40, 64)])
+def test_launches_widen_masked_value_tiles_narrower_than_the_head(monkeypatch, d, dv, block_dv):
+    # host.block_dv: a masked V tile narrower than q's and k's read shared memory out of bounds on the H200
+    calls = []
+    for name in ("attn_fwd_kernel", "attn_bwd_kernel"):
+        kernel = getattr(attention, name)
+        monkeypatch.setattr(attention, name, LaunchRecorder(kernel, calls, options=("BLOCK_D", "BLOCK_DV")))
+    q, k = (torch.randn(1, 20, 2, d, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 20, 2, dv, dtype=torch.float16, requires_grad=True)
+    flash_attn_func(q, k, v).sum().backward()
+    assert len(calls) == 3  # the forward, the backward's dK/dV and dQ roles
+    assert all(opts == {"BLOCK_D": max(16, 1 << (d - 1).bit_length()), "BLOCK_DV": block_dv}
+               for _, opts in calls)
+
+
 # -------------------------------------------------------------- who else follows the routes
 
 

@@ -122,9 +122,9 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
     )
     flags = dict(
         GROUP=h // hk, HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=host.block_d(d, q.dtype.itemsize),
-        BLOCK_DV=host.block_d(dv), IS_VARLEN=varlen, WINDOW_LEFT=left >= 0, WINDOW_RIGHT=right >= 0,
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=dropout_p > 0,
-        DOT_PREC=host.dot_precision(q.dtype),
+        BLOCK_DV=host.block_dv(d, dv, q.dtype.itemsize), IS_VARLEN=varlen, WINDOW_LEFT=left >= 0,
+        WINDOW_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_DROPOUT=dropout_p > 0, DOT_PREC=host.dot_precision(q.dtype),
     )
     return _Problem(spec, scalars, flags)
 

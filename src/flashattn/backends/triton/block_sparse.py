@@ -19,8 +19,8 @@ def _common(q, k, v, kt, softmax_scale, softcap, dropout_p, rng_seed, rng_offset
     b, sq, h, d = q.shape
     flags = dict(
         GROUP=h // k.shape[2], HEAD_DIM=d, HEAD_DIM_V=v.shape[-1], BLOCK_D=host.block_d(d),
-        BLOCK_DV=host.block_d(v.shape[-1]), SPARSE_M=kt.block_m, SPARSE_N=kt.block_n, HAS_SOFTCAP=softcap > 0,
-        HAS_DROPOUT=dropout_p > 0, DOT_PREC=host.dot_precision(q.dtype),
+        BLOCK_DV=host.block_dv(d, v.shape[-1]), SPARSE_M=kt.block_m, SPARSE_N=kt.block_n,
+        HAS_SOFTCAP=softcap > 0, HAS_DROPOUT=dropout_p > 0, DOT_PREC=host.dot_precision(q.dtype),
     )
     scalars = (softmax_scale * LOG2E, softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
                float(dropout_p), int(rng_seed), int(rng_offset))

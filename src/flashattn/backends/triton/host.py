@@ -18,6 +18,15 @@ def block_d(d: int, elem_bytes: int = 2) -> int:
     return max(32 if elem_bytes == 1 else 16, pow2(d))
 
 
+def block_dv(d: int, dv: int, elem_bytes: int = 2) -> int:
+    """The padded width of V's tiles beside q's and k's of head dim d. A dv with masked columns (not a power
+    of two) narrower than d's tiles takes d's width: Triton 3.6's code for the forward with V's columns
+    masked in a narrower tile (d 40 beside dv 8 or 24, 64-key tiles) read shared memory out of bounds on
+    the H200 (compute-sanitizer memcheck), and ran clean at d's width."""
+    width, d_width = block_d(dv), block_d(d, elem_bytes)
+    return d_width if dv != width and width < d_width else width
+
+
 def dot_precision(dtype) -> str:
     """The kernels' DOT_PREC for inputs of a torch dtype: fp32 inputs get true fp32 products (tf32 would be
     a 1e-3 error that no fp32 user expects)."""
