@@ -71,32 +71,37 @@ def run_call(call: Call) -> None:
 
 
 def main(argv=None) -> None:
-    """The GPU sample: `python tests/fuzz_run.py --device cuda -n 150 [--seed 0]` (under compute-sanitizer
-    by test_fuzz.py), and the same calls with the kernels' own clamps (launchers given bad cu_seqlens)."""
+    """The GPU sample: `python tests/fuzz_run.py --device cuda -n 150 [--seed 0] [--shard i/n]` (under
+    compute-sanitizer by test_fuzz.py, in shards run side by side: the sample's cost is compiling, on the
+    host's cores), and the same calls with the kernels' own clamps (launchers given bad cu_seqlens; shard 0).
+    Call i is drawn from its own seed, so a shard draws the calls the whole sample would; each is named before
+    it runs, so that a fault's log ends with the call that caused it."""
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
     parser.add_argument("-n", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard", default="0/1", help="i/n: the calls i, i + n, i + 2n, ...")
     args = parser.parse_args(argv)
+    index, parts = (int(x) for x in args.shard.split("/"))
     on_cuda = args.device.startswith("cuda")
     dtypes = (torch.float16, torch.bfloat16, torch.float32) if on_cuda else (torch.float32,)
     env = Env(args.device, dtypes, max_len=70, max_batch_heads=8, grad_chance=0.5, backward_16bit=True)
-    r = random.Random(args.seed)
-    for i in range(args.n):
-        call = draw_call(r, env)
+    for i in range(index, args.n, parts):
+        call = draw_call(random.Random(args.seed * 1_000_003 + i), env)
+        print(f"fuzz call {i}: {call.name} {call.invalid or 'valid'} {call.detail or ''}", flush=True)
         run_call(call)
         if on_cuda:
             torch.cuda.synchronize()
-        if i % 50 == 0:
-            print(f"fuzz call {i}: {call.name} {call.invalid or 'valid'}", flush=True)
-    for cu in BAD_CU_SEQLENS:
-        launch_with_bad_cu_seqlens(cu, args.device, dtypes[0])
+    if index == 0:
+        for cu in BAD_CU_SEQLENS:
+            launch_with_bad_cu_seqlens(cu, args.device, dtypes[0])
     if on_cuda:
         torch.cuda.synchronize()
-    print(f"fuzz sample done: {args.n} calls, {len(BAD_CU_SEQLENS)} unchecked cu_seqlens", flush=True)
-
+    shard = f" (shard {args.shard})" if parts > 1 else ""
+    print(f"fuzz sample done{shard}: {len(range(index, args.n, parts))} calls"
+          f"{f', {len(BAD_CU_SEQLENS)} unchecked cu_seqlens' if index == 0 else ''}", flush=True)
 
 if __name__ == "__main__":
     main()
