@@ -12,6 +12,8 @@
 #                 (default 8: the compiles are the cost, and they run on the host's cores)
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
 #                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, unset all, empty none; SANITIZE_S: seconds a case)
+#   fuzz-memcheck the fuzz's GPU sample under compute-sanitizer memcheck (tests/test_fuzz.py's GPU test: 150
+#                 calls in 4 shards side by side; each log ends with the call that faulted, if one did)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_PROVIDERS: another list)
 #   features      the features suite (packed documents against equal batches, windows against full)
@@ -93,6 +95,10 @@ for stage in "$@"; do
         tail -3 "$RES/racecheck-$case.log" | tee -a "$RES/racecheck.log"
       done
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
+    fuzz-memcheck)
+      timeout "${FUZZ_S:-540}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_fuzz.py -k memcheck \
+        > "$RES/fuzz_memcheck.log" 2>&1
+      tail -40 "$RES/fuzz_memcheck.log" ;;
     train-table)
       bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
