@@ -63,6 +63,15 @@ def test_fuzz_triton_interpreter():
     _fuzz("triton", INTERPRETER_ENV, 350, 0.4)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the Triton interpreter needs TRITON_INTERPRET=1 at startup")
+@pytest.mark.parametrize("case_seed", [8206])
+def test_fuzz_cases_other_seeds_found(case_seed):
+    # 8206 (FLASHATTN_TEST_SEED=12): an FP8 call with a learnable sink above its two keys' scores, whose
+    # numerators the Triton forward rounded to e4m3 against the keys' max alone (3x plain PyTorch's error)
+    with config.use_backend("triton"):
+        fuzz_run.run_call(fuzz_run.draw_call(random.Random(case_seed), INTERPRETER_ENV, 0.4))
+
+
 @pytest.fixture
 def selected_slow(request):
     # CI runs `-m "not gpu"`, which includes slow tests (the sm_90 compile check is one): the long fuzz

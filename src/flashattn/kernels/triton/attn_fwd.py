@@ -165,6 +165,10 @@ def attn_fwd_kernel(
     n_start, n_lo, n_hi, n_end = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N,
                                            WINDOW_LEFT, WINDOW_RIGHT)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if HAS_SINK:
+        # the running max starts at the sink's logit: every numerator exp(s - m) is then taken against the
+        # max over the keys and the sink, as the softmax over both defines it (an FP8 P is rounded there)
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(SINK + off_h) * LOG2E
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # -- tiles cut by the window's left edge
