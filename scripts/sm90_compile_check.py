@@ -246,6 +246,10 @@ def dense_cases():
     yield "dense all features", partial(
         _fwd_bwd, flash_attn_func, q, k, v, dropout_p=0.1, causal=True, window_size=(40, -1), softcap=3.0,
         alibi_slopes=torch.rand(4), learnable_sink=torch.zeros(4, requires_grad=True))
+    if not QUICK:
+        # a masked dv narrower than d: V's tiles at the head's width (host.block_dv), 256 wide here
+        q, k, v = _t(2, 150, 4, 256, grad=True), _t(2, 190, 2, 256, grad=True), _t(2, 190, 2, 200, grad=True)
+        yield "dense triton d=256 dv=200 causal", partial(_fwd_bwd, flash_attn_func, q, k, v, causal=True)
     yield from fp8_cases()
     # the Gluon kernels' varlen variants, forward and backward: causal and not at d = 64 and 128, then every
     # option, d = 64 on two and three consumer warpgroups (the forward's), d = 128
