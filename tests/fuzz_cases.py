@@ -92,7 +92,9 @@ def _options(d: Draw, env, b, h):
     if d.chance(0.15):
         opts["softcap"] = d.pick([0.5, 3.0, 20.0])
     if d.chance(0.2):
-        opts["alibi_slopes"] = torch.rand(*((h,) if d.chance(0.5) else (b, h)), device=env.device) * 0.5
+        gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+        shape = (h,) if d.chance(0.5) else (b, h)
+        opts["alibi_slopes"] = torch.rand(*shape, generator=gen).to(env.device) * 0.5
     if d.chance(0.2):
         opts["dropout_p"] = d.pick([0.1, 0.5])
     if d.chance(0.15):
@@ -446,7 +448,9 @@ def rotary_call(d: Draw, env) -> Call:
     dtype = d.pick(env.dtypes)
     seqlen_ro = s + d.int(0, 6)
     x = _tensor(d, (b, s, h, hd), dtype, env.device)
-    ang = torch.outer(torch.arange(seqlen_ro, dtype=torch.float64), torch.rand(rd // 2, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+    ang = torch.outer(torch.arange(seqlen_ro, dtype=torch.float64),
+                      torch.rand(rd // 2, dtype=torch.float64, generator=gen))
     cos, sin = ang.cos().to(env.device, dtype), ang.sin().to(env.device, dtype)
     off = d.int(0, seqlen_ro - s)
     interleaved = d.chance(0.5)
