@@ -91,16 +91,12 @@ def _fwd_tile(
 
 
 @triton.jit
-def fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """(out, lse) of a query tile from the final online-softmax state."""
+def fwd_finish(acc, l_i, m_i, sink, dropout_p, HAS_SINK: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """(out, lse) of a query tile from the final online-softmax state. HAS_SINK: `sink` is the sink's logit
+    (base 2), where the running max m_i started, so m_i >= sink."""
     if HAS_SINK:
         # the sink is one more logit in every row's denominator, with no value
-        sink = tl.load(SINK + off_h) * LOG2E
-        m_fin = tl.maximum(m_i, sink)
-        alpha = tl.math.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
-        acc = acc * alpha[:, None]
-        m_i = m_fin
+        l_i = l_i + tl.math.exp2(sink - m_i)
     # rows that saw no key: out = 0 and lse = +inf (flash_attn's convention); with a sink lse = sink
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -165,10 +161,12 @@ def attn_fwd_kernel(
     n_start, n_lo, n_hi, n_end = key_range(start_m, seqlen_k, diag, left, right, BLOCK_M, BLOCK_N,
                                            WINDOW_LEFT, WINDOW_RIGHT)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    sink = 0.0
     if HAS_SINK:
         # the running max starts at the sink's logit: every numerator exp(s - m) is then taken against the
         # max over the keys and the sink, as the softmax over both defines it (an FP8 P is rounded there)
-        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(SINK + off_h) * LOG2E
+        sink = tl.load(SINK + off_h) * LOG2E
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     # -- tiles cut by the window's left edge
@@ -205,7 +203,7 @@ def attn_fwd_kernel(
             stride_vd=stride_vd,
         )
 
-    out, lse = fwd_finish(acc, l_i, m_i, SINK, off_h, dropout_p, HAS_SINK, HAS_DROPOUT)
+    out, lse = fwd_finish(acc, l_i, m_i, sink, dropout_p, HAS_SINK, HAS_DROPOUT)
     if FP8:
         out = out * tl.load(V_SCALE + off_b64 * stride_vsb + off_hk64 * stride_vsh)
     lse_base = LSE + off_b64 * stride_lse_b + off_h64 * stride_lse_h + q_start

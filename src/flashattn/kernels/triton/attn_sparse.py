@@ -139,7 +139,7 @@ def sparse_fwd_kernel(
         SPARSE_M, SPARSE_N, HAS_SOFTCAP, HAS_DROPOUT, PART_BY, RULE_LEFT, RULE_RIGHT, RULE_GLOBAL,
         RULE_GLOBAL_CAUSAL, DOT_PREC,
     )
-    out, lse = fwd_finish(acc, l_i, m_i, None, off_h, dropout_p, False, HAS_DROPOUT)
+    out, lse = fwd_finish(acc, l_i, m_i, 0.0, dropout_p, False, HAS_DROPOUT)
     tl.store(LSE + off_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
     store_tile(O + off_b64 * stride_ob + off_h64 * stride_oh, out, offs_m, offs_dv, stride_om, seqlen_q,
                HEAD_DIM_V)
