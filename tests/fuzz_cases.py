@@ -59,6 +59,10 @@ class Draw:
     def chance(self, p):
         return self.r.random() < p
 
+    def generator(self) -> torch.Generator:
+        """A CPU generator seeded from this draw: a case's tensors repeat with its seed."""
+        return torch.Generator().manual_seed(self.int(0, 2**31 - 1))
+
     def length(self, env, zero=0.05):
         if self.chance(zero):
             return 0
@@ -66,7 +70,7 @@ class Draw:
 
 
 def _tensor(d: Draw, shape, dtype, device, strided=False, scale=1.0):
-    gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+    gen = d.generator()
     if strided and len(shape) >= 3:
         # a view with a contiguous last dim only: (heads, seq) swapped in memory, headdim padded
         full = torch.randn(*shape[:-3], shape[-2], shape[-3], shape[-1] + 3, generator=gen) * scale
@@ -92,7 +96,7 @@ def _options(d: Draw, env, b, h):
     if d.chance(0.15):
         opts["softcap"] = d.pick([0.5, 3.0, 20.0])
     if d.chance(0.2):
-        gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+        gen = d.generator()
         shape = (h,) if d.chance(0.5) else (b, h)
         opts["alibi_slopes"] = torch.rand(*shape, generator=gen).to(env.device) * 0.5
     if d.chance(0.2):
@@ -455,7 +459,7 @@ def rotary_call(d: Draw, env) -> Call:
     dtype = d.pick(env.dtypes)
     seqlen_ro = s + d.int(0, 6)
     x = _tensor(d, (b, s, h, hd), dtype, env.device)
-    gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+    gen = d.generator()
     ang = torch.outer(torch.arange(seqlen_ro, dtype=torch.float64),
                       torch.rand(rd // 2, dtype=torch.float64, generator=gen))
     cos, sin = ang.cos().to(env.device, dtype), ang.sin().to(env.device, dtype)

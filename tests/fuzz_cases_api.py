@@ -121,7 +121,7 @@ def rotary_packed_call(d: Draw, env) -> Call:
     form = d.pick(["qkv", "qkv-gqa", "kv"])
     h, hk = _heads(d, env, b)
     seqlen_ro = s + d.int(0, 6)
-    gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+    gen = d.generator()
     table_dtype = d.pick([dtype, torch.float32])
 
     def tables():

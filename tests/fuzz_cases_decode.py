@@ -17,7 +17,7 @@ def page_pool(d: Draw, env, b, hk, hd, dtype, page, max_pages, shared=False):
     max_pages) int32 table of distinct pages in a shuffled order (shared: every sequence reads sequence 0's
     pages, a prefix cache)."""
     num_pages = b * max_pages + d.int(0, 3)
-    gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+    gen = d.generator()
     order = torch.randperm(num_pages, generator=gen)[: b * max_pages].view(b, max_pages)
     if shared:
         order = order[:1].expand(b, -1)
@@ -147,7 +147,7 @@ def decode_plan_call(d: Draw, env) -> Call:
                        strict=True))
         if d.chance(0.25):
             rd = d.pick([r for r in (8, 16, hd) if r <= hd and r % 2 == 0])
-            ang = torch.rand(cap, rd // 2, generator=torch.Generator().manual_seed(d.int(0, 2**31 - 1)),
+            ang = torch.rand(cap, rd // 2, generator=d.generator(),
                              dtype=torch.float64) * 6.3
             new.update(rotary_cos=ang.cos().to(env.device, dtype), rotary_sin=ang.sin().to(env.device, dtype))
     seqlens = torch.tensor(lens, dtype=torch.int32, device=env.device)

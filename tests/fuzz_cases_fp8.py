@@ -64,7 +64,7 @@ def fp8_call(d: Draw, env) -> Call:
         opts["learnable_sink"] = _tensor(d, (h,), torch.float32, env.device)
     if d.chance(0.1):
         opts["softmax_scale"] = d.pick([0.05, 0.3])
-    gen = torch.Generator().manual_seed(d.int(0, 2**31 - 1))
+    gen = d.generator()
     grans = (d.pick(["tensor", "head", "kv-head"]), d.pick(fp8.GRANULARITIES), d.pick(fp8.GRANULARITIES))
     v_seq_contiguous = d.chance(0.3)
     omit = d.pick([None] * 8 + [0, 1, 2])  # a descale left out means 1
