@@ -116,9 +116,13 @@ def test_fuzz_sample_under_memcheck():
          str(root / "tests" / "fuzz_run.py"), "--device", "cuda", "-n", "150", "--seed", str(SEED),
          "--shard", f"{i}/{shards}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(shards)]
-    for i, proc in enumerate(procs):
-        log = proc.communicate(timeout=1500)[0]
-        tail = f"shard {i}/{shards}:\n" + log[-4000:]
-        assert proc.returncode == 0, tail
-        assert "ERROR SUMMARY: 0 errors" in log, tail
-        assert "fuzz sample done" in log, tail
+    try:
+        for i, proc in enumerate(procs):
+            log = proc.communicate(timeout=1500)[0]
+            tail = f"shard {i}/{shards}:\n" + log[-4000:]
+            assert proc.returncode == 0, tail
+            assert "ERROR SUMMARY: 0 errors" in log, tail
+            assert "fuzz sample done" in log, tail
+    finally:
+        for proc in procs:  # the shards still running when one fails
+            proc.kill()
