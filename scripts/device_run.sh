@@ -26,6 +26,9 @@
 #   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
 #   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
+#   profile-inference
+#                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
+#                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache): sections and pipe metrics, ncu-*.txt
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
 #                 process, beside SDPA-cuDNN (scripts/host_ab.py)
@@ -118,6 +121,33 @@ for stage in "$@"; do
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
     cp)
       bench "${CP_S:-240}" cp --suite cp ;;
+    profile-inference)
+      cases="fp8-d128:attn_fwd:fwd 128 16384 fp8
+bf16-d128:attn_fwd:fwd 128 16384
+fp8-d256:attn_fwd:fwd 256 16384 fp8
+bf16-d256:attn_fwd:fwd 256 16384
+fp8-d64:attn_fwd:fwd 64 16384 fp8
+decode-b1-4k:decode_kernel:decode 1 4096
+decode-b1-16k:decode_kernel:decode 1 16384
+decode-b16-64k:decode_kernel:decode 16 65536
+decode-b16-64k-fp8:decode_kernel:decode 16 65536 fp8"
+      # compile every case first, side by side, so that each profiled process finds its kernels cached
+      while IFS=: read -r name regex case; do
+        timeout 240 python3 scripts/ncu_inference.py $case > "$RES/warm-$name.txt" 2>&1 &
+      done <<< "$cases"
+      wait
+      pipes=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed.avg.per_cycle_active
+      while IFS=: read -r name regex case; do
+        timeout 120 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
+          --print-details all --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+          --section SchedulerStats python3 scripts/ncu_inference.py $case > "$RES/ncu-$name.txt" 2>&1
+        timeout 60 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
+          --metrics "$pipes" python3 scripts/ncu_inference.py $case > "$RES/ncu-pipes-$name.txt" 2>&1
+        echo "-- $name: $case"
+        grep -E "^ +(Duration|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|Achieved Occupancy|sm__)" \
+          "$RES/ncu-$name.txt" "$RES/ncu-pipes-$name.txt" | sed 's/^[^:]*://' | head -12
+      done <<< "$cases" ;;
     host-time)
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
     host-ab)

@@ -1,0 +1,63 @@
+"""One inference call, for Nsight Compute: the FP8 forward (or the bf16 one beside it), or a decode step.
+
+    ncu --kernel-name regex:attn_fwd_ws --launch-skip 2 --launch-count 1 --section ... \
+        python scripts/ncu_inference.py fwd D N [causal] [fp8]
+    ncu --kernel-name regex:decode_kernel --launch-skip 2 --launch-count 1 --section ... \
+        python scripts/ncu_inference.py decode B KV [fp8] [page=P]
+
+fwd: b x N = 16K tokens, h = 2048 / d (the fp8 suite's grid), q, k, v quantised per tensor with V laid out
+seqlen-contiguous (the layout the FP8 P.V product reads without a copy); without `fp8`, the same call in
+bf16. decode: one query per sequence, 32 query heads on 8 KV heads, d 128, every sequence KV keys, the
+cache bf16 or e4m3 (per (sequence, KV head) descales), contiguous or paged. Three calls run, so the profiled
+launch (skip 2) is compiled and cached.
+"""
+
+import sys
+
+import torch
+
+from flashattn import flash_attn_func, flash_attn_with_kvcache
+from flashattn.fp8 import quantize
+
+args = sys.argv[1:]
+flags = set(args[3:])
+fp8 = "fp8" in flags
+torch.manual_seed(0)
+if args[0] == "fwd":
+    d, n = int(args[1]), int(args[2])
+    shape = (16384 // n, n, 2048 // d, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kwargs = {}
+    if fp8:
+        (q, qd), (k, kd) = quantize(q), quantize(k)
+        v, vd = quantize(v, seq_contiguous=True)
+        kwargs = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+    def call():
+        return flash_attn_func(q, k, v, causal="causal" in flags, **kwargs)
+else:
+    b, kv, hk, h, d = int(args[1]), int(args[2]), 8, 32, 128
+    page = next((int(f.split("=")[1]) for f in flags if f.startswith("page=")), None)
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, kv, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kwargs = {}
+    if fp8:
+        (k, kd), (v, vd) = quantize(k, "head"), quantize(v, "head")
+        kwargs = dict(k_descale=kd, v_descale=vd)
+    seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
+    if page is not None:
+        pages = b * kv // page
+        # pages in a shuffled order, as a serving pool holds them
+        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, kv // page)
+        k_pool, v_pool = (torch.empty(pages, page, hk, d, device="cuda", dtype=x.dtype) for x in (k, v))
+        for pool, x in ((k_pool, k), (v_pool, v)):
+            pool.view(torch.uint8)[table.flatten().long()] = x.reshape(pages, page, hk, d).view(torch.uint8)
+        k, v = k_pool, v_pool
+        kwargs["block_table"] = table
+
+    def call():
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **kwargs)
+for _ in range(3):
+    call()
+torch.cuda.synchronize()
+print("profiled", args, flush=True)
