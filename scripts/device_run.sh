@@ -23,6 +23,7 @@
 #   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
 #                 16-bit cache, at the issue's points (b16 64K/128K, b1 64K)
+#   fp8-decode    the fp8 stage's FP8-cache rows alone
 #   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
 #   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
@@ -112,8 +113,8 @@ for stage in "$@"; do
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)
       bench "${DECODE_S:-300}" decode --suite decode ${FA4:+--add-providers "${FA4_DECODE#,}"} ;;
-    fp8)
-      bench "${FP8_S:-360}" fp8 --suite fp8
+    fp8|fp8-decode)
+      [ "$stage" = fp8 ] && bench "${FP8_S:-360}" fp8 --suite fp8
       bench "${FP8_DECODE_S:-200}" fp8-decode --suite decode --seqlens 65536,131072 \
         --providers "flashattn-kvcache,flashattn-kvcache-graph,flashattn-fp8cache,flashattn-fp8cache-graph" ;;
     sparse)
@@ -122,7 +123,9 @@ for stage in "$@"; do
     cp)
       bench "${CP_S:-240}" cp --suite cp ;;
     profile-inference)
-      cases="fp8-d128:attn_fwd:fwd 128 16384 fp8
+      # PROFILE_CASES: a regex of case names (default all)
+      cases=$(grep -E "^(${PROFILE_CASES:-.*}):" <<'CASES'
+fp8-d128:attn_fwd:fwd 128 16384 fp8
 bf16-d128:attn_fwd:fwd 128 16384
 fp8-d256:attn_fwd:fwd 256 16384 fp8
 bf16-d256:attn_fwd:fwd 256 16384
@@ -130,7 +133,9 @@ fp8-d64:attn_fwd:fwd 64 16384 fp8
 decode-b1-4k:decode_kernel:decode 1 4096
 decode-b1-16k:decode_kernel:decode 1 16384
 decode-b16-64k:decode_kernel:decode 16 65536
-decode-b16-64k-fp8:decode_kernel:decode 16 65536 fp8"
+decode-b16-64k-fp8:decode_kernel:decode 16 65536 fp8
+CASES
+)
       # compile every case first, side by side, so that each profiled process finds its kernels cached
       while IFS=: read -r name regex case; do
         timeout 240 python3 scripts/ncu_inference.py $case > "$RES/warm-$name.txt" 2>&1 &

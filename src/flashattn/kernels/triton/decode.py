@@ -17,8 +17,12 @@ min(end_b, i + diag + right + 1)), and only the keys KEY_MASK keeps, when given.
 
 FP8_CACHE: the caches hold e4m3 values whose real value is x_fp8 · descale, one K and one V descale per
 program (per tensor, or per (batch, kv head): a pointer and two strides, 0 for one per tensor). Tiles are
-converted to q's dtype for the dots (exact), k_descale is folded into the score scale and v_descale into the
-normalised output; new keys/values are quantised with the same descales on their way into the cache, and
+converted for the dots (exact: every e4m3 value is an fp16, bf16 and fp32 value), k_descale is folded into
+the score scale and v_descale into the normalised output. DOT_FP16 (a 16-bit q): the dots run in fp16,
+whatever q's dtype, with q scaled into fp16's range by a power of two. On sm_90 a tile's e4m3 -> fp16
+conversion is one instruction per two elements, and e4m3 -> bf16 goes through fp16 with one more per
+element, which in a bf16 decode step cost more issue time than reading the tile; an fp32 q keeps fp32 dots.
+New keys/values are quantised with the same descales on their way into the cache, and
 the attention reads them quantised, as the cache now holds them.
 
 Every index read from the device is clamped into range before it addresses memory: start_b into
@@ -97,7 +101,7 @@ def _attend_tile(
 ):
     """One key tile (positions offs_n) folded into the running state (m_i, l_i, acc). MIXED: the tile may
     hold new keys (positions >= start), which come from KN/VN instead of the cache. FP8_CACHE: K/V tiles in
-    q's dtype hold x_fp8 (the descales are applied by the caller's scales)."""
+    the dots' dtype (q's) hold x_fp8 (the descales are applied by the caller's scales)."""
     ok_n = (offs_n >= lo) & (offs_n < hi)
     if HAS_KEY_MASK:
         ok_n = ok_n & (tl.load(KEY_MASK + km_row + offs_n, mask=ok_n, other=0) != 0)
@@ -175,7 +179,8 @@ def decode_kernel(
     PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, APPEND: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     Q_PER_ROW: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr,
-    SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, FP8_CACHE: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, FP8_CACHE: tl.constexpr, DOT_FP16: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     off_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -270,6 +275,18 @@ def decode_kernel(
         pos_q = start + offs_i * 0
     q = rotated(q_ptrs, ok_r[:, None] & ok_d[None, :], offs_d, COS, SIN, pos_q, stride_cs, stride_ss,
                 seqlen_ro, ROT_DIM, INTERLEAVED).to(Q.dtype.element_ty)
+    if DOT_FP16:
+        # q scaled by a power of two that puts its largest |value| in [2^14, 2^15), below fp16's 65504:
+        # exact for a 16-bit q (a power of two keeps the bits; fp16 holds every bf16 value down to 2^-17
+        # of that largest one), its inverse folded into the score scales
+        q32 = q.to(tl.float32)
+        binade = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        # the scale's biased exponent: 2^(14 - e) for a largest |q| in [2^e, 2^(e+1))
+        code = _clamp(268 - binade, 14, 227)
+        q = (q32 * (code << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        inverse = ((254 - code) << 23).to(tl.float32, bitcast=True)
+        qk_scale = qk_scale * inverse
+        softcap_in = softcap_in * inverse
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI_ON:
         # slopes in log2 units: the scores are kept in base 2
