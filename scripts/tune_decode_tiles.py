@@ -1,4 +1,5 @@
 """Sweep the split-KV decode kernel's tiles and split count at the decode suite's shapes; save every timing.
+With --fp8 the caches are e4m3 and the 16-bit cache on its default route is timed beside them.
 
 Usage (on the device): PYTHONPATH=src python scripts/tune_decode_tiles.py --out $OUT/tune_decode.json
 Each candidate tile config goes through FLASHATTN_CONFIG ("decode=" or "decode_paged=", read at call time by
@@ -18,11 +19,16 @@ import time
 import torch
 
 from flashattn import config, flash_attn_with_kvcache
+from flashattn.fp8 import quantize
 
 TILES = [(64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2)]
 # paged caches get two more stages by default (the block-table read is pipelined too)
 PAGED_TILES = [(64, 128, 4, 5), (64, 128, 4, 4), (64, 64, 4, 5), (64, 64, 4, 4), (64, 128, 8, 5)]
 SPLIT_FACTORS = (0, 0.5, 2.0)  # 0: the heuristic; otherwise a multiple of the heuristic's count
+# --fp8 (an e4m3 cache, per-head descales): half the bytes a tile, so more tiles or warps in flight
+FP8_TILES = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 5), (64, 128, 8, 5), (64, 256, 8, 3),
+             (64, 256, 8, 4)]
+FP8_PAGED_TILES = [(64, 128, 4, 5), (64, 128, 8, 5), (64, 128, 8, 7), (64, 128, 4, 7), (64, 256, 8, 5)]
 
 
 def _timer(device):
@@ -50,20 +56,27 @@ def _timer(device):
     return cpu
 
 
-def _inputs(b, kv_len, page, h, hk, d, device, dtype):
+def _inputs(b, kv_len, page, h, hk, d, device, dtype, fp8=False):
+    """q, the caches (quantised to e4m3 per (sequence, KV head) with fp8), lengths, block table, and the
+    descales' keyword arguments."""
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, 1, h, d, device=device, dtype=dtype, generator=gen)
     k = torch.randn(b, kv_len, hk, d, device=device, dtype=dtype, generator=gen)
     v = torch.randn_like(k)
+    descales = {}
+    if fp8:
+        (k, kd), (v, vd) = quantize(k, "head"), quantize(v, "head")
+        descales = dict(k_descale=kd, v_descale=vd)
     seqlens = torch.full((b,), kv_len, device=device, dtype=torch.int32)
     if page is None:
-        return q, k, v, seqlens, None
+        return q, k, v, seqlens, None, descales
     pages = b * (kv_len // page)
     table = torch.randperm(pages, device=device).view(b, -1).to(torch.int32)
     k_pool, v_pool = k.new_empty(pages, page, hk, d), v.new_empty(pages, page, hk, d)
-    k_pool[table.flatten().long()] = k.reshape(pages, page, hk, d)
-    v_pool[table.flatten().long()] = v.reshape(pages, page, hk, d)
-    return q, k_pool, v_pool, seqlens, table
+    # as bytes: indexing an e4m3 tensor needs kernels torch may not have
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        pool.view(torch.uint8)[table.flatten().long()] = x.reshape(pages, page, hk, d).view(torch.uint8)
+    return q, k_pool, v_pool, seqlens, table, descales
 
 
 def heuristic_splits(b, hk, kv_len, block_n, device):
@@ -80,6 +93,8 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="4096,16384,65536")
     ap.add_argument("--pages", default="none,64", help="page sizes; none = contiguous")
     ap.add_argument("--heads", default="32,8,128", help="h, h_k, d")
+    ap.add_argument("--fp8", action="store_true", help="an e4m3 cache (per-head descales), its tile lists")
+    ap.add_argument("--split-factors", default=",".join(map(str, SPLIT_FACTORS)))
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
@@ -91,19 +106,20 @@ def main(argv=None):
                                [int(x) for x in args.seqlens.split(",")],
                                [None if p == "none" else int(p) for p in args.pages.split(",")])
     for b, kv_len, page in shapes:
-        q, kc, vc, seqlens, table = _inputs(b, kv_len, page, h, hk, d, device, dtype)
-        kv_bytes = 2 * b * kv_len * hk * d * q.element_size()
+        q, kc, vc, seqlens, table, descales = _inputs(b, kv_len, page, h, hk, d, device, dtype, args.fp8)
+        kv_bytes = 2 * b * kv_len * hk * d * kc.element_size()
         key = "decode_paged" if page else "decode"
         rows = []
-        for tile in PAGED_TILES if page else TILES:
+        tiles = (FP8_PAGED_TILES if page else FP8_TILES) if args.fp8 else (PAGED_TILES if page else TILES)
+        for tile in tiles:
             config.set_tiles(f"{key}={','.join(map(str, tile))}")
             base = heuristic_splits(b, hk, kv_len, tile[1], device)
-            for factor in SPLIT_FACTORS:
+            for factor in (float(x) for x in args.split_factors.split(",")):
                 splits = 0 if factor == 0 else max(1, round(base * factor))
                 row = dict(batch=b, kv_len=kv_len, page_size=page, tile=list(tile), num_splits=splits,
                            heuristic_splits=base)
                 call = functools.partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
-                                         block_table=table, num_splits=splits)
+                                         block_table=table, num_splits=splits, **descales)
                 try:
                     ms = timer(call)
                     row.update(ms=ms, tbps=kv_bytes / (ms * 1e-3) / 1e12)
@@ -111,18 +127,29 @@ def main(argv=None):
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 rows.append(row)
         config.set_tiles(None)
+        base16 = None
+        if args.fp8:
+            # the 16-bit cache on its default route, same shape and process: what the FP8 cache is measured by
+            q, kc, vc, seqlens, table, _ = _inputs(b, kv_len, page, h, hk, d, device, dtype)
+            base16 = timer(functools.partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
+                                             block_table=table))
+            results.append(dict(batch=b, kv_len=kv_len, page_size=page, cache="16-bit", tile="default",
+                                num_splits=0, ms=base16))
         timed = [r for r in rows if "ms" in r]
         default = next((r for r in timed if r["num_splits"] == 0 and r["tile"] == rows[0]["tile"]), None)
         best = min(timed, key=lambda r: r["ms"]) if timed else None
         if best:
             ref = f"default {default['tbps']:.2f} TB/s; " if default else ""
             splits = best["num_splits"] or "heuristic"
+            vs16 = f"; 16-bit cache {base16:.4f} ms, default {base16 / default['ms']:.2f}x, best " \
+                f"{base16 / best['ms']:.2f}x its tokens/s" if base16 and default else ""
             print(f"b={b} kv={kv_len} page={page}: {ref}best {best['tbps']:.2f} TB/s, tile {best['tile']}, "
-                  f"num_splits {splits} ({best['heuristic_splits']} by the heuristic)", flush=True)
+                  f"num_splits {splits} ({best['heuristic_splits']} by the heuristic){vs16}", flush=True)
         results += rows
     with open(args.out, "w") as f:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        doc = {"device": name, "h": h, "hk": hk, "d": d, "dtype": str(dtype), "rows": results}
+        doc = {"device": name, "h": h, "hk": hk, "d": d, "dtype": str(dtype), "fp8_cache": args.fp8,
+               "rows": results}
         json.dump(doc, f, indent=1)
     return 0
 
