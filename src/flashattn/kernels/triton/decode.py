@@ -19,9 +19,9 @@ FP8_CACHE: the caches hold e4m3 values whose real value is x_fp8 · descale, one
 program (per tensor, or per (batch, kv head): a pointer and two strides, 0 for one per tensor). Tiles are
 converted for the dots (exact: every e4m3 value is an fp16, bf16 and fp32 value), k_descale is folded into
 the score scale and v_descale into the normalised output. DOT_FP16 (a 16-bit q): the dots run in fp16,
-whatever q's dtype, with q scaled into fp16's range by a power of two. On sm_90 a tile's e4m3 -> fp16
+whatever q's dtype, with q scaled into fp16's range by a power of two: on sm_90 a tile's e4m3 -> fp16
 conversion is one instruction per two elements, and e4m3 -> bf16 goes through fp16 with one more per
-element, which in a bf16 decode step cost more issue time than reading the tile; an fp32 q keeps fp32 dots.
+element. An fp32 q keeps fp32 dots.
 New keys/values are quantised with the same descales on their way into the cache, and
 the attention reads them quantised, as the cache now holds them.
 
