@@ -285,6 +285,27 @@ def test_append_clamps_to_the_e4m3_range(backend):
     assert torch.isfinite(out).all()
 
 
+def test_q_scale_does_not_change_the_result(backend):
+    # q · 2^s with softmax_scale · 2^-s is the same call exactly: the Triton kernel's fp16 dots take q
+    # scaled by a power of two into fp16's range and fold the inverse into the score scale, the torch
+    # backend attends in fp32; a scale folded in twice or not at all changes bits. q on a grid of 2^-4
+    # with at most 7 mantissa bits: exact at every s. (A bf16 q past fp16's range: the GPU test.)
+    c = Case(seqlens=[37, 70], page=16, splits=3)
+    a, _ = make_inputs(c, torch.float16, "head")
+    q = (a["q"].float() * 16).round().clamp(-64, 64) / 16
+    scale = c.d ** -0.5
+    results = []
+    for s in (0, 12, -8):
+        args = dict(a, q=(q * 2.0**s).to(torch.float16))
+        out, lse = flash_attn_with_kvcache(
+            args["q"], args["k_cache"], args["v_cache"], cache_seqlens=args["cache_seqlens"],
+            block_table=args["block_table"], softmax_scale=scale * 2.0**-s, num_splits=c.splits,
+            return_softmax_lse=True, k_descale=args["k_descale"], v_descale=args["v_descale"])
+        results.append((out, lse))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 @triton.jit
 def _quantize_kernel(X, DESCALE, Y, N: tl.constexpr):
     offs = tl.arange(0, N)

@@ -171,3 +171,19 @@ def test_fp8_plan_in_a_cuda_graph(page):
     expect = _call(s, "fp8", plan)
     assert torch.equal(out, expect)
     assert torch.equal(_bytes(kc_replayed), _bytes(kc)) and torch.equal(_bytes(vc_replayed), _bytes(vc))
+
+
+@pytest.mark.parametrize("s", [24, -24])
+def test_bf16_q_far_from_fp16_range(s):
+    # a bf16 q at 2^24 (past fp16's 65504) or 2^-24 (fp16's subnormals) times a unit one, with softmax_scale
+    # times the inverse: the same call. The fp16 dots take q scaled by a power of two into fp16's range, so
+    # the output and LSE match the unit call's bit for bit; cast to fp16 unscaled, 2^24 would be inf.
+    st = _setup(None, "head", False)
+    kc, vc = st["caches"]["fp8"]
+    descales = dict(k_descale=st["kd"], v_descale=st["vd"])
+    runs = [flash_attn_with_kvcache(st["q"] * 2.0**e, kc, vc, cache_seqlens=st["seqlens"],
+                                    softmax_scale=D**-0.5 * 2.0**-e, return_softmax_lse=True, **descales)
+            for e in (0, s)]
+    (out0, lse0), (out, lse) = runs
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
