@@ -24,6 +24,9 @@
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
 #                 16-bit cache, at the issue's points (b16 64K/128K, b1 64K)
 #   fp8-decode    the fp8 stage's FP8-cache rows alone
+#   decode-tiles-fp8
+#                 scripts/tune_decode_tiles.py --fp8: the FP8 cache's tiles and split counts at b1/b16 64K,
+#                 contiguous and paged 64, beside the 16-bit cache in the same process
 #   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
 #   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
@@ -120,6 +123,9 @@ for stage in "$@"; do
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
+    decode-tiles-fp8)
+      timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --fp8 --batches 16,1 --seqlens 65536 \
+        --pages none,64 --split-factors 0,0.67,1.34,2 --out "$RES/tune_decode_fp8.json" 2>&1 | grep "^b=" ;;
     cp)
       bench "${CP_S:-240}" cp --suite cp ;;
     profile-inference)

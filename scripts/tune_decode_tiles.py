@@ -2,8 +2,8 @@
 With --fp8 the caches are e4m3 and the 16-bit cache on its default route is timed beside them.
 
 Usage (on the device): PYTHONPATH=src python scripts/tune_decode_tiles.py --out $OUT/tune_decode.json
-Each candidate tile config goes through FLASHATTN_CONFIG ("decode=" or "decode_paged=", read at call time by
-flashattn.ops.decode), each split count through num_splits (0 = the launcher's heuristic). On a GPU every
+Each candidate tile config goes through flashattn.config.set_tiles ("decode=" or "decode_paged=", read when
+a call's route is made), each split count through num_splits (0 = the launcher's heuristic). On a GPU every
 call is captured in a CUDA graph and replayed, so the timings are GPU time (what a serving loop sees), not
 Python's host cost. On the CPU (a smoke test of this script, under TRITON_INTERPRET=1) tiny shapes are timed
 with perf_counter. The first tile of each list is the shipped default.
