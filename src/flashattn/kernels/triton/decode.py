@@ -276,16 +276,17 @@ def decode_kernel(
     q = rotated(q_ptrs, ok_r[:, None] & ok_d[None, :], offs_d, COS, SIN, pos_q, stride_cs, stride_ss,
                 seqlen_ro, ROT_DIM, INTERLEAVED).to(Q.dtype.element_ty)
     if DOT_FP16:
-        # q scaled by a power of two that puts its largest |value| in [2^14, 2^15), below fp16's 65504:
-        # exact for a 16-bit q (a power of two keeps the bits; fp16 holds every bf16 value down to 2^-17
-        # of that largest one), its inverse folded into the score scales
+        # each row of q scaled by the power of two that puts its largest |value| in [2^14, 2^15), below
+        # fp16's 65504, the inverse folded into the row's score scales: exact for a 16-bit q (a power of
+        # two keeps the bits, and fp16 holds a bf16 value exactly down to 2^-31 of its row's largest), and
+        # per row, so that query heads of very different magnitudes sharing a program keep their bits
         q32 = q.to(tl.float32)
-        binade = (tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        binade = (tl.max(tl.abs(q32), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
         # the scale's biased exponent: 2^(14 - e) for a largest |q| in [2^e, 2^(e+1))
         code = _clamp(268 - binade, 14, 227)
-        q = (q32 * (code << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-        inverse = ((254 - code) << 23).to(tl.float32, bitcast=True)
-        qk_scale = qk_scale * inverse
+        q = (q32 * (code << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        inverse = ((254 - code) << 23).to(tl.float32, bitcast=True)[:, None]
+        qk_scale = qk_scale * inverse  # (BLOCK_M, 1) from here on
         softcap_in = softcap_in * inverse
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI_ON:
