@@ -36,27 +36,15 @@ if args[0] == "fwd":
     def call():
         return flash_attn_func(q, k, v, causal="causal" in flags, **kwargs)
 else:
-    b, kv, hk, h, d = int(args[1]), int(args[2]), 8, 32, 128
+    from tune_decode_tiles import decode_inputs  # this script's folder is on sys.path
+
+    b, kv = int(args[1]), int(args[2])
     page = next((int(f.split("=")[1]) for f in flags if f.startswith("page=")), None)
-    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, kv, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    kwargs = {}
-    if fp8:
-        (k, kd), (v, vd) = quantize(k, "head"), quantize(v, "head")
-        kwargs = dict(k_descale=kd, v_descale=vd)
-    seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
-    if page is not None:
-        pages = b * kv // page
-        # pages in a shuffled order, as a serving pool holds them
-        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, kv // page)
-        k_pool, v_pool = (torch.empty(pages, page, hk, d, device="cuda", dtype=x.dtype) for x in (k, v))
-        for pool, x in ((k_pool, k), (v_pool, v)):
-            pool.view(torch.uint8)[table.flatten().long()] = x.reshape(pages, page, hk, d).view(torch.uint8)
-        k, v = k_pool, v_pool
-        kwargs["block_table"] = table
+    q, k, v, seqlens, table, kwargs = decode_inputs(b, kv, page, 32, 8, 128, torch.device("cuda"),
+                                                    torch.bfloat16, fp8)
 
     def call():
-        return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **kwargs)
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, **kwargs)
 for _ in range(3):
     call()
 torch.cuda.synchronize()

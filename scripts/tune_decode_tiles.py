@@ -56,7 +56,7 @@ def _timer(device):
     return cpu
 
 
-def _inputs(b, kv_len, page, h, hk, d, device, dtype, fp8=False):
+def decode_inputs(b, kv_len, page, h, hk, d, device, dtype, fp8=False):
     """q, the caches (quantised to e4m3 per (sequence, KV head) with fp8), lengths, block table, and the
     descales' keyword arguments."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -106,7 +106,8 @@ def main(argv=None):
                                [int(x) for x in args.seqlens.split(",")],
                                [None if p == "none" else int(p) for p in args.pages.split(",")])
     for b, kv_len, page in shapes:
-        q, kc, vc, seqlens, table, descales = _inputs(b, kv_len, page, h, hk, d, device, dtype, args.fp8)
+        q, kc, vc, seqlens, table, descales = decode_inputs(b, kv_len, page, h, hk, d, device, dtype,
+                                                            args.fp8)
         kv_bytes = 2 * b * kv_len * hk * d * kc.element_size()
         key = "decode_paged" if page else "decode"
         rows = []
@@ -130,7 +131,7 @@ def main(argv=None):
         base16 = None
         if args.fp8:
             # the 16-bit cache on its default route, same shape and process: what the FP8 cache is measured by
-            q, kc, vc, seqlens, table, _ = _inputs(b, kv_len, page, h, hk, d, device, dtype)
+            q, kc, vc, seqlens, table, _ = decode_inputs(b, kv_len, page, h, hk, d, device, dtype)
             base16 = timer(functools.partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
                                              block_table=table))
             results.append(dict(batch=b, kv_len=kv_len, page_size=page, cache="16-bit", tile="default",

@@ -296,12 +296,10 @@ def test_q_scale_does_not_change_the_result(backend):
     scale = c.d ** -0.5
     results = []
     for s in (0, 12, -8):
-        args = dict(a, q=(q * 2.0**s).to(torch.float16))
-        out, lse = flash_attn_with_kvcache(
-            args["q"], args["k_cache"], args["v_cache"], cache_seqlens=args["cache_seqlens"],
-            block_table=args["block_table"], softmax_scale=scale * 2.0**-s, num_splits=c.splits,
-            return_softmax_lse=True, k_descale=args["k_descale"], v_descale=args["v_descale"])
-        results.append((out, lse))
+        results.append(flash_attn_with_kvcache(
+            (q * 2.0**s).to(torch.float16), a["k_cache"], a["v_cache"], cache_seqlens=a["cache_seqlens"],
+            block_table=a["block_table"], softmax_scale=scale * 2.0**-s, num_splits=c.splits,
+            return_softmax_lse=True, k_descale=a["k_descale"], v_descale=a["v_descale"]))
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
