@@ -79,11 +79,13 @@ def decode_inputs(b, kv_len, page, h, hk, d, device, dtype, fp8=False):
     return q, k_pool, v_pool, seqlens, table, descales
 
 
-def heuristic_splits(b, hk, kv_len, block_n, device):
+def heuristic_splits(b, h, hk, d, kv_len, paged, element_size, device):
+    """The launcher's split count for this call under the tile override in force."""
+    from flashattn.backends.triton import routes
     from flashattn.backends.triton.merge import sm_count
-    from flashattn.backends.triton.routes import num_splits_heuristic
 
-    return num_splits_heuristic(b * hk, -(-kv_len // block_n) + 1, sm_count(device))
+    spec = routes.DecodeSpec(b, h, hk, 1, d, element_size, paged, kv_len, sms=sm_count(device))
+    return routes.decode_route(spec).num_splits
 
 
 def main(argv=None):
@@ -114,7 +116,7 @@ def main(argv=None):
         tiles = (FP8_PAGED_TILES if page else FP8_TILES) if args.fp8 else (PAGED_TILES if page else TILES)
         for tile in tiles:
             config.set_tiles(f"{key}={','.join(map(str, tile))}")
-            base = heuristic_splits(b, hk, kv_len, tile[1], device)
+            base = heuristic_splits(b, h, hk, d, kv_len, page is not None, kc.element_size(), device)
             for factor in (float(x) for x in args.split_factors.split(",")):
                 splits = 0 if factor == 0 else max(1, round(base * factor))
                 row = dict(batch=b, kv_len=kv_len, page_size=page, tile=list(tile), num_splits=splits,

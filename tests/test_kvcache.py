@@ -293,6 +293,38 @@ def test_num_splits_heuristic(programs, n_tiles, splits):
     assert num_splits_heuristic(programs, n_tiles, 132) == splits
 
 
+@pytest.mark.parametrize(
+    "programs, splits",
+    [
+        (8, 33),  # batch 1: one wave of 2 x 132 slots
+        (128, 2),  # batch 16: two programs an SM hold one wave of 256 without a second
+        (256, 3),  # batch 32: about two waves of 264
+        (528, 1),  # two waves without splitting
+    ],
+)
+def test_num_splits_plan_for_two_programs_an_sm(programs, splits):
+    from flashattn.backends.triton.routes import num_splits_heuristic
+
+    assert num_splits_heuristic(programs, 513, 132, per_sm=2) == splits
+
+
+def test_an_fp8_cache_at_d128_plans_two_programs_an_sm(monkeypatch):
+    from flashattn.backends.triton import routes
+
+    use_tiles(monkeypatch, None)
+    for paged in (False, True):
+        # b16 and b1 x 8 KV heads, 64K keys: the H200 sweep's best split counts, 2 and about 32
+        for batch, splits in ((16, 2), (1, 33)):
+            spec = routes.DecodeSpec(batch, 32, 8, 1, 128, 1, paged, 65536, sms=132)
+            assert routes.decode_route(spec).num_splits == splits
+        # a 16-bit cache keeps one program an SM: 3 and 16 splits
+        for batch, splits in ((16, 3), (1, 16)):
+            spec = routes.DecodeSpec(batch, 32, 8, 1, 128, 2, paged, 65536, sms=132)
+            assert routes.decode_route(spec).num_splits == splits
+    # unmeasured head dims keep one
+    assert routes.decode_route(routes.DecodeSpec(16, 32, 8, 1, 64, 1, False, 65536, sms=132)).num_splits == 3
+
+
 def _decode_tiles(d, element_size, paged, kv_programs):
     from flashattn.backends.triton import routes
 
@@ -316,6 +348,15 @@ def test_decode_tiles_follow_the_program_count(monkeypatch, paged, programs, blo
     # measured for 16-bit caches at d = 128 only: d = 64 and fp32 keep their tiles
     assert _decode_tiles(64, 2, paged, programs).block_n == 128
     assert _decode_tiles(128, 4, paged, programs).block_n == 64
+
+
+@pytest.mark.parametrize("paged, programs, stages", [(True, 128, 7), (True, 8, 5), (False, 128, 3)])
+def test_an_fp8_page_read_by_many_programs_takes_two_more_stages(monkeypatch, paged, programs, stages):
+    from flashattn.backends.triton.configs import TileConfig
+
+    use_tiles(monkeypatch, None)
+    # the 128-key tile stays (an FP8 tile is half a 16-bit one's bytes)
+    assert _decode_tiles(128, 1, paged, programs) == TileConfig(64, 128, 4, stages)
 
 
 def test_decode_override_beats_the_program_count(monkeypatch):

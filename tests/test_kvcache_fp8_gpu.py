@@ -187,3 +187,34 @@ def test_bf16_q_far_from_fp16_range(s):
     (out0, lse0), (out, lse) = runs
     assert torch.isfinite(out).all()
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+@pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "page64"])
+def test_fp8_cache_at_batch_16_on_its_route(page):
+    # 16 x 8 (batch, kv head) programs: an FP8 cache at d = 128 plans two programs an SM (2 splits, not 3)
+    # and a paged one takes 7 stages; checked against the oracle on the dequantised cache
+    from flashattn.backends.triton.configs import TileConfig
+
+    b, cap = 16, 16384
+    plan = DecodePlan(b, H, HK, D, page_size=page, max_seqlen_k=cap, dtype=DT, cache_dtype=FP8)
+    assert plan.route.num_splits == 2
+    assert plan.route.tiles == TileConfig(64, 128, 4, 7 if page else 3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k8, kd = quantize(torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen), "head")
+    v8, vd = quantize(torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen), "head")
+    q = torch.randn(b, 1, H, D, device="cuda", dtype=DT, generator=gen)
+    seqlens = torch.randint(1, cap, (b,), device="cuda", generator=gen, dtype=torch.int32)
+    seqlens[-1] = cap
+    kc, vc, bt = k8, v8, None
+    if page is not None:
+        perm = torch.randperm(b * cap // page, device="cuda", generator=gen)
+        bt = perm.view(b, -1).to(torch.int32)
+        kc, vc = (_paged(x, page, perm) for x in (k8, v8))
+    out = plan.run(q, kc, vc, seqlens, bt, k_descale=kd, v_descale=vd)
+    k_real, v_real = _real(k8, kd), _real(v8, vd)
+    for i in (0, 7, b - 1):
+        n = int(seqlens[i])
+        kr, vr = k_real[i : i + 1, :n], v_real[i : i + 1, :n]
+        ref = attention_ref(q[i : i + 1], kr, vr)[0]
+        pt = attention_ref(q[i : i + 1], kr.to(DT), vr.to(DT), upcast=False)[0]
+        assert_close_to_ref(out[i : i + 1], ref, pt, name=f"out[{i}]")

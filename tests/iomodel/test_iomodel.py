@@ -465,3 +465,7 @@ def test_decode_model_follows_the_launcher():
     assert paged.detail["tiles"] == 16 * 8 * 16384 // 64
     assert decode_tiles(128, 2, True, kv_programs=128) == (64, 64)
     assert decode_tiles(128, 2, True, kv_programs=8) == (64, 128)
+    # an FP8 cache at d = 128 plans for two programs an SM, as the launcher does
+    assert default_num_splits(16, 8, 65536, rows=4, dtype_bytes=1) == 2
+    fp8 = decode_io(AttnShape(1, 32, 1, 128, nheads_k=8, seqlen_k=65536, dtype_bytes=1))
+    assert fp8.detail["num_splits"] == 33

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashattn.backends.triton import routes
-from flashattn.backends.triton.configs import tile_config
+from flashattn.backends.triton.configs import decode_programs_per_sm, tile_config
 from flashattn.backends.triton.host import block_d
 from flashattn.iomodel.estimate import H200, AttnShape, IOEstimate, Machine, combine
 
@@ -284,11 +284,14 @@ def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False, rows: int 
 
 
 def default_num_splits(batch: int, nheads_k: int, keys: int, machine: Machine = H200, *, rows: int = 1,
-                       block_m: int = 64, block_n: int = 128) -> int:
+                       block_m: int = 64, block_n: int = 128, headdim: int = 128, dtype_bytes: int = 2
+                       ) -> int:
     """The split count the launcher picks (routes.num_splits_heuristic) for `rows` packed query rows (GQA
-    group x seqlen_q) per (batch, kv head) and a cache of `keys` keys."""
+    group x seqlen_q) per (batch, kv head) and a cache of `keys` keys of `dtype_bytes` at `headdim`."""
     m_blocks = cdiv(rows, routes.query_block(rows, block_m))
-    return routes.num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms)
+    per_sm = decode_programs_per_sm(block_d(headdim), dtype_bytes)
+    return routes.num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms,
+                                       per_sm)
 
 
 def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int | None = None,
@@ -309,7 +312,7 @@ def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int |
     block_m, default_n = decode_tiles(d, e, page_size is not None, rows, b * hk, machine)
     block_n = block_n or default_n
     splits = num_splits or default_num_splits(b, hk, keys, machine, rows=rows, block_m=block_m,
-                                              block_n=block_n)
+                                              block_n=block_n, headdim=d, dtype_bytes=e)
     # the launcher caps the splits at the key tiles + 1; trailing splits may get no tile (the kernel gives
     # each cdiv(tiles, splits) tiles) yet still run: they read q and write an empty partial
     splits = min(splits, cdiv(keys, block_n) + 1)

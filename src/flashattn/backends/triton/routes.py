@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flashattn.backends.triton.configs import TileConfig, decode_tiles, tile_config
+from flashattn.backends.triton.configs import TileConfig, decode_programs_per_sm, decode_tiles, tile_config
 from flashattn.backends.triton.host import block_d
 from flashattn.errors import FlashAttnError
 
@@ -402,18 +402,20 @@ def one_wave(programs: int, sms: int) -> bool:
     return sms // max(programs, 1) >= 2
 
 
-def num_splits_heuristic(programs: int, n_tiles: int, sms: int) -> int:
+def num_splits_heuristic(programs: int, n_tiles: int, sms: int, per_sm: int = 1) -> int:
     """Splits of the key range, from the programs there are without splitting.
 
     programs: (batch, kv head, query block) programs without splitting; n_tiles: key tiles of the longest
-    sequence (a split gets at least one). When one_wave: floor(SMs / programs) splits (the H200 sweep found
-    one wave of longer splits 5-21% faster than two waves at batch 1: fewer partial results to combine, no
-    second-wave tail). Otherwise about two waves, ceil(2·SMs / programs), and none from 2·SMs programs on.
-    Always within [1, min(n_tiles, 128)].
+    sequence (a split gets at least one); per_sm: programs an SM runs at once
+    (configs.decode_programs_per_sm), so a wave is sms · per_sm programs. When one_wave: floor(wave /
+    programs) splits (the H200 sweep found one wave of longer splits 5-21% faster than two waves at batch 1:
+    fewer partial results to combine, no second-wave tail). Otherwise about two waves, ceil(2·wave /
+    programs), and none from 2·wave programs on. Always within [1, min(n_tiles, 128)].
     """
-    if programs >= 2 * sms:
+    wave = sms * per_sm
+    if programs >= 2 * wave:
         return 1
-    splits = sms // programs if one_wave(programs, sms) else -(-2 * sms // programs)
+    splits = wave // programs if one_wave(programs, wave) else -(-2 * wave // programs)
     return max(1, min(splits, n_tiles, MAX_SPLITS))
 
 
@@ -444,7 +446,8 @@ def decode_route(spec: DecodeSpec) -> DecodeRoute:
     n_tiles = max(1, -(-span // tiles.block_n) + 1)  # + 1: the span need not start on a tile
     splits = spec.num_splits
     if splits <= 0:
-        splits = num_splits_heuristic(spec.batch * spec.nheads_k * m_blocks, n_tiles, spec.sms)
+        per_sm = decode_programs_per_sm(block_d(spec.headdim), spec.element_size)
+        splits = num_splits_heuristic(spec.batch * spec.nheads_k * m_blocks, n_tiles, spec.sms, per_sm)
     return DecodeRoute(tiles, block_m, max(1, min(splits, n_tiles)))
 
 
