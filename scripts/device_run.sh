@@ -32,7 +32,8 @@
 #   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
 #   profile-inference
 #                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
-#                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache): sections and pipe metrics, ncu-*.txt
+#                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache, contiguous and paged 64): sections and
+#                 pipe metrics, ncu-*.txt
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
 #                 process, beside SDPA-cuDNN (scripts/host_ab.py)
@@ -140,6 +141,8 @@ decode-b1-4k:decode_kernel:decode 1 4096
 decode-b1-16k:decode_kernel:decode 1 16384
 decode-b16-64k:decode_kernel:decode 16 65536
 decode-b16-64k-fp8:decode_kernel:decode 16 65536 fp8
+decode-b16-64k-page64:decode_kernel:decode 16 65536 page=64
+decode-b16-64k-fp8-page64:decode_kernel:decode 16 65536 fp8 page=64
 CASES
 )
       # compile every case first, side by side, so that each profiled process finds its kernels cached
@@ -152,7 +155,7 @@ CASES
         timeout 120 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
           --print-details all --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-          --section SchedulerStats python3 scripts/ncu_inference.py $case > "$RES/ncu-$name.txt" 2>&1
+          --section SchedulerStats --section SourceCounters python3 scripts/ncu_inference.py $case > "$RES/ncu-$name.txt" 2>&1
         timeout 60 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
           --metrics "$pipes" python3 scripts/ncu_inference.py $case > "$RES/ncu-pipes-$name.txt" 2>&1
         echo "-- $name: $case"

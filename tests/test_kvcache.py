@@ -350,15 +350,6 @@ def test_decode_tiles_follow_the_program_count(monkeypatch, paged, programs, blo
     assert _decode_tiles(128, 4, paged, programs).block_n == 64
 
 
-@pytest.mark.parametrize("paged, programs, stages", [(True, 128, 7), (True, 8, 5), (False, 128, 3)])
-def test_an_fp8_page_read_by_many_programs_takes_two_more_stages(monkeypatch, paged, programs, stages):
-    from flashattn.backends.triton.configs import TileConfig
-
-    use_tiles(monkeypatch, None)
-    # the 128-key tile stays (an FP8 tile is half a 16-bit one's bytes)
-    assert _decode_tiles(128, 1, paged, programs) == TileConfig(64, 128, 4, stages)
-
-
 def test_decode_override_beats_the_program_count(monkeypatch):
     from flashattn.backends.triton.configs import TileConfig
 

@@ -192,13 +192,13 @@ def test_bf16_q_far_from_fp16_range(s):
 @pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "page64"])
 def test_fp8_cache_at_batch_16_on_its_route(page):
     # 16 x 8 (batch, kv head) programs: an FP8 cache at d = 128 plans two programs an SM (2 splits, not 3)
-    # and a paged one takes 7 stages; checked against the oracle on the dequantised cache
+    # and keeps its 128-key tiles paged; checked against the oracle on the dequantised cache
     from flashattn.backends.triton.configs import TileConfig
 
     b, cap = 16, 16384
     plan = DecodePlan(b, H, HK, D, page_size=page, max_seqlen_k=cap, dtype=DT, cache_dtype=FP8)
     assert plan.route.num_splits == 2
-    assert plan.route.tiles == TileConfig(64, 128, 4, 7 if page else 3)
+    assert plan.route.tiles == TileConfig(64, 128, 4, 5 if page else 3)
     gen = torch.Generator(device="cuda").manual_seed(3)
     k8, kd = quantize(torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen), "head")
     v8, vd = quantize(torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen), "head")

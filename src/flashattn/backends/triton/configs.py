@@ -137,9 +137,9 @@ def decode_tiles(block_d: int, elem_size: int, paged: bool, cuda: bool, many_pro
     3 and 4 stages give one K/V buffer, 5 give two). With many programs (more than one wave of splits: batch
     16 x 8 KV heads) a paged cache reads faster through 64-key tiles: +3% to +10% at batch 16 in two H200
     sweeps, where at batch 1 (16 splits) they lost up to 16%; contiguous caches showed no such pattern. Only
-    where it was measured: 16-bit caches at head dim 128 (others keep their tiles). An FP8 cache at head dim
-    128 keeps its 128-key tiles there and takes two more stages instead (7: the best of the FP8 sweep at b16
-    64K, paged 64). The overrides `decode` and `decode_paged` replace them.
+    where it was measured: 16-bit caches at head dim 128 (others keep their tiles; the FP8 sweep at b16
+    64K paged found its 128-key, 5-stage tile as fast as 7 stages and 1.3-1.5x faster than 8 warps). The
+    overrides `decode` and `decode_paged` replace them.
     """
     override = config.tile_overrides.get("decode_paged" if paged else "decode")
     if override is not None:
@@ -159,8 +159,6 @@ def _decode_entry(block_d: int, elem_size: int, paged: bool, cuda: bool, many_pr
         block_n //= 2
     extra = 2 if paged else 0
     stages = (3 if block_d <= 128 else 2) + extra
-    if many_programs and paged and block_d == 128 and elem_size == 1:
-        stages += 2  # an FP8 page's tiles are small: two more K/V buffers in flight (H200 sweep, b16 64K)
     # stages - 1 - extra buffers of a K and a V tile are in flight
     while stages > 2 + extra and (stages - 1 - extra) * 2 * block_n * block_d * elem_size > _SMEM_BUDGET:
         stages -= 1
