@@ -126,7 +126,7 @@ for stage in "$@"; do
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
     decode-tiles-fp8)
       timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --fp8 --batches 16,1 --seqlens 65536 \
-        --pages none,64 --split-factors 0,0.67,1.5,2 --out "$RES/tune_decode_fp8.json" 2>&1 | grep "^b=" ;;
+        --pages none,64 --split-factors 0,1.5,2 --out "$RES/tune_decode_fp8.json" 2>&1 | grep "^b=" ;;
     cp)
       bench "${CP_S:-240}" cp --suite cp ;;
     profile-inference)

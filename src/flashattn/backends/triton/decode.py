@@ -199,6 +199,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         DOT_PREC=host.dot_precision(q.dtype),
         # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
         num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return DecodeLaunch(route, grid, kwargs, consts, (b, sq, h, d), (b, h, sq), floats, counters,
                         launch_mod.direct(q))
