@@ -34,7 +34,8 @@
 #                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
 #                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache, contiguous and paged 64): sections and
 #                 pipe metrics, ncu-*.txt
-#   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py)
+#   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py), and the
+#                 autograd engine's share, device threads on and off (scripts/autograd_host.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
 #                 process, beside SDPA-cuDNN (scripts/host_ab.py)
 #   decode-host   decode host time per call beside SDPA (scripts/decode_host_time.py)
@@ -163,7 +164,8 @@ CASES
           "$RES/ncu-$name.txt" "$RES/ncu-pipes-$name.txt" | sed 's/^[^:]*://' | head -12
       done <<< "$cases" ;;
     host-time)
-      timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call" ;;
+      timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call"
+      timeout 60 python3 scripts/autograd_host.py "$RES/autograd_host.json" 2>&1 | grep "us/call" ;;
     host-ab)
       PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src timeout 200 python3 scripts/host_ab.py "$RES/host_ab.json" \
         flashattn_base 2>&1 | tail -12 ;;

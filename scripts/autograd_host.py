@@ -1,0 +1,79 @@
+"""Host time of the autograd engine around one backward node (CUDA only): what a backward call costs above
+its own work, for a C++ op, a Python autograd.Function (trivial, and launching one kernel), our attention
+and SDPA-cuDNN's, with the engine's device threads on (PyTorch's default) and off
+(torch.autograd.set_multithreading_enabled(False): the backward runs on the calling thread).
+
+    python scripts/autograd_host.py OUT.json
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashattn import flash_attn_func
+
+
+def _per_call_us(fn, calls=200, reps=7):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _OneKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def main(path):
+    q, k, v = (torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    qt, kt, vt, dot = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v, do))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        cudnn_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    outs = {"c++ mul": q * 2, "python identity": _Identity.apply(q), "python one kernel": _OneKernel.apply(q),
+            "flashattn": flash_attn_func(q, k, v, causal=True)}
+    results = {}
+    for threads in (True, False):
+        with torch.autograd.set_multithreading_enabled(threads):
+            for name, out in outs.items():
+                inputs = (q, k, v) if name == "flashattn" else (q,)
+                results[f"{name} threads={threads}"] = _per_call_us(
+                    lambda out=out, inputs=inputs: torch.autograd.grad(out, inputs, do, retain_graph=True))
+            results[f"cudnn threads={threads}"] = _per_call_us(
+                lambda: torch.autograd.grad(cudnn_out, (qt, kt, vt), dot, retain_graph=True))
+    for name, us in results.items():
+        print(f"{name:32} {us:7.1f} us/call", flush=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
