@@ -51,6 +51,24 @@ class _OneKernel(torch.autograd.Function):
         return g * 2
 
 
+class _LikeOurs(torch.autograd.Function):
+    """Our node's shape: three inputs in, three outputs (two not differentiable), seven tensors saved, one
+    kernel a gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse, rng = q * 2, q.new_empty(1, dtype=torch.float32), q.new_empty(2, dtype=torch.int64)
+        ctx.save_for_backward(q, k, v, out, lse, rng, None)
+        ctx.mark_non_differentiable(lse, rng)
+        ctx.set_materialize_grads(False)
+        return out, lse, rng
+
+    @staticmethod
+    def backward(ctx, g, glse, grng):
+        q, k, v, out, lse, rng, _ = ctx.saved_tensors
+        return g * 2, g * 3, g * 4
+
+
 def main(path):
     q, k, v = (torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -61,10 +79,22 @@ def main(path):
     outs = {"c++ mul": q * 2, "python identity": _Identity.apply(q), "python one kernel": _OneKernel.apply(q),
             "flashattn": flash_attn_func(q, k, v, causal=True)}
     results = {}
+    from flashattn.backends.triton import attention
+    from flashattn.ops import attention as ops
+
+    out = outs["flashattn"]
+    lse = attention.attention_forward(q, k, v, softmax_scale=128 ** -0.5, causal=True)[1]
+    rng = torch.zeros(2, dtype=torch.int64)
+    outs["python like ours"] = _LikeOurs.apply(q, k, v)[0]
+    results["flashattn launcher"] = _per_call_us(lambda: attention.attention_backward(
+        do, q, k, v, out.detach(), lse, softmax_scale=128 ** -0.5, causal=True))
+    results["flashattn op"] = _per_call_us(lambda: ops.attn_bwd(
+        do, q, k, v, out.detach(), lse, rng, None, None, 256, 256, 128 ** -0.5, True, -1, -1, 0.0, None, 0.0,
+        None, False))
     for threads in (True, False):
         with torch.autograd.set_multithreading_enabled(threads):
             for name, out in outs.items():
-                inputs = (q, k, v) if name == "flashattn" else (q,)
+                inputs = (q, k, v) if name in ("flashattn", "python like ours") else (q,)
                 results[f"{name} threads={threads}"] = _per_call_us(
                     lambda out=out, inputs=inputs: torch.autograd.grad(out, inputs, do, retain_graph=True))
             results[f"cudnn threads={threads}"] = _per_call_us(
