@@ -24,6 +24,9 @@
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
 #                 16-bit cache, at the points (b16 64K/128K, b1 64K)
 #   fp8-decode    the fp8 stage's FP8-cache rows alone
+#   decode-tiles-b1
+#                 scripts/tune_decode_tiles.py at batch 1 (4K, 16K, 64K; contiguous and paged 64), 16-bit cache:
+#                 tiles of two or three programs an SM beside split counts that fill them
 #   decode-tiles-fp8
 #                 scripts/tune_decode_tiles.py --fp8: the FP8 cache's tiles and split counts at b1/b16 64K,
 #                 contiguous and paged 64, beside the 16-bit cache in the same process
@@ -125,6 +128,9 @@ for stage in "$@"; do
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
+    decode-tiles-b1)
+      timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --batches 1 --seqlens 4096,16384,65536 \
+        --pages none,64 --split-factors 0,2,3 --out "$RES/tune_decode_b1.json" 2>&1 | grep "^b=" ;;
     decode-tiles-fp8)
       timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --fp8 --batches 16,1 --seqlens 65536 \
         --pages none,64 --split-factors 0,1.5,2 --out "$RES/tune_decode_fp8.json" 2>&1 | grep "^b=" ;;

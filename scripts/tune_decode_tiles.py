@@ -21,9 +21,11 @@ import torch
 from flashattn import config, flash_attn_with_kvcache
 from flashattn.fp8 import quantize
 
-TILES = [(64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 3), (64, 256, 8, 2)]
+# 16-bit caches: 128-key tiles hold 64 KB of K/V a stage (one program an SM at 3 stages), 64-key tiles 32 KB
+# (two or three an SM), so these pair with split factors that fill the residency (2, 3 at batch 1)
+TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 5), (64, 128, 8, 3)]
 # paged caches get two more stages by default (the block-table read is pipelined too)
-PAGED_TILES = [(64, 128, 4, 5), (64, 128, 4, 4), (64, 64, 4, 5), (64, 64, 4, 4), (64, 128, 8, 5)]
+PAGED_TILES = [(64, 128, 4, 5), (64, 128, 4, 6), (64, 64, 4, 5), (64, 64, 4, 6), (64, 64, 4, 4)]
 SPLIT_FACTORS = (0, 0.5, 2.0)  # 0: the heuristic; otherwise a multiple of the heuristic's count
 # --fp8 (an e4m3 cache, per-head descales): half the bytes a tile, so more tiles or warps in flight
 # (a fifth number caps the registers: 168 a thread lets 3 programs of 4 warps share an SM, 128 lets 4)
