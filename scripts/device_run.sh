@@ -24,6 +24,9 @@
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
 #                 16-bit cache, at the points (b16 64K/128K, b1 64K)
 #   fp8-decode    the fp8 stage's FP8-cache rows alone
+#   decode-merge-ab
+#                 the split kernel's merge over the packed rows beside the merge over the whole query block,
+#                 batch 1 and 16, 4K-64K, contiguous and paged 64 (scripts/tune_decode_tiles.py --merge-ab)
 #   decode-tiles-b1
 #                 scripts/tune_decode_tiles.py at batch 1 (4K, 16K, 64K; contiguous and paged 64), 16-bit cache:
 #                 tiles of two or three programs an SM beside split counts that fill them
@@ -128,6 +131,9 @@ for stage in "$@"; do
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
         --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
+    decode-merge-ab)
+      timeout "${TUNE_S:-200}" python3 scripts/tune_decode_tiles.py --merge-ab --batches 1,16 \
+        --seqlens 4096,16384,65536 --pages none,64 --out "$RES/decode_merge_ab.json" 2>&1 | grep "^b=" ;;
     decode-tiles-b1)
       timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --batches 1 --seqlens 4096,16384,65536 \
         --pages none,64 --split-factors 0,2,3 --out "$RES/tune_decode_b1.json" 2>&1 | grep "^b=" ;;

@@ -92,6 +92,24 @@ def heuristic_splits(b, h, hk, d, kv_len, paged, element_size, device):
     return routes.decode_route(spec).num_splits
 
 
+def merge_ab(b, kv_len, page, h, hk, d, device, dtype, timer) -> dict:
+    """The default route beside the same route with the merge taking the whole query block (merge_rows =
+    block_m), each through a DecodePlan: (ms, ms)."""
+    import dataclasses
+
+    from flashattn import DecodePlan
+
+    q, kc, vc, seqlens, table, _ = decode_inputs(b, kv_len, page, h, hk, d, device, dtype)
+    times = {}
+    for name in ("default", "whole block"):
+        plan = DecodePlan(b, h, hk, d, page_size=page, max_seqlen_k=kv_len, dtype=dtype, device=device)
+        if name == "whole block":
+            plan.route = dataclasses.replace(plan.route, merge_rows=plan.route.block_m)
+        times[name] = timer(functools.partial(plan.run, q, kc, vc, seqlens, table))
+    return dict(batch=b, kv_len=kv_len, page_size=page, merge_rows_default_ms=times["default"],
+                merge_rows_block_ms=times["whole block"], num_splits=plan.route.num_splits)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="tune_decode.json")
@@ -101,6 +119,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="32,8,128", help="h, h_k, d")
     ap.add_argument("--fp8", action="store_true", help="an e4m3 cache (per-head descales), its tile lists")
     ap.add_argument("--split-factors", default=",".join(map(str, SPLIT_FACTORS)))
+    ap.add_argument("--merge-ab", action="store_true",
+                    help="only the default route beside its merge over the whole query block (16-bit cache)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
@@ -112,6 +132,13 @@ def main(argv=None):
                                [int(x) for x in args.seqlens.split(",")],
                                [None if p == "none" else int(p) for p in args.pages.split(",")])
     for b, kv_len, page in shapes:
+        if args.merge_ab:
+            row = merge_ab(b, kv_len, page, h, hk, d, device, dtype, timer)
+            print(f"b={b} kv={kv_len} page={page}: merge of the packed rows "
+                  f"{row['merge_rows_default_ms']:.4f} ms, of the whole block "
+                  f"{row['merge_rows_block_ms']:.4f} ms ({row['num_splits']} splits)", flush=True)
+            results.append(row)
+            continue
         q, kc, vc, seqlens, table, descales = decode_inputs(b, kv_len, page, h, hk, d, device, dtype,
                                                             args.fp8)
         kv_bytes = 2 * b * kv_len * hk * d * kc.element_size()

@@ -135,3 +135,26 @@ def test_bad_run(name, monkeypatch):
     make, match = BAD_RUNS[name]
     with pytest.raises(ValueError, match=match):
         _run(_plan(), make(_inputs()))
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_the_merge_of_the_packed_rows_equals_the_merge_of_the_block(sq):
+    # the route's merge takes a block's packed rows (GQA group 4 x sq: 4 or 12 of a 16-row block); the
+    # whole block is the same arithmetic row by row, so the same bits
+    import dataclasses
+
+    from flashattn import config
+    from flashattn.errors import FlashAttnError
+
+    with config.use_backend("triton"):
+        plan, whole = _plan(num_splits=3, seqlen_q=sq), _plan(num_splits=3, seqlen_q=sq)
+        assert plan.route.merge_rows == (4 if sq == 1 else 16) and plan.route.block_m == 16
+        whole.route = dataclasses.replace(whole.route, merge_rows=whole.route.block_m)
+        out, lse = _run(plan, _inputs(sq=sq))
+        ref, ref_lse = _run(whole, _inputs(sq=sq))
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+        # fewer merge rows than the block's packed rows would leave rows unmerged: refused
+        few = _plan(num_splits=3, seqlen_q=sq)
+        few.route = dataclasses.replace(few.route, merge_rows=2)
+        with pytest.raises(FlashAttnError, match="merge_rows=2"):
+            _run(few, _inputs(sq=sq))

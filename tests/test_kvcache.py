@@ -308,6 +308,17 @@ def test_num_splits_plan_for_two_programs_an_sm(programs, splits):
     assert num_splits_heuristic(programs, 513, 132, per_sm=2) == splits
 
 
+@pytest.mark.parametrize("group, sq, merge_rows", [(4, 1, 4), (1, 1, 1), (8, 3, 32), (4, 3, 16), (16, 8, 64)])
+def test_the_merge_takes_the_packed_rows(monkeypatch, group, sq, merge_rows):
+    from flashattn.backends.triton import routes
+
+    use_tiles(monkeypatch, None)
+    # the packed rows' next power of two, within the query block (block_m: at least 16, the rows' power of
+    # two up to the tile's cap of 64)
+    route = routes.decode_route(routes.DecodeSpec(1, 8 * group, 8, sq, 128, 2, False, 65536, sms=132))
+    assert route.merge_rows == merge_rows and route.merge_rows <= route.block_m
+
+
 def test_an_fp8_cache_at_d128_plans_two_programs_an_sm(monkeypatch):
     from flashattn.backends.triton import routes
 

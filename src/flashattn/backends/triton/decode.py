@@ -168,6 +168,10 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     cfg, block_m, splits = route.tiles, route.block_m, route.num_splits
     group = h // hk
     rows = sq * group
+    if route.merge_rows < min(rows, block_m):
+        # the merge takes a block's first merge_rows rows only
+        raise FlashAttnError(f"route.merge_rows={route.merge_rows}; expected at least "
+                             f"min(rows, block_m) = {min(rows, block_m)} for {rows} packed query rows")
     grid = (b * hk, splits, host.cdiv(rows, block_m))
     floats, counters = workspace_size(route, b, hk, rows, d)
     s_new = 0 if k is None else k.shape[1]
@@ -194,7 +198,8 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         HAS_KEY_MASK=key_mask is not None, APPEND=k is not None,
         ROT_DIM=2 * rotary_cos.shape[1] if rotate else 0, INTERLEAVED=bool(rotary_interleaved),
         Q_PER_ROW=window_on, WINDOW=window_on, SOFTCAP=softcap > 0, ALIBI_ON=alibi_slopes is not None,
-        SPLIT=splits > 1, MERGE_CHUNK=merge_chunk(block_m, host.block_d(d)), FP8_CACHE=fp8,
+        SPLIT=splits > 1, MERGE_ROWS=route.merge_rows,
+        MERGE_CHUNK=merge_chunk(route.merge_rows, host.block_d(d)), FP8_CACHE=fp8,
         DOT_FP16=fp8 and q.dtype != torch.float32,
         DOT_PREC=host.dot_precision(q.dtype),
         # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
@@ -205,10 +210,10 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                         launch_mod.direct(q))
 
 
-def merge_chunk(block_m: int, block_d: int) -> int:
-    """Splits whose (block_m, block_d) float32 partials the in-kernel merge loads at once: 8K floats (64
+def merge_chunk(merge_rows: int, block_d: int) -> int:
+    """Splits whose (merge_rows, block_d) float32 partials the in-kernel merge loads at once: 8K floats (64
     registers a thread at 4 warps), at most 16 (an unrolled body each)."""
-    return max(1, min(16, 8192 // (block_m * block_d)))
+    return max(1, min(16, 8192 // (merge_rows * block_d)))
 
 
 def _sig(t):

@@ -388,6 +388,9 @@ class DecodeRoute:
     tiles: TileConfig
     block_m: int  # packed query rows per program (a power of two, at least 16)
     num_splits: int
+    # rows the in-kernel merge takes at a time (a power of two, at most block_m): the packed rows' next power
+    # of two, so that a decode step's few rows (a GQA group) merge more splits a round trip
+    merge_rows: int
     kernel = "triton"
 
 
@@ -448,7 +451,8 @@ def decode_route(spec: DecodeSpec) -> DecodeRoute:
     if splits <= 0:
         per_sm = decode_programs_per_sm(block_d(spec.headdim), spec.element_size)
         splits = num_splits_heuristic(spec.batch * spec.nheads_k * m_blocks, n_tiles, spec.sms, per_sm)
-    return DecodeRoute(tiles, block_m, max(1, min(splits, n_tiles)))
+    merge_rows = min(block_m, 1 << max(spec.rows - 1, 0).bit_length())
+    return DecodeRoute(tiles, block_m, max(1, min(splits, n_tiles)), merge_rows)
 
 
 # -- block-sparse attention (BlockMask)

@@ -179,7 +179,8 @@ def decode_kernel(
     PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, APPEND: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     Q_PER_ROW: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI_ON: tl.constexpr,
-    SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, FP8_CACHE: tl.constexpr, DOT_FP16: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr, FP8_CACHE: tl.constexpr,
+    DOT_FP16: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     off_bh = tl.program_id(0)
@@ -335,7 +336,8 @@ def decode_kernel(
         rows_all = tl.num_programs(0) * m_blocks
         row = off_bh * m_blocks + m_block
         work_o = WORK + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-        work_l = WORK + (num_splits * rows_all).to(tl.int64) * (BLOCK_M * BLOCK_D) + offs_m
+        lse_base = WORK + (num_splits * rows_all).to(tl.int64) * (BLOCK_M * BLOCK_D)
+        work_l = lse_base + offs_m
         part = (split * rows_all + row).to(tl.int64)
         o_part = acc / l_safe[:, None]
         if FP8_CACHE:
@@ -348,19 +350,26 @@ def decode_kernel(
         ticket = tl.atomic_add(COUNTERS + row, 1, sem="acq_rel", scope="gpu")
         if ticket == num_splits - 1:
             tl.atomic_xchg(COUNTERS + row, 0, sem="relaxed", scope="gpu")
-            # the partials' loads do not depend on one another, nor on the running max: MERGE_CHUNK splits'
-            # loads go out together (an unrolled body), so the merge waits on L2 once a chunk rather than
-            # twice a split, which at batch 1 (16 splits of 2 key tiles each) costs more than the attention
-            m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            w = tl.zeros([BLOCK_M], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            # the block's first MERGE_ROWS rows, which hold all of its rows below n_rows (the route's
+            # invariant: a decode step's block of 16 holds a GQA group's few), so that MERGE_CHUNK splits'
+            # loads go out together (an unrolled body, loads that depend neither on one another nor on the
+            # running max): the merge waits on L2 once a chunk rather than twice a split, which at batch 1
+            # (16 splits of 2 key tiles each) costs more than the attention
+            offs_q = tl.arange(0, MERGE_ROWS)
+            ok_q = start_m + offs_q < n_rows
+            mask_q = ok_q[:, None] & ok_d[None, :]
+            q_o = WORK + offs_q[:, None] * BLOCK_D + offs_d[None, :]
+            q_l = lse_base + offs_q
+            m = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+            w = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+            merged = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
             for s0 in range(0, num_splits, MERGE_CHUNK):
                 for j in tl.static_range(MERGE_CHUNK):
                     ok_s = s0 + j < num_splits
                     part = ((s0 + j) * rows_all + row).to(tl.int64)
-                    lse_s = tl.load(work_l + part * BLOCK_M, mask=ok_r & ok_s, other=float("-inf"),
+                    lse_s = tl.load(q_l + part * BLOCK_M, mask=ok_q & ok_s, other=float("-inf"),
                                     cache_modifier=".cg")
-                    o_s = tl.load(work_o + part * (BLOCK_M * BLOCK_D), mask=mask_o & ok_s, other=0.0,
+                    o_s = tl.load(q_o + part * (BLOCK_M * BLOCK_D), mask=mask_q & ok_s, other=0.0,
                                   cache_modifier=".cg")
                     # -- rescale to the new max; rows with nothing yet subtract 0, not -inf
                     m_new = tl.maximum(m, lse_s)
@@ -368,13 +377,19 @@ def decode_kernel(
                     alpha = tl.math.exp2(m - m_sub)
                     beta = tl.math.exp2(lse_s - m_sub)  # 0 for empty partials
                     # where, not a product alone: an empty partial's output must not reach the sum
-                    merged = merged * alpha[:, None] + tl.where(beta[:, None] > 0.0, beta[:, None] * o_s, 0.0)
+                    merged = merged * alpha[:, None] + tl.where(beta[:, None] > 0.0, beta[:, None] * o_s,
+                                                                0.0)
                     w = w * alpha + beta
                     m = m_new
-            seen = w > 0.0
-            w_safe = tl.where(seen, w, 1.0)
-            tl.store(o_ptrs, (merged / w_safe[:, None]).to(O.dtype.element_ty), mask=mask_o)
-            tl.store(lse_ptrs, tl.where(seen, (m + tl.math.log2(w_safe)) * LN2, float("inf")), mask=ok_r)
+            seen_q = w > 0.0
+            w_safe = tl.where(seen_q, w, 1.0)
+            r_q = start_m + offs_q
+            i_q, h_q = r_q // GROUP, off_hk * GROUP + r_q % GROUP
+            tl.store(O + off_b64 * stride_ob + i_q[:, None].to(tl.int64) * stride_om
+                     + h_q[:, None] * stride_oh + offs_d[None, :],
+                     (merged / w_safe[:, None]).to(O.dtype.element_ty), mask=mask_q)
+            tl.store(LSE + off_b64 * stride_lb + h_q * stride_lh + i_q * stride_lm,
+                     tl.where(seen_q, (m + tl.math.log2(w_safe)) * LN2, float("inf")), mask=ok_q)
     else:
         # -- epilogue: out 0 and lse +inf for a row that sees no key (flash_attn's convention)
         seen = l_i > 0.0
