@@ -319,6 +319,15 @@ def test_the_merge_takes_the_packed_rows(monkeypatch, group, sq, merge_rows):
     assert route.merge_rows == merge_rows and route.merge_rows <= route.block_m
 
 
+@pytest.mark.parametrize("merge_rows, splits, chunk",
+                         [(4, 16, 16), (4, 3, 4), (16, 16, 4), (1, 2, 2), (4, 33, 16)])
+def test_the_merge_loads_at_most_the_splits_power_of_two(merge_rows, splits, chunk):
+    from flashattn.backends.triton.decode import merge_chunk
+
+    # 8K floats of partials a round (64 registers a thread), at most 16 splits, at most splits' power of two
+    assert merge_chunk(merge_rows, 128, splits) == chunk
+
+
 def test_an_fp8_cache_at_d128_plans_two_programs_an_sm(monkeypatch):
     from flashattn.backends.triton import routes
 

@@ -199,7 +199,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         ROT_DIM=2 * rotary_cos.shape[1] if rotate else 0, INTERLEAVED=bool(rotary_interleaved),
         Q_PER_ROW=window_on, WINDOW=window_on, SOFTCAP=softcap > 0, ALIBI_ON=alibi_slopes is not None,
         SPLIT=splits > 1, MERGE_ROWS=route.merge_rows,
-        MERGE_CHUNK=merge_chunk(route.merge_rows, host.block_d(d)), FP8_CACHE=fp8,
+        MERGE_CHUNK=merge_chunk(route.merge_rows, host.block_d(d), splits), FP8_CACHE=fp8,
         DOT_FP16=fp8 and q.dtype != torch.float32,
         DOT_PREC=host.dot_precision(q.dtype),
         # 64-row blocks (long GQA groups, chunked prefill) hold 4x the accumulator of a decode step
@@ -210,10 +210,11 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                         launch_mod.direct(q))
 
 
-def merge_chunk(merge_rows: int, block_d: int) -> int:
+def merge_chunk(merge_rows: int, block_d: int, splits: int) -> int:
     """Splits whose (merge_rows, block_d) float32 partials the in-kernel merge loads at once: 8K floats (64
-    registers a thread at 4 warps), at most 16 (an unrolled body each)."""
-    return max(1, min(16, 8192 // (merge_rows * block_d)))
+    registers a thread at 4 warps), at most 16 (an unrolled body each) and at most the splits' power of two
+    (a body past the last split is masked work; powers of two keep the compiled variants to five)."""
+    return max(1, min(16, 8192 // (merge_rows * block_d), 1 << max(splits - 1, 0).bit_length()))
 
 
 def _sig(t):
