@@ -169,7 +169,7 @@ def _decode_entry(block_d: int, elem_size: int, paged: bool, cuda: bool, many_pr
 def decode_programs_per_sm(block_d: int, elem_size: int) -> int:
     """Split-kernel programs an SM runs at once, as the split count plans for them. An FP8 cache's programs
     are small enough for two (Nsight Compute on the H200, b16 64K: 193 registers a thread at 4 warps, 2 CTAs
-    resident per SM), and filling both slots was 1.2-1.3x faster than planning for one in the sweep (b16:
+    resident per SM), and filling both slots was 1.15-1.3x faster than planning for one in the sweep (b16:
     2 splits against 3, b1: 32 against 16). Elsewhere one: 16-bit and fp32 caches were tuned so, FP8 caches
     at other head dims are unmeasured."""
     return 2 if elem_size == 1 and block_d == 128 else 1
