@@ -1,5 +1,7 @@
 """Sweep the split-KV decode kernel's tiles and split count at the decode suite's shapes; save every timing.
-With --fp8 the caches are e4m3 and the 16-bit cache on its default route is timed beside them.
+With --fp8 the caches are e4m3 and the 16-bit cache on its default route is timed beside them. With
+--merge-ab only the default route runs, beside the same route whose merge takes the whole query block
+(merge_rows = block_m), each through a DecodePlan: an A/B of the merge in one process.
 
 Usage (on the device): PYTHONPATH=src python scripts/tune_decode_tiles.py --out $OUT/tune_decode.json
 Each candidate tile config goes through flashattn.config.set_tiles ("decode=" or "decode_paged=", read when
