@@ -13,22 +13,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from host_profile import per_call_us  # this script's folder is on sys.path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
-
-
-def _per_call_us(fn, calls=200, reps=7):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 class _Identity(torch.autograd.Function):
@@ -86,9 +74,9 @@ def main(path):
     lse = attention.attention_forward(q, k, v, softmax_scale=128 ** -0.5, causal=True)[1]
     rng = torch.zeros(2, dtype=torch.int64)
     outs["python like ours"] = _LikeOurs.apply(q, k, v)[0]
-    results["flashattn launcher"] = _per_call_us(lambda: attention.attention_backward(
+    results["flashattn launcher"] = per_call_us(lambda: attention.attention_backward(
         do, q, k, v, out.detach(), lse, softmax_scale=128 ** -0.5, causal=True))
-    results["flashattn op"] = _per_call_us(lambda: ops.attn_bwd(
+    results["flashattn op"] = per_call_us(lambda: ops.attn_bwd(
         do, q, k, v, out.detach(), lse, rng, None, None, 256, 256, 128 ** -0.5, True, -1, -1, 0.0, None, 0.0,
         None, False))
     # our backward op's own time inside the engine (on its device thread, or on the calling one)
@@ -106,11 +94,11 @@ def main(path):
             for name, out in outs.items():
                 inputs = (q, k, v) if name in ("flashattn", "python like ours") else (q,)
                 inside.clear()
-                results[f"{name} threads={threads}"] = _per_call_us(
+                results[f"{name} threads={threads}"] = per_call_us(
                     lambda out=out, inputs=inputs: torch.autograd.grad(out, inputs, do, retain_graph=True))
                 if inside:
                     results[f"{name} threads={threads}: its op inside"] = statistics.median(inside) * 1e6
-            results[f"cudnn threads={threads}"] = _per_call_us(
+            results[f"cudnn threads={threads}"] = per_call_us(
                 lambda: torch.autograd.grad(cudnn_out, (qt, kt, vt), dot, retain_graph=True))
     for name, us in results.items():
         print(f"{name:32} {us:7.1f} us/call", flush=True)

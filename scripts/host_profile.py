@@ -32,7 +32,8 @@ from flashattn import flash_attn_func
 from flashattn.backends.triton import attention, launch
 
 
-def _per_call_us(fn, calls=200, reps=7):
+def per_call_us(fn, calls=200, reps=7):
+    """Wall time per call of back-to-back calls without a sync, the median of reps repetitions."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -164,7 +165,7 @@ def main(path):
     for label, layers in cases:
         for name, fn in layers().items():
             try:
-                us = _per_call_us(fn, calls=20 if label.startswith("b=16") else 200)
+                us = per_call_us(fn, calls=20 if label.startswith("b=16") else 200)
             except Exception as exc:  # noqa: BLE001 - one broken layer must not lose the others
                 print(f"{label} {name}: {type(exc).__name__}: {exc}", flush=True)
                 continue
