@@ -358,8 +358,8 @@ def decode_kernel(
             offs_q = tl.arange(0, MERGE_ROWS)
             ok_q = start_m + offs_q < n_rows
             mask_q = ok_q[:, None] & ok_d[None, :]
-            q_o = WORK + offs_q[:, None] * BLOCK_D + offs_d[None, :]
-            q_l = lse_base + offs_q
+            merge_o = WORK + offs_q[:, None] * BLOCK_D + offs_d[None, :]
+            merge_l = lse_base + offs_q
             m = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
             w = tl.zeros([MERGE_ROWS], dtype=tl.float32)
             merged = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
@@ -367,9 +367,9 @@ def decode_kernel(
                 for j in tl.static_range(MERGE_CHUNK):
                     ok_s = s0 + j < num_splits
                     part = ((s0 + j) * rows_all + row).to(tl.int64)
-                    lse_s = tl.load(q_l + part * BLOCK_M, mask=ok_q & ok_s, other=float("-inf"),
+                    lse_s = tl.load(merge_l + part * BLOCK_M, mask=ok_q & ok_s, other=float("-inf"),
                                     cache_modifier=".cg")
-                    o_s = tl.load(q_o + part * (BLOCK_M * BLOCK_D), mask=mask_q & ok_s, other=0.0,
+                    o_s = tl.load(merge_o + part * (BLOCK_M * BLOCK_D), mask=mask_q & ok_s, other=0.0,
                                   cache_modifier=".cg")
                     # -- rescale to the new max; rows with nothing yet subtract 0, not -inf
                     m_new = tl.maximum(m, lse_s)
