@@ -159,11 +159,14 @@ def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
     """The softcap's derivative over c, 1 - tanh², recovered after the dPᵀ wait from Pᵀ (log2 Pᵀ + lse =
     tanh · cap_out − ALiBi's bias): tanh itself, or 1 - tanh² in 16 bits, held through the wait beside Pᵀ
-    spilled 0.4-0.5 KB in the loop at d = 128. LLVM folds the log2 into the exp2 that made Pᵀ, so no MUFU
-    instruction is spent. Where Pᵀ is 0 (masked or underflowed) log2 is -inf, and where the row saw no key
+    spilled 0.4-0.5 KB in the loop at d = 128. The log2 is opaque inline PTX (one MUFU.LG2 an element): as
+    gl.log2, LLVM folds it into the exp2 that made Pᵀ, which keeps the score tile live through the dPᵀ wait
+    and spills as much again. Where Pᵀ is 0 (masked or underflowed) log2 is -inf, and where the row saw no key
     (lse = +inf) y is NaN: the clamp's maxnum returns -1 for both, a factor 0, and dS is 0 there anyway. The
     softmax scale multiplies dK and dQ at the end."""
-    y = gl.log2(pt) + lse[None, :]
+    log2_pt = gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [pt], dtype=gl.float32,
+                                        is_pure=True, pack=1)
+    y = log2_pt + lse[None, :]
     if slope is not None:
         y = y + slope * gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
     t = gl.minimum(gl.maximum(y * (1.0 / cap_out), -1.0), 1.0)
