@@ -163,40 +163,30 @@ def test_an_installed_hook_takes_the_jit(fake_cuda):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
-@pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("sq", [1, 17, 113])
-def test_preprocess_fills_the_gluon_backward_inputs(sq, sink):
+def test_preprocess_fills_the_gluon_backward_inputs(sq):
     """GLUON: the backward's preprocess zeroes the Gluon backward's float32 dQ buffer, every row and column of
     it (the tail tile included), and writes D = rowsum(dO * O) and the LSE in base 2 into the stats planes,
-    whose padding rows (up to a multiple of 4) get zeros. With a learnable sink it adds its rows' share of
-    the sink's gradient, -Σᵢ P_sink,ᵢ Dᵢ (1 − P_sink,ᵢ) per head (0 on a row that saw no key: LSE +inf),
-    into dsink; the Gluon kernel adds the rest."""
+    whose padding rows (up to a multiple of 4) get zeros. (A sink's gradient is the Gluon kernel's.)"""
     from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 
     b, h, d = 2, 3, 40
     rows = -(-sq // 4) * 4
     o, do = (torch.randn(b, sq, h, d, dtype=torch.float16) for _ in range(2))
     lse = torch.randn(b, h, sq)
-    lse[1, 2, -1] = float("inf")
-    sinks = torch.randn(h) if sink else None
-    dsink = torch.full((h,), 0.25) if sink else None  # added into, not overwritten
     stats = torch.full((2, b * h, rows), float("nan"))
     dq_acc = torch.full((b, sq, h, d), float("nan"))
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
-        o, do, stats[1], o, dq_acc, lse, stats[0], None, sinks, dsink, *o.stride()[:3], *do.stride()[:3],
+        o, do, stats[1], o, dq_acc, lse, stats[0], None, *o.stride()[:3], *do.stride()[:3],
         lse.stride(0), lse.stride(1), h * rows, rows, h, sq, rows,
         HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True,
     )
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
-    delta = (o.float() * do.float()).sum(-1).transpose(1, 2)  # (b, h, sq)
-    torch.testing.assert_close(stats[1, :, :sq], delta.reshape(b * h, sq), rtol=1e-5, atol=1e-5)
+    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).reshape(b * h, sq)
+    torch.testing.assert_close(stats[1, :, :sq], delta, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[0, :, :sq], lse.reshape(b * h, sq) / math.log(2), rtol=1e-6, atol=0)
     assert torch.equal(stats[:, :, sq:], torch.zeros(2, b * h, rows - sq))
-    if sink:
-        p_sink = torch.exp(sinks.double()[:, None] - lse.double())  # (b, h, sq)
-        share = -(p_sink * (1 - p_sink) * delta.double()).sum((0, 2))
-        torch.testing.assert_close(dsink.double(), 0.25 + share, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
@@ -219,7 +209,7 @@ def test_preprocess_fills_the_varlen_gluon_backward_inputs():
     dq_acc = torch.full((total, h, d), float("nan"))
     launch_mod.launch(
         attn_bwd_preprocess_kernel, (-(-max(lens) // 32), batch * h),
-        o, do, stats[1], cu, dq_acc, lse, stats[0], row0, None, None,
+        o, do, stats[1], cu, dq_acc, lse, stats[0], row0,
         0, *o.stride()[:2], 0, *do.stride()[:2], 0, lse.stride(0), 0, rows, h, total, rows,
         HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=True, GLUON=True,
     )

@@ -297,11 +297,10 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             pb, route, preprocess, pre_args, prepared = hit
             dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)  # unpacked: as attention_forward's
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
-            stats, dq_acc, dsink = gluon.backward_buffers(pb, q, learnable_sink)
-            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], None, learnable_sink, dsink,
-                        *pre_args))
-            return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dsink, dk, dv, softmax_scale,
-                                  prepared, alibi_slopes, learnable_sink)[:4]
+            stats, dq_acc = gluon.backward_buffers(pb, q)
+            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], None, *pre_args))
+            return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
+                                  alibi_slopes, learnable_sink)[:4]
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
                   (dout,))
@@ -318,9 +317,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
     # (gluon.backward_buffers): the preprocess zeroes the one and fills the other (no launch of its own)
     on_gluon = isinstance(route, routes.GluonBackward)
-    stats_row0 = dsink = None
+    stats_row0 = None
     if on_gluon:
-        stats, dq_acc, dsink = gluon.backward_buffers(pb, q, learnable_sink)
+        stats, dq_acc = gluon.backward_buffers(pb, q)
         if pb.varlen:
             # each sequence's rows in the stats planes from a 16-byte aligned offset (gluon.backward_buffers)
             stats_row0 = gluon.varlen_tile_offsets(cu_seqlens_q, pb.batch, 4, q.shape[0])
@@ -339,11 +338,10 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)
-    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, stats_row0, learnable_sink if on_gluon else None,
-                dsink, *pre_args))
+    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, stats_row0, *pre_args))
     if on_gluon:
         dq, dk, dv, dsink, prepared = gluon.backward(
-            pb, route, q, k, v, dout, stats, dq_acc, dsink, dk, dv, softmax_scale, alibi_slopes=alibi_slopes,
+            pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, alibi_slopes=alibi_slopes,
             learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             stats_row0=stats_row0)
         if key is not None:

@@ -92,7 +92,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     attn_bwd_preprocess_kernel[(host.cdiv(sq, 64), b * h)](
-        out, dout, delta, q, q, delta, delta, None, None, None, *_rows(out), *_rows(dout),
+        out, dout, delta, q, q, delta, delta, None, *_rows(out), *_rows(dout),
         *(lse.stride(0), lse.stride(1)) * 2,
         h, sq, sq, HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False,
         GLUON=False,

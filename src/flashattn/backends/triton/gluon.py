@@ -244,32 +244,30 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     )
 
 
-def backward_buffers(pb, q, learnable_sink=None) -> tuple:
-    """(stats, dq_acc) in one allocation, and dsink. stats: the backward kernel's per-row statistics, which
-    the preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O);
+def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stats, dq_acc) in one allocation. stats: the backward kernel's per-row statistics, which the
+    preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O);
     varlen: (2, h, rows) with sequence b's rows from 4 · stats_row0[b] on (varlen_tile_offsets of cu_seqlens_q
     in 4-row steps), a bound on those offsets' end, the rows between sequences unwritten (the kernel counts
     every row past a sequence's end as a row without keys, whatever its stats). The kernel's loader brings
     both with each (Q, dO) tile through one TMA copy, whose start in the innermost dim must be 16-byte
     aligned (an unaligned one stopped the H200 on an illegal instruction): hence the padding. dq_acc: the
     float32 buffer shaped like q (contiguous) into which the kernel adds dQ, zeroed by the preprocess; it
-    starts 16-byte aligned after the planes. dsink: with learnable_sink, the zeroed (h,) float32 sink gradient
-    into which the preprocess and the kernel add their shares (None without)."""
+    starts 16-byte aligned after the planes."""
     if pb.varlen:
         rows, planes = 4 * (-(-q.shape[0] // 4) + pb.batch), pb.nheads
     else:
         rows, planes = -(-pb.seqlen_q // 4) * 4, pb.batch * pb.nheads
     n_stats = 2 * planes * rows
     buf = torch.empty(n_stats + q.numel(), dtype=torch.float32, device=q.device)
-    dsink = None if learnable_sink is None else torch.zeros(pb.nheads, dtype=torch.float32, device=q.device)
-    return buf[:n_stats].view(2, planes, rows), buf[n_stats:].view(q.shape), dsink
+    return buf[:n_stats].view(2, planes, rows), buf[n_stats:].view(q.shape)
 
 
-def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dsink, dk, dv, softmax_scale: float,
+def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
              prepared: Prepared | None = None, alibi_slopes=None, learnable_sink=None, cu_seqlens_q=None,
              cu_seqlens_k=None, stats_row0=None) -> tuple:
     """dq, dk and dv (dk and dv filled: attention_backward's contract) and the sink's gradient ((h,) float32,
-    or None without learnable_sink), with the warp-specialised backward; stats, dq_acc and dsink: as
+    or None without learnable_sink), with the warp-specialised backward; stats and dq_acc: as
     `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Varlen (pb.varlen,
     cu_seqlens and stats_row0 given, see `backward_buffers`): the packed tensors go to the descriptors as one
     batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, dk,
@@ -287,6 +285,8 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dsink, dk, 
                                  f"({pb.flags['GROUP']} query heads per kv head)")
         # the parts' dK and dV, summed in float32, then cast into dk and dv
         split = tuple(torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    # the sink's gradient, added into by the programs
+    dsink = None if learnable_sink is None else torch.zeros(pb.nheads, dtype=torch.float32, device=q.device)
     # deterministic: a counter per query head and row (of which each query tile's first row's is used):
     # (b, h, sq), or (h, total_q) under varlen
     lock = (None, 0, 0)

@@ -24,10 +24,9 @@ query tiles that see it (`_key_tile`) and masking only those at the band's edges
 1 − tanh²); ALiBi; the packed (varlen) layout, whose key tiles of all sequences form one list (a
 program per tile and kv head), a sequence's rows past its end masked and its last keys' dK and dV stored by
 masked stores rather than TMA. A learnable sink leaves dS unchanged (P is recomputed against the LSE that
-includes it); its gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, is -Σᵢ P_sink,ᵢ (Σⱼ dSᵢⱼ + Dᵢ (1 − P_sink,ᵢ)) for
-whatever D the kernel reads (Σⱼ Pᵢⱼ = 1 − P_sink,ᵢ): the first sum is taken here from the float32 dSᵀ and
-added once per program and head, the second is the preprocess's. (D = rowsum(dO ∘ O) comes from the rounded
-output, and over the many rows of a head -Σᵢ P_sink,ᵢ Dᵢ alone had several times plain PyTorch's error.)
+includes it); its gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, is summed here from the float32 Pᵀ and dPᵀ and added
+once per program and head (the preprocess's D = rowsum(dO ∘ O) comes from the rounded output, and over the
+many rows of that sum its error passed plain PyTorch's several-fold).
 The reduce order across programs varies, so dQ is not bitwise reproducible, except under DETERMINISTIC
 (FA3's scheme): the consumers stage their dQ halves for a dQ-writer warp, which adds a step's halves only
 once the programs before it in a fixed order have added theirs into that query tile (a counter per query
@@ -424,25 +423,24 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             pt = gl.exp2(x * scale - lse[None, :])
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-        delta = stats_rows.index(2 * s + 1).load(row_layout)
-        if varlen:
-            delta = gl.where(inside, delta, 0.0)
-        dst = pt * (dpt - delta[None, :])
         if SINK is not None:
             # P_sink = exp(sink - lse) per row: 0 where the row saw no key (lse = +inf, varlen's rows past
-            # the sequence included); rows past seqlen_q in the padded layout have dO = 0 and D = 0, hence
-            # dSᵀ = 0. The LSE read again from shared memory (ALiBi under causal masking has folded a bias
-            # into `lse`; and holding `lse` this far spilled 0.4 KB more at d = 64)
+            # the sequence included); rows past seqlen_q in the padded layout have dO = 0, hence dPᵀ = 0.
+            # The LSE read again from shared memory (ALiBi under causal masking has folded a bias into
+            # `lse`; and holding `lse` this far spilled 0.4 KB more at d = 64)
             lse_rows = stats_rows.index(2 * s).load(row_layout)
             if varlen:
                 lse_rows = gl.where(inside, lse_rows, float("inf"))
             p_sink = gl.exp2(gl.load(SINK + off_h) * LOG2E - lse_rows)
-            # Σᵢ P_sink,ᵢ Σⱼ dSᵢⱼ (dS before softcap's factor: the sink's logit is not capped), summed over
-            # the queries within each warp (a sum over the keys would cross warps every step)
-            sink_acc += gl.sum(dst * p_sink[None, :], axis=1)
+            # summed over the queries, within each warp (a sum over the keys would cross warps every step)
+            sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
             if c % steps_per_head == steps_per_head - 1:  # the head's last step
                 _add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, HALF_N, BLOCK_M)
                 sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
+        delta = stats_rows.index(2 * s + 1).load(row_layout)
+        if varlen:
+            delta = gl.where(inside, delta, 0.0)
+        dst = pt * (dpt - delta[None, :])
         if cap_in is not None:
             dst = dst * _dtanh(pt, stats_rows.index(2 * s).load(row_layout), cap_out, slope, offs_q, offs_k,
                                diag)

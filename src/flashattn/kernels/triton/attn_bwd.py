@@ -33,7 +33,7 @@ from flashattn.kernels.triton.common import (
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2, STATS_ROW0, SINK, DSINK,
+    O, DO, Delta, CU_Q, DQ_ACC, LSE, LSE2, STATS_ROW0,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
@@ -47,12 +47,9 @@ def attn_bwd_preprocess_kernel(
     # start at 4 · STATS_ROW0[b], 16-byte aligned for the kernel's TMA, and the rows between sequences are
     # not written), and the float32 dQ buffer (contiguous like q, d = dv) is zeroed
     # here, which saves a launch of its own: ~15-30 us of host time on the H200 machine. Otherwise D is
-    # shaped like the LSE (delta_rows = seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read.
-    # DSINK (GLUON with a learnable sink, SINK its (h,) values; None otherwise): the zeroed (h,) float32 sink
-    # gradient, into which this adds its rows' share -Σᵢ P_sink,ᵢ Dᵢ (1 − P_sink,ᵢ). The Gluon kernel adds the
-    # rest, -Σᵢ P_sink,ᵢ Σⱼ dSᵢⱼ: since Σⱼ Pᵢⱼ = 1 − P_sink,ᵢ, the two sum to -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ
-    # whatever D's rounding (D comes from the rounded output, and over the many rows of a head that error
-    # alone passed plain PyTorch's several-fold)
+    # shaped like the LSE (delta_rows = seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read. (A
+    # learnable sink's gradient is not taken from this D, the rounded output's rowsum with dO: both backward
+    # kernels sum it from their float32 P and dP)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = (off_bh % nheads).to(tl.int64)
@@ -77,11 +74,6 @@ def attn_bwd_preprocess_kernel(
         lse_offs = off_b64 * stride_lse_b + off_h * stride_lse_h + row0 + offs_m
         lse = tl.load(LSE + lse_offs, mask=offs_m < seqlen_q, other=0.0)
         tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < n_rows)
-        if DSINK is not None:
-            # P_sink = exp(sink - lse): 0 on a row that saw no key (lse = +inf)
-            p_sink = tl.math.exp2((tl.load(SINK + off_h) - lse) * LOG2E)
-            share = tl.where(offs_m < seqlen_q, p_sink * (1.0 - p_sink) * delta, 0.0)
-            tl.atomic_add(DSINK + off_h, -tl.sum(share, axis=0))
         # q's rows: (b, sq) in the padded layout, the packed ones under varlen
         rows = ((row0 + offs_m) if IS_VARLEN else (off_b64 * seqlen_q + offs_m)) * nheads + off_h
         ptrs = DQ_ACC + rows[:, None] * HEAD_DIM_V + offs_d[None, :]
