@@ -16,6 +16,8 @@
 #                 calls in 4 shards side by side; each log ends with the call that faulted, if one did)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_PROVIDERS: another list)
+#   ab-workloads  the workloads suite beside another revision of this tree in the same process (provider
+#                 flashattn-baseline: `bash scripts/vendor_tree.sh REV flashattn_base`, carry .baseline) and FA4
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list
@@ -120,6 +122,9 @@ for stage in "$@"; do
     workloads)
       bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd \
         --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ;;
+    ab-workloads)
+      PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src bench "${WORKLOADS_S:-300}" ab-workloads --suite workloads \
+        --modes fwd,bwd --providers "flashattn,flashattn-baseline$FA4" ;;
     features)
       bench "${FEATURES_S:-240}" features --suite features --modes fwd,bwd --providers "flashattn,sdpa-cudnn$FA4" ;;
     decode)

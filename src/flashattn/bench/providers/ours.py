@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -35,15 +36,16 @@ def flash_attn_options(case: Case, device: torch.device) -> dict:
     return options
 
 
-def routes_info(q, k, v, **call) -> dict:
+def routes_info(q, k, v, package: str = "flashattn", **call) -> dict:
     """`route_fwd` / `route_bwd`: the kernel families a public call on these tensors runs (routes.Spec's
     default routes, e.g. GluonForward / TritonBackward), or "torch" on the pure-PyTorch backend: a result
-    row then says which kernels it timed, so a call that fell back to the slower kernels shows as such."""
-    from flashattn import backends
-
+    row then says which kernels it timed, so a call that fell back to the slower kernels shows as such.
+    package: the importable name of the build asked (`flashattn`, or a vendored copy's)."""
+    backends = importlib.import_module(f"{package}.backends")
     if backends.backend_name(q) != "triton":
         return {"route_fwd": "torch", "route_bwd": "torch"}
-    from flashattn.backends.triton import attention, routes
+    attention = importlib.import_module(f"{package}.backends.triton.attention")
+    routes = importlib.import_module(f"{package}.backends.triton.routes")
 
     # dout's alignment counts for the backward's route too: the runner's is contiguous like q
     spec = attention.spec_of(q, k, v, **call)
@@ -51,9 +53,11 @@ def routes_info(q, k, v, **call) -> dict:
             "route_bwd": type(routes.backward_route(spec)).__name__}
 
 
-def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    import flashattn
-
+def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  package: str = "flashattn") -> Prepared:
+    """The public call (flash_attn_varlen_func on packed cases) of `package`: this tree's, or a vendored
+    copy's (`flashattn-baseline`)."""
+    flashattn = importlib.import_module(package)
     leaves = make_leaves(q, k, v, "bshd")
     qb, kb, vb = leaves
     options = flash_attn_options(case, q.device)
@@ -62,8 +66,8 @@ def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         # packed documents: the public varlen call, one cu_seqlens for q and k (as flashattn-varlen)
         lengths = _require_packed(case)
         cu, longest = cu_seqlens(lengths, q.device), max(lengths)
-        info = routes_info(qb[0], kb[0], vb[0], causal=case.causal, cu_seqlens_q=cu, max_seqlen_q=longest,
-                           max_seqlen_k=longest, **routed)
+        info = routes_info(qb[0], kb[0], vb[0], package, causal=case.causal, cu_seqlens_q=cu,
+                           max_seqlen_q=longest, max_seqlen_k=longest, **routed)
 
         def fwd() -> torch.Tensor:
             # the (1, total, h, d) leaves indexed to (total, h, d): views, so the timed call copies nothing
@@ -75,7 +79,7 @@ def _setup_public(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         return Prepared(fwd=fwd, leaves=leaves, info=info)
     return Prepared(
         fwd=lambda: first_tensor(flashattn.flash_attn_func(qb, kb, vb, causal=case.causal, **options)),
-        leaves=leaves, info=routes_info(qb, kb, vb, causal=case.causal, **routed),
+        leaves=leaves, info=routes_info(qb, kb, vb, package, causal=case.causal, **routed),
     )
 
 

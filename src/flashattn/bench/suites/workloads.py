@@ -48,7 +48,7 @@ TILE = 64
 BASELINE = "flashattn"
 # the providers that take every option of a case (window, packing, softcap, sink); the others run only the
 # workloads that are plain attention apart from GQA and head dims
-FULL_OPTIONS = (BASELINE, "fa4", "torch-backend", "flashattn-triton-bwd")
+FULL_OPTIONS = (BASELINE, "fa4", "torch-backend", "flashattn-triton-bwd", "flashattn-baseline")
 _NHEADS = 16  # nominal, for Grid: the heads of each workload are its own
 
 
