@@ -20,7 +20,7 @@ pair, attn_bwd.py).
     launcher casts; a group of 32 heads on one program holds that program's key tile 32x as long.
 The options are compile-time variants of this one body, as in the forward (scores.py; None when off): a
 window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key tile visiting only the
-query tiles that see it (`_key_tile`) and masking only those at the band's edges; softcap (dS times
+query tiles that see it (`key_tile`) and masking only those at the band's edges; softcap (dS times
 1 − tanh²); ALiBi; the packed (varlen) layout, whose key tiles of all sequences form one list (a
 program per tile and kv head), a sequence's rows past its end masked and its last keys' dK and dV stored by
 masked stores rather than TMA. A learnable sink leaves dS unchanged (P is recomputed against the LSE that
@@ -35,13 +35,12 @@ under a right edge (causal included), the last key tile first, and the programs 
 (REVERSE), so that each step's predecessors reached that query tile a step or more earlier (a key tile's
 first query tile lies 128 rows past its predecessor's); without one, the first key tile first. Each program
 waits only for programs launched before it, which are running or done. Which calls come here is the routes'
-choice (backends/triton/routes.py).
+choice (backends/triton/routes.py). The key tile and query tiles of a program are bwd_tiles.py's; dQ's
+reduce-adds and the dQ writer, bwd_dq.py's.
 """
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -51,108 +50,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashattn.kernels.gluon.schedule import (
-    next_tile,
-    publish_tile,
-    sequence_of_tile,
-    store_rows,
-)
+from flashattn.kernels.gluon.bwd_dq import dq_writer, store_dq
+from flashattn.kernels.gluon.bwd_tiles import key_sequence, key_tile, program_sequence
+from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import softcapped, with_alibi
-from flashattn.kernels.triton.common import seq_bounds  # scalar arithmetic: Gluon calls triton.jit helpers
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@builtin
-def _reduce_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add). Triton
-    3.6's Gluon builds the op but exports no wrapper for it; the project pins triton 3.6.*."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    kind = ir.DESCRIPTOR_REDUCE_KIND.ADD
-    _semantic.builder.create_async_tma_reduce(kind, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _key_sequence(problem, SPLIT: gl.constexpr):
-    """Varlen: (this program's tile of the key-tile list, its sequence), found by bisection (the loader's
-    search, whose result it hands the consumers through shared memory: `_program_sequence`)."""
-    per_tile = problem[0] * SPLIT  # nheads_k · SPLIT programs per key tile
-    t = gl.program_id(0) // per_tile
-    return t, sequence_of_tile(t, problem[9], problem[3] // per_tile)
-
-
-@gluon.jit
-def _program_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
-    """A consumer's copy of the sequence the loader found (0 in the padded layout): the consumers do not
-    search themselves, as in the forward (schedule.py)."""
-    b = 0
-    if varlen:
-        _, b = next_tile(seq_smem, seq_ready, 0)
-    return b
-
-
-@gluon.jit
-def _key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              SPLIT: gl.constexpr, REVERSE: gl.constexpr = False):
-    """(batch, kv head, its part of the group (SPLIT), first key, first query row, query tiles, the
-    sequence's first query and key rows in the packed tensors, its query and key lengths) of this program;
-    rows and keys count from the sequence's start. n_bhk counts batch · kv heads · SPLIT (the group's parts
-    as heads of their own). Padded layout: common.grouped_program's order, rank 0 the first key tile, which
-    every query sees under causal masking. Varlen (CU_Q given; off_b: the program's sequence,
-    `_key_sequence`): program p is tile p // (nheads_k · SPLIT) of the list of every sequence's key tiles
-    (PLAN: the tiles before each sequence), then kv head and part, each sequence's first tile first; the grid
-    is a bound on the list's length, and the programs past it get no query tiles (and store nothing). The
-    query tiles are those with a row that sees a key of the tile. REVERSE: each head's (each sequence's) key
-    tiles in the opposite order, the last one at the lowest rank (DETERMINISTIC's order under a right
-    edge)."""
-    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0 = problem
-    pid = gl.program_id(0)
-    if CU_Q is not None:
-        t = pid // (nheads_k * SPLIT)
-        off_hk = (pid // SPLIT) % nheads_k
-        part = pid % SPLIT
-        # seqlen_q / seqlen_k: the packed tensors' rows, each sequence clamped into them
-        q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, True)
-        k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, True)
-        if REVERSE:
-            start_n = (gl.load(PLAN + off_b + 1) - 1 - t) * BLOCK_N
-            if start_n < 0:  # past the list (t past the last sequence's tiles)
-                start_n = seqlen_k
-        else:
-            start_n = (t - gl.load(PLAN + off_b)) * BLOCK_N
-    else:
-        n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
-        per_group = lpt_group * n_tiles
-        g = pid // per_group
-        r = pid - g * per_group
-        heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
-        off_bhk = g * lpt_group + r % heads
-        start_n = (r // heads) * BLOCK_N
-        if REVERSE:
-            start_n = (n_tiles - 1 - r // heads) * BLOCK_N
-        part = off_bhk % SPLIT
-        off_bhk = off_bhk // SPLIT
-        off_b = off_bhk // nheads_k
-        off_hk = off_bhk % nheads_k
-        q_start = 0
-        k_start = 0
-    # query i sees key j iff j <= i + seqlen_k - seqlen_q + right (causal: right = 0): from the first key's
-    # first row; and iff j >= i + seqlen_k - seqlen_q - left: up to the last key's last row
-    if CAUSAL:
-        m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M) * BLOCK_M
-    elif right is not None:
-        m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q) - right, 0) // BLOCK_M) * BLOCK_M
-    else:
-        m_first = 0
-    m_end = seqlen_q
-    if left is not None:
-        m_end = gl.minimum(gl.maximum(start_n + BLOCK_N - (seqlen_k - seqlen_q) + left, 0), seqlen_q)
-    n_m = gl.cdiv(gl.maximum(m_end - m_first, 0), BLOCK_M)
-    if CU_Q is not None:
-        if start_n >= seqlen_k:  # past the list
-            n_m = 0
-    return off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -171,58 +75,6 @@ def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
         y = y + slope * gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
     t = gl.minimum(gl.maximum(y * (1.0 / cap_out), -1.0), 1.0)
     return 1.0 - t * t
-
-
-@gluon.jit
-def _store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-              HALF_D: gl.constexpr, handoff, k):
-    """Scale this warpgroup's dQ columns of one query tile and reduce-add them through its staging tile
-    (varlen: rows past the sequence's end add zeros into the next sequence's, or fall past the tensor).
-    DETERMINISTIC (handoff: the dQ writer's (dq_full, dq_empty) barriers; k: this store's index): stage them
-    for the writer instead, once it has read the previous store's."""
-    if handoff is not None:
-        dq_full, dq_empty = handoff
-        # a fresh mbarrier counts as having completed the phase before 0, so the first store does not wait
-        mbarrier.wait(dq_empty, (k & 1) ^ 1)
-        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
-        fence_async_shared()
-        mbarrier.arrive(dq_full, count=1)
-    else:
-        tma.store_wait(0)  # the previous reduce-add has read the staging tile
-        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
-        fence_async_shared()
-        _reduce_add(dq_desc, [desc_b, row, off_h, WG * HALF_D], dq_buf)
-
-
-@gluon.jit
-def _lanes():
-    """0..31 across the dQ writer's one warp."""
-    return gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-
-
-@gluon.jit
-def _wait_count(counter, target, lanes):
-    """Spin until the int32 counter in global memory reaches target (acquire: what was written before its
-    increments is visible after), then order what follows, TMA operations included, after it."""
-    ptrs = counter + lanes * 0
-    seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-    while gl.min(seen, axis=0) < target:
-        seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs],
-                                         dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("fence.proxy.async;\n\tmov.u32 $0, 0;", "=r,r", [lanes], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _count_in(counter, lanes):
-    """Wait until this warp's TMA operations have completed, their writes included (tma.store_wait waits
-    for their reads only), then add 1 to the counter with release semantics, from lane 0."""
-    gl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tcp.async.bulk.wait_group 0;\n\tbar.warp.sync -1;\n\t"
-        "setp.eq.u32 p, $1, 0;\n\t@p fence.proxy.async;\n\t@p red.release.gpu.global.add.s32 [$2], 1;\n\t"
-        "mov.u32 $0, 0;\n\t}",
-        "=r,r,l", [lanes, counter + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -247,10 +99,10 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     varlen: gl.constexpr = problem[7] is not None
     b = 0
     if varlen:
-        t, b = _key_sequence(problem, SPLIT)
+        t, b = key_sequence(problem, SPLIT)
         publish_tile(seq_smem, seq_ready, 0, t, b)
     reverse: gl.constexpr = loader_args[4] is not None and (CAUSAL or problem[6] is not None)
-    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = _key_tile(problem, b, BLOCK_M,
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = key_tile(problem, b, BLOCK_M,
                                                                                    BLOCK_N, CAUSAL, SPLIT,
                                                                                    reverse)
     HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
@@ -313,8 +165,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     varlen: gl.constexpr = problem[7] is not None
     # DETERMINISTIC's launch order: each head's key tiles last first under a right edge (causal included)
     reverse: gl.constexpr = LOCK is not None and (CAUSAL or right is not None)
-    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
-        problem, _program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
+        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
     HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
     head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b
@@ -466,10 +318,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.arrive(empty.index(s), count=1)
         if DEFER_DQ:
             if c > 0:
-                _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
+                store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
                           HALF_D, handoff, c - 1)
         else:
-            _store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0, off_h, sm_scale, WG, BLOCK_M, HALF_D,
+            store_dq(dq, dq_buf, dq_desc, desc_b, q_start + m0, off_h, sm_scale, WG, BLOCK_M, HALF_D,
                       handoff, c)
         m0_prev = m0
         off_h_prev = off_h
@@ -483,7 +335,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             last = n_steps - 1
             dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
             dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
-            _store_dq(dq_last, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
+            store_dq(dq_last, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
                       HALF_D, handoff, last)
 
     # K and V are no longer read once both warpgroups are done (the other one's dQ reads this one's K): their
@@ -527,66 +379,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
             tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
     tma.store_wait(0)
-
-
-@gluon.jit
-def _dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-               SPLIT: gl.constexpr):
-    """DETERMINISTIC: reduce-add each staged dQ tile (both warpgroups' column halves) in the fixed order.
-    Store k of this program is step k's query tile and head, in the consumers' step order (DEFER_DQ stores
-    a step late, in the same order). At query tile m the programs add in the order of their key tiles, the
-    last first under a right edge; its counter holds how many have added, so this program waits for the
-    number of key tiles that see m and come before its own."""
-    dq_desc = args[2]
-    dq_smem = args[9]
-    seq_smem = args[10]
-    seq_ready = args[11][5]
-    problem = args[13]
-    LOCK, lock_strides, dq_full, dq_empty = args[17]
-    stride_lock_b, stride_lock_h = lock_strides
-    left = problem[5]
-    right = problem[6]
-    varlen: gl.constexpr = problem[7] is not None
-    b = 0
-    if varlen:
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        mbarrier.wait(seq_ready.index(0), 0)
-        b = gl.max(seq_smem.index(2).load(one), 0)
-    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = _key_tile(
-        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, LOCK is not None and (CAUSAL or right is not None))
-    HEADS: gl.constexpr = GROUP // SPLIT
-    HALF_D: gl.constexpr = HEAD_DIM // 2
-    head0 = off_hk * GROUP + part * HEADS
-    desc_b = 0 if varlen else off_b
-    n = start_n // BLOCK_N
-    n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
-    diag = seqlen_k - seqlen_q
-    lanes = _lanes()
-    steps_per_head = gl.maximum(n_m, 1)
-    for c in range(HEADS * n_m):
-        g = c // steps_per_head
-        off_h = head0 + g
-        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
-        # the key tiles that see query tile m0 form one run [lo, hi] (_key_tile); before this one: those
-        # above it under a right edge (the last row's right edge bounds hi), else those below it
-        if CAUSAL:
-            before = gl.minimum(n_last, (m0 + BLOCK_M - 1 + diag) // BLOCK_N) - n
-        elif right is not None:
-            before = gl.minimum(n_last, (m0 + BLOCK_M - 1 + diag + right) // BLOCK_N) - n
-        elif left is not None:
-            before = n - gl.maximum(m0 + diag - left, 0) // BLOCK_N
-        else:
-            before = n
-        counter = (LOCK + off_b.to(gl.int64) * stride_lock_b + off_h.to(gl.int64) * stride_lock_h
-                   + q_start + m0)
-        _wait_count(counter, before, lanes)  # while the consumers compute the step
-        mbarrier.wait(dq_full, c & 1)
-        for w in gl.static_range(2):
-            _reduce_add(dq_desc, [desc_b, q_start + m0, off_h, w * HALF_D], dq_smem.index(w))
-        tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
-        mbarrier.arrive(dq_empty, count=1)
-        _count_in(counter, lanes)
 
 
 @gluon.jit
@@ -684,7 +476,7 @@ def attn_bwd_ws_kernel(
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
                           SPLIT)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
-            (_dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
+            (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
                           SPLIT)),
         ], [4, 1, 1], [240, 24, 24])
     else:

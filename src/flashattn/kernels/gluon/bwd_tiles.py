@@ -1,0 +1,95 @@
+"""Which key tile a program of the Gluon backward (attn_bwd.py) owns, and which query tiles it visits.
+
+The loader, the consumers and DETERMINISTIC's dQ writer all call `key_tile`: it is a pure function of the
+program id and the problem, so each partition derives the same answer without a hand-off, except the
+packed (varlen) layout's sequence, which the loader alone finds by bisection (`key_sequence`) and publishes
+through shared memory (`program_sequence` reads it), as in the forward (schedule.py).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from flashattn.kernels.gluon.schedule import next_tile, sequence_of_tile
+from flashattn.kernels.triton.common import seq_bounds  # scalar arithmetic: Gluon calls triton.jit helpers
+
+
+@gluon.jit
+def key_sequence(problem, SPLIT: gl.constexpr):
+    """Varlen: (this program's tile of the key-tile list, its sequence), found by bisection (the loader's
+    search, whose result it hands the consumers through shared memory: `program_sequence`)."""
+    per_tile = problem[0] * SPLIT  # nheads_k · SPLIT programs per key tile
+    t = gl.program_id(0) // per_tile
+    return t, sequence_of_tile(t, problem[9], problem[3] // per_tile)
+
+
+@gluon.jit
+def program_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
+    """A consumer's copy of the sequence the loader found (0 in the padded layout): the consumers do not
+    search themselves, as in the forward (schedule.py)."""
+    b = 0
+    if varlen:
+        _, b = next_tile(seq_smem, seq_ready, 0)
+    return b
+
+
+@gluon.jit
+def key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              SPLIT: gl.constexpr, REVERSE: gl.constexpr = False):
+    """(batch, kv head, its part of the group (SPLIT), first key, first query row, query tiles, the
+    sequence's first query and key rows in the packed tensors, its query and key lengths) of this program;
+    rows and keys count from the sequence's start. n_bhk counts batch · kv heads · SPLIT (the group's parts
+    as heads of their own). Padded layout: common.grouped_program's order, rank 0 the first key tile, which
+    every query sees under causal masking. Varlen (CU_Q given; off_b: the program's sequence,
+    `key_sequence`): program p is tile p // (nheads_k · SPLIT) of the list of every sequence's key tiles
+    (PLAN: the tiles before each sequence), then kv head and part, each sequence's first tile first; the grid
+    is a bound on the list's length, and the programs past it get no query tiles (and store nothing). The
+    query tiles are those with a row that sees a key of the tile. REVERSE: each head's (each sequence's) key
+    tiles in the opposite order, the last one at the lowest rank (DETERMINISTIC's order under a right
+    edge)."""
+    nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0 = problem
+    pid = gl.program_id(0)
+    if CU_Q is not None:
+        t = pid // (nheads_k * SPLIT)
+        off_hk = (pid // SPLIT) % nheads_k
+        part = pid % SPLIT
+        # seqlen_q / seqlen_k: the packed tensors' rows, each sequence clamped into them
+        q_start, seqlen_q = seq_bounds(CU_Q, off_b, seqlen_q, True)
+        k_start, seqlen_k = seq_bounds(CU_K, off_b, seqlen_k, True)
+        if REVERSE:
+            start_n = (gl.load(PLAN + off_b + 1) - 1 - t) * BLOCK_N
+            if start_n < 0:  # past the list (t past the last sequence's tiles)
+                start_n = seqlen_k
+        else:
+            start_n = (t - gl.load(PLAN + off_b)) * BLOCK_N
+    else:
+        n_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+        per_group = lpt_group * n_tiles
+        g = pid // per_group
+        r = pid - g * per_group
+        heads = gl.minimum(lpt_group, n_bhk - g * lpt_group)
+        off_bhk = g * lpt_group + r % heads
+        start_n = (r // heads) * BLOCK_N
+        if REVERSE:
+            start_n = (n_tiles - 1 - r // heads) * BLOCK_N
+        part = off_bhk % SPLIT
+        off_bhk = off_bhk // SPLIT
+        off_b = off_bhk // nheads_k
+        off_hk = off_bhk % nheads_k
+        q_start = 0
+        k_start = 0
+    # query i sees key j iff j <= i + seqlen_k - seqlen_q + right (causal: right = 0): from the first key's
+    # first row; and iff j >= i + seqlen_k - seqlen_q - left: up to the last key's last row
+    if CAUSAL:
+        m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M) * BLOCK_M
+    elif right is not None:
+        m_first = (gl.maximum(start_n - (seqlen_k - seqlen_q) - right, 0) // BLOCK_M) * BLOCK_M
+    else:
+        m_first = 0
+    m_end = seqlen_q
+    if left is not None:
+        m_end = gl.minimum(gl.maximum(start_n + BLOCK_N - (seqlen_k - seqlen_q) + left, 0), seqlen_q)
+    n_m = gl.cdiv(gl.maximum(m_end - m_first, 0), BLOCK_M)
+    if CU_Q is not None:
+        if start_n >= seqlen_k:  # past the list
+            n_m = 0
+    return off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k
