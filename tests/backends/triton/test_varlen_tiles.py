@@ -1,6 +1,7 @@
 """The Gluon forward's varlen schedule on the CPU (TRITON_INTERPRET=1): kernels/triton/tiles.py writes the
 query tiles before each sequence, the list the kernel's persistent programs walk and bisect
-(kernels/gluon/schedule.py). The Gluon kernel itself runs on the GPU only (test_gluon_gpu.py)."""
+(kernels/gluon/schedule.py). The Gluon kernel itself runs on the GPU only (test_gluon_fwd_gpu.py,
+test_gluon_features_gpu.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,42 @@
+"""Fixtures of the Gluon GPU tests (test_gluon_*_gpu.py): spies that record every call to the Gluon
+launchers, so that a case asserts the kernel it meant to test really ran."""
+
+import pytest
+
+from flashattn import config as flashattn_config
+from flashattn.backends.triton import gluon
+
+
+class Calls(list):
+    """The q shape of every call to a Gluon launcher; `routes`: the route of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.routes = []
+
+
+def spy(monkeypatch, launcher: str) -> Calls:
+    """On the Triton backend, the q shape of every call to gluon.<launcher> (a Gluon kernel ran)."""
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    calls = Calls()
+    real = getattr(gluon, launcher)
+
+    def record(*args, **kwargs):
+        calls.append(args[2].shape)
+        calls.routes.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon, launcher, record)
+    return calls
+
+
+@pytest.fixture
+def ws_calls(monkeypatch):
+    """The Gluon forward's calls (gluon.forward)."""
+    return spy(monkeypatch, "forward")
+
+
+@pytest.fixture
+def ws_bwd_calls(monkeypatch):
+    """The Gluon backward's calls (gluon.backward)."""
+    return spy(monkeypatch, "backward")

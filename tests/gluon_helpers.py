@@ -1,0 +1,107 @@
+"""What the Gluon GPU tests (test_gluon_*_gpu.py) share: route variants, random bf16 inputs on the GPU, the
+features' options, and the check of a packed (varlen) call (the spies on the launchers: conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from utils import assert_close_to_ref
+
+from flashattn import flash_attn_varlen_func
+from flashattn.backends.triton import attention, routes
+from flashattn.reference import attention_ref
+
+
+def vary_routes(monkeypatch, forward=None, backward=None) -> None:
+    """Every call of the test on its default routes with some fields replaced (forward / backward: dicts),
+    the launchers' signature caches emptied so that no default-route entry serves it."""
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    for name, fields in (("forward_route", forward), ("backward_route", backward)):
+        if fields:
+            real = getattr(routes, name)
+            monkeypatch.setattr(routes, name, lambda spec, real=real, fields=fields: dataclasses.replace(
+                real(spec), **fields))
+
+
+def qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(True)
+
+    return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+
+
+def options_for(b, h, features: str) -> dict:
+    """flash_attn_func's options for features, '+'-separated: window (left and right edges), swa (causal with
+    a left edge), softcap, alibi ((h,) slopes), alibi_bh ((b, h) slopes), sink."""
+    table = {
+        "window": dict(window_size=(100, 37)),
+        "swa": dict(causal=True, window_size=(255, -1)),
+        "softcap": dict(softcap=20.0),
+        "alibi": dict(alibi_slopes=torch.rand(h, device="cuda")),
+        "alibi_bh": dict(alibi_slopes=torch.rand(b, h, device="cuda")),
+        "sink": dict(learnable_sink=torch.randn(h, device="cuda").requires_grad_(True)),
+    }
+    options = {}
+    for name in features.split("+"):
+        options.update(table[name])
+    return options
+
+
+def check_varlen(fwd_calls, bwd_calls, lens_q, lens_k, h, hk, d, dtype=torch.bfloat16, dv=None, **options):
+    """flash_attn_varlen_func on packed sequences of lens_q queries and lens_k keys, checked sequence by
+    sequence against the oracle (forward, LSE, gradients, the sink's summed over the sequences); the Gluon
+    forward must have run (fwd_calls), and the Gluon backward (bwd_calls) exactly where it takes the head
+    dims, else the Triton one reading the Gluon forward's LSE."""
+    gluon_backward = d in routes.GLUON_BWD_HEADDIMS and (dv or d) == d
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
+                                 device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), hk, dim, device="cuda", dtype=dtype, requires_grad=True)
+            for dim in (d, dv or d))
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         return_attn_probs=True, **options)
+    assert fwd_calls, "the Gluon forward did not run"
+    assert lse.shape == (h, sum(lens_q))
+    dout = torch.randn_like(out)
+    sink = options.get("learnable_sink")
+    leaves = (q, k, v) + ((sink,) if sink is not None else ())
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert bool(bwd_calls) == gluon_backward, f"the Gluon backward ran {len(bwd_calls)} times"
+    slopes = options.pop("alibi_slopes", None)
+    options.pop("deterministic", None)  # the call's, not the oracle's
+    dsink_ref, dsink_pt = 0.0, 0.0
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if lq == 0:  # keys no query sees: gradient 0 (dK and dV are allocated uninitialised)
+            assert (grads[1][ks] == 0).all() and (grads[2][ks] == 0).all()
+            continue
+        if lk == 0:  # no key: out 0, dq 0, lse +inf (the sink's value with one)
+            assert (out[qs] == 0).all() and (grads[0][qs] == 0).all()
+            expected = torch.full((h, lq), float("inf"), device="cuda") if sink is None else (
+                sink.detach()[:, None].expand(h, lq))
+            torch.testing.assert_close(lse[:, qs], expected)
+            continue
+        seq = dict(options, alibi_slopes=slopes if slopes is None or slopes.dim() == 1 else slopes[i])
+        qi, ki, vi = (t[s][None].detach().requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks)))
+        sink_i = None if sink is None else sink.detach().clone().requires_grad_()
+        seq["learnable_sink"] = sink_i
+        ref, lse_ref = attention_ref(qi, ki, vi, **seq)
+        pt, lse_pt = attention_ref(qi, ki, vi, upcast=False, **seq)
+        assert_close_to_ref(out[qs][None], ref, pt, name=f"out[{i}]")
+        assert_close_to_ref(lse[:, qs][None], lse_ref, lse_pt, name=f"lse[{i}]")
+        inputs = (qi, ki, vi) + ((sink_i,) if sink is not None else ())
+        refg = torch.autograd.grad(ref, inputs, dout[qs][None].double())
+        ptg = torch.autograd.grad(pt, inputs, dout[qs][None])
+        for name, g, s, r, p in zip("qkv", grads, (qs, ks, ks), refg, ptg, strict=False):
+            assert_close_to_ref(g[s][None], r, p, factor=3.0, name=f"d{name}[{i}]")
+        if sink is not None:
+            dsink_ref, dsink_pt = dsink_ref + refg[3], dsink_pt + ptg[3]
+    if sink is not None:  # the sink's gradient sums over every sequence
+        assert_close_to_ref(grads[3], dsink_ref, dsink_pt, factor=3.0, name="dsink")
+
+
+VARLEN_Q = [0, 1, 17, 113, 1023, 64, 300, 129, 0, 2, 200]
+VARLEN_K = [5, 1, 30, 113, 900, 64, 0, 200, 3, 1500, 200]  # seqlen_q != seqlen_k both ways, empty keys
