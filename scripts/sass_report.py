@@ -1,0 +1,97 @@
+"""The sm_90a SASS of one kernel a public call launches, read on a machine without a GPU.
+
+scripts/sm90_compile_check.py's driver compiles every launch for the H200 instead of running it; this makes
+one flash_attn_func (or flash_attn_varlen_func) call forward and backward on CPU tensors, takes the kernel
+named, disassembles its cubin with Triton's nvdisasm and reports what the tuning log's readings need:
+
+  - the instruction count and the opcode mix (spills show as STL / LDL);
+  - each loop (branches back to an earlier label) with its instruction count, and the forward branches
+    inside it with the instructions each skips: an if/else's two arms, so that what one iteration issues
+    (one arm, not both) can be read off (the Gluon backward's key-step loop holds the masked and the
+    unmasked path: at d = 64, 292 and 64 instructions of its 736).
+
+    python scripts/sass_report.py [--kernel attn_bwd_ws_kernel] [--d 64] [--n 1024] [--heads 4]
+        [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
+        [--deterministic] [--sass OUT.sass]
+
+Counts are per thread (every thread of a warp issues the same stream), as nvdisasm lists them.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sm90_compile_check as cc  # noqa: E402  (swaps Triton's driver: compile, never run)
+import torch  # noqa: E402
+import triton  # noqa: E402
+from sass_listing import report  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", default="attn_bwd_ws_kernel",
+                   help="the kernel's name (default: the Gluon backward's)")
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--n", type=int, default=1024, help="sequence length (the varlen call: two sequences)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads-k", type=int, default=2)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--sink", action="store_true")
+    p.add_argument("--softcap", type=float, default=0.0)
+    p.add_argument("--window", type=lambda s: tuple(int(x) for x in s.split(",")), default=(-1, -1))
+    p.add_argument("--alibi", action="store_true")
+    p.add_argument("--varlen", action="store_true")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--sass", help="also write the whole disassembly here")
+    args = p.parse_args(argv)
+
+    compiled = {}
+    run = JITFunction.run
+
+    def keep(self, *a, **k):
+        kernel = run(self, *a, **k)
+        compiled.setdefault(self.__name__, kernel)
+        return kernel
+
+    JITFunction.run = keep
+    from flashattn import flash_attn_func, flash_attn_varlen_func
+
+    h, hk, d, n = args.heads, args.heads_k, args.d, args.n
+    kw = dict(causal=args.causal, window_size=args.window, softcap=args.softcap,
+              deterministic=args.deterministic)
+    if args.sink:
+        kw["learnable_sink"] = torch.zeros(h, requires_grad=True)
+    if args.alibi:
+        kw["alibi_slopes"] = torch.rand(h)
+    if args.varlen:
+        q, k, v = (cc._t(n, heads, d, grad=True) for heads in (h, hk, hk))
+        cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
+        cc._fwd_bwd(flash_attn_varlen_func, q, k, v, cu, cu, n - n // 3, n - n // 3, **kw)
+    else:
+        q, k, v = (cc._t(2, n, heads, d, grad=True) for heads in (h, hk, hk))
+        cc._fwd_bwd(flash_attn_func, q, k, v, **kw)
+    if args.kernel not in compiled:
+        print(f"the call launched no {args.kernel}; it launched {sorted(compiled)}", file=sys.stderr)
+        return 1
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    cubin = compiled[args.kernel].asm["cubin"]
+    tmp = f"/tmp/sass_report_{os.getpid()}.cubin"
+    with open(tmp, "wb") as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([nvdisasm, "-c", tmp], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(tmp)
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    print(f"{args.kernel} (sm_90a), {vars(args)}")
+    print(report(sass))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
