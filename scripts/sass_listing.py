@@ -4,7 +4,7 @@ No side effects on import (scripts/sass_report.py, which compiles the kernel, im
 import collections
 import re
 
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
@@ -19,8 +19,8 @@ def parse(sass: str):
             continue
         m = _INSTR.search(line)
         if m:
-            target = _TARGET.search(m.group(3)) if m.group(2).startswith("BRA") else None
-            instrs.append((m.group(2), m.group(3).strip(), target and target.group(1)))
+            target = _TARGET.search(m.group(2)) if m.group(1).startswith("BRA") else None
+            instrs.append((m.group(1), m.group(2).strip(), target and target.group(1)))
     return instrs, labels
 
 

@@ -21,6 +21,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sm90_compile_check as cc  # noqa: E402  (swaps Triton's driver: compile, never run)
@@ -78,13 +79,10 @@ def main(argv=None) -> int:
         return 1
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     cubin = compiled[args.kernel].asm["cubin"]
-    tmp = f"/tmp/sass_report_{os.getpid()}.cubin"
-    with open(tmp, "wb") as f:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
-    try:
-        sass = subprocess.run([nvdisasm, "-c", tmp], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(tmp)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)

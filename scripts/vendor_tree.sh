@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A copy of flashattn at another revision, importable beside this tree's under another name, for A/B timing
-# in one process (scripts/host_ab.py, the bench's flashattn-baseline): `git archive REV src/flashattn` into .baseline/src/NAME (git-ignored;
-# carry .baseline to the device), its imports and its torch.library namespace renamed to NAME.
+# in one process (scripts/host_ab.py, the bench's flashattn-baseline): `git archive REV src/flashattn` into
+# .baseline/src/NAME (git-ignored; carry .baseline to the device), its imports and its torch.library namespace
+# renamed to NAME, and REVISION, the revision's short hash.
 #   bash scripts/vendor_tree.sh REV NAME
 set -euo pipefail
 rev=$1 name=$2
