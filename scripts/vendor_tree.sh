@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A copy of flashattn at another revision, importable beside this tree's under another name, for A/B timing
 # in one process (scripts/host_ab.py, the bench's flashattn-baseline): `git archive REV src/flashattn` into
-# .baseline/src/NAME (git-ignored; carry .baseline to the device), its imports and its torch.library namespace
+# .baseline/src/NAME (.gitignore names it; carry .baseline to the device), its imports and its torch.library namespace
 # renamed to NAME, and REVISION, the revision's short hash.
 #   bash scripts/vendor_tree.sh REV NAME
 set -euo pipefail
@@ -13,5 +13,4 @@ git archive "$rev" src/flashattn | tar -x -C "$tmp"
 mv "$tmp/src/flashattn" "$out/$name" && rm -rf "$tmp"
 find "$out/$name" -name '*.py' -exec sed -i -E "s/\\bflashattn([.:]|\\b)/$name\\1/g" {} +
 git rev-parse --short "$rev" > "$out/$name/REVISION"  # the rows of flashattn-baseline name it
-grep -qxF '/.baseline/' "$(git rev-parse --git-dir)/info/exclude" || echo '/.baseline/' >> "$(git rev-parse --git-dir)/info/exclude"
 echo "$out/$name from $rev"

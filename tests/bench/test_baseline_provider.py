@@ -26,8 +26,9 @@ def vendored(tmp_path_factory):
     if not (ROOT / ".git").exists():
         pytest.skip("needs the git checkout (scripts/vendor_tree.sh takes a revision)")
     out = tmp_path_factory.mktemp("vendor")
-    subprocess.run(["bash", str(ROOT / "scripts/vendor_tree.sh"), "HEAD", NAME], cwd=out, check=True,
-                   env={**os.environ, "GIT_DIR": str(ROOT / ".git")}, capture_output=True)
+    run = subprocess.run(["bash", str(ROOT / "scripts/vendor_tree.sh"), "HEAD", NAME], cwd=out,
+                         env={**os.environ, "GIT_DIR": str(ROOT / ".git")}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
     sys.path.insert(0, str(out / ".baseline/src"))
     try:
         yield importlib.import_module(NAME)
@@ -61,8 +62,8 @@ def test_the_vendored_copy_runs_the_case_as_this_tree_does(vendored, monkeypatch
                             lambda *a, real=real, fn=fn, **kw: calls.append(fn) or real(*a, **kw))
     ours, base = (providers.get(name).setup(case, q, k, v) for name in ("flashattn", "flashattn-baseline"))
     assert ours.info == {"route_fwd": "torch", "route_bwd": "torch"}
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = subprocess.run(["git", "--git-dir", str(ROOT / ".git"), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
     assert base.info == {**ours.info, "revision": head}
     results = []
     for prepared in (ours, base):
