@@ -96,9 +96,10 @@ RULE_MASKS = {  # the constructors whose partial blocks the Triton kernels compu
 
 @pytest.mark.parametrize("name", RULE_MASKS)
 def test_rule_masks_match_oracle_and_bits(name):
-    """Partial blocks by the rule (the default route for these masks) against the oracle, and on the Triton
-    kernels bitwise equal to the route that reads the bitmasks: the two differ only in where the predicate
-    comes from."""
+    """The public call against the oracle (where the mask is a band, through the dense kernels:
+    tests/backends/triton/test_block_sparse_routes.py), and the block-sparse kernels on the route that takes
+    partial blocks by the rule against the oracle too, and bitwise equal to the route that reads the
+    bitmasks: the two differ only in where the predicate comes from."""
     n, bs = 83, (32, 16)
     mask = RULE_MASKS[name](n, bs)
     assert mask.to_kernel_tensors().rule is not None
@@ -110,7 +111,7 @@ def test_rule_masks_match_oracle_and_bits(name):
     from flashattn.backends.triton import block_sparse as launchers
 
     kt = mask.to_kernel_tensors(q.device)
-    rule = launchers.default_route(q, v, kt)
+    rule = launchers.triton_route(q, v, kt)
     assert rule.by_rule
     dout = torch.randn_like(q)
     runs = []
@@ -119,6 +120,9 @@ def test_rule_masks_match_oracle_and_bits(name):
         grads = launchers.block_sparse_backward(dout, q, k, v, out, lse, kt, softmax_scale=32 ** -0.5,
                                                 route=route)
         runs.append((out, lse, *grads))
+    ref, _ = dense_mask_attention(q.double(), k.double(), v.double(), mask.to_dense())
+    pt, _ = dense_mask_attention(q, k, v, mask.to_dense(), upcast=False)
+    assert_close_to_ref(runs[0][0], ref, pt, name="out")
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import assert_close_to_ref
+from utils import LaunchRecorder, assert_close_to_ref
 
 from flashattn import BlockMask, block_sparse_attn_func
 from flashattn import config as flashattn_config
@@ -194,3 +194,27 @@ def test_cuda_calls_run_the_triton_kernels(monkeypatch):
     q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     block_sparse_attn_func(q, k, v, BlockMask.causal(256, 256))
     assert calls == [1]
+
+
+
+@pytest.mark.parametrize("name, band", [("causal", True), ("sliding_window_64x64", True),
+                                        ("local_global", False), ("document_causal", False)])
+def test_a_band_mask_runs_the_gluon_kernels(monkeypatch, name, band):
+    """A mask that is a band takes the dense call's Gluon forward and backward (DenseBandRoute), any other
+    the block-sparse kernels: a fallback either way would pass the accuracy tests above."""
+    from flashattn.backends.triton import block_sparse, gluon
+
+    calls = {"gluon": [], "sparse_fwd": [], "sparse_bwd": []}
+    for launcher in ("forward", "backward"):
+        real = getattr(gluon, launcher)
+        monkeypatch.setattr(gluon, launcher, lambda *a, real=real, name=launcher, **kw:
+                            calls["gluon"].append(name) or real(*a, **kw))
+    for kernel, key in (("sparse_fwd_kernel", "sparse_fwd"), ("sparse_bwd_kernel", "sparse_bwd")):
+        monkeypatch.setattr(block_sparse, kernel, LaunchRecorder(getattr(block_sparse, kernel), calls[key]))
+    q, k, v = _qkv(1, N, N, 8, 2, 128, torch.bfloat16)
+    out = block_sparse_attn_func(q, k, v, MASKS[name](8))
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    if band:
+        assert calls == {"gluon": ["forward", "backward"], "sparse_fwd": [], "sparse_bwd": []}
+    else:
+        assert calls["gluon"] == [] and len(calls["sparse_fwd"]) == 1 and len(calls["sparse_bwd"]) == 2

@@ -44,7 +44,10 @@ def block_sparse_attn_func(
     return_attn_probs=False,
 ):
     """Attention where query i sees key j only where block_mask allows it; tiles the mask leaves empty cost
-    nothing. Equal to dense attention with block_mask.to_dense() as the mask.
+    nothing. Equal to dense attention with block_mask.to_dense() as the mask. A mask that is exactly a band
+    (BlockMask.full, causal, sliding_window, local_global without global tokens) runs the dense kernels:
+    the result of flash_attn_func with that window_size, dQ summed in a varying order as there; the other
+    masks' gradients are deterministic.
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 (float32 accepted). Any strides with a

@@ -1,12 +1,13 @@
 """Launchers of the block-sparse attention kernels (kernels/triton/attn_sparse.py), given their route
 (routes.sparse_route). Same signatures as backends/torch/block_sparse.py:
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
+A mask that is a band (routes.DenseBandRoute) runs the dense attention launchers with the band as window.
 """
 
 import torch
 
 from flashattn.backends.triton import host, routes, tma
-from flashattn.backends.triton.attention import LOG2E
+from flashattn.backends.triton.attention import LOG2E, attention_backward, attention_forward
 from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
 
@@ -28,10 +29,34 @@ def _common(q, k, v, kt, softmax_scale, softcap, dropout_p, rng_seed, rng_offset
     return b, sq, h, flags, scalars, mask_dims
 
 
-def default_route(q, v, kt) -> routes.SparseRoute:
+def band_of(kt) -> tuple[int, int] | None:
+    """(left, right), -1 unbounded, when the mask is exactly a band of the dense kernels' form (bottom-right
+    aligned, no global tokens, one mask for all batch elements and heads), else None. A rule stands for the
+    whole mask: BlockMask keeps one only from the constructors that define the mask by it (full, causal,
+    sliding_window, local_global) and from re-blocking, never from combining masks."""
+    r = kt.rule
+    if r is None or r.global_tokens > 0 or tuple(kt.kv_full_num.shape[:2]) != (1, 1):
+        return None
+    if r.left < 0 and r.right < 0:
+        return (-1, -1)  # every key: the diagonal does not matter
+    if r.diag != kt.seqlen_k - kt.seqlen_q:
+        return None
+    return (r.left, r.right)
+
+
+def _spec(q, v, kt) -> routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
-    return routes.sparse_route(routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
-                                                 tma.device_facts(q.device)[0]))
+    return routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
+                             tma.device_facts(q.device)[0], band_of(kt))
+
+
+def default_route(q, v, kt) -> routes.SparseRoute | routes.DenseBandRoute:
+    return routes.sparse_route(_spec(q, v, kt))
+
+
+def triton_route(q, v, kt) -> routes.SparseRoute:
+    """The block-sparse kernels' route for this call, band or not (to time or check them on a band)."""
+    return routes.triton_sparse_route(_spec(q, v, kt))
 
 
 def _rule(kt, route: routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:
@@ -60,12 +85,16 @@ def _grid(n_bh: int, n_blocks: int, subtiles: int) -> tuple[tuple[int], tuple[in
 def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0, rng_seed=0, rng_offset=0,
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
-    routes.SparseRoute to run instead of the default one."""
+    routes.SparseRoute or routes.DenseBandRoute to run instead of the default one."""
+    route = route or default_route(q, v, kt)
+    if isinstance(route, routes.DenseBandRoute):
+        return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
+                                 softcap=softcap, dropout_p=dropout_p, rng_seed=rng_seed,
+                                 rng_offset=rng_offset)
     b, sq, h, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
                                                             rng_seed, rng_offset)
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    route = route or default_route(q, v, kt)
     cfg = route.fwd
     block_m, block_n = cfg.block_m, cfg.block_n
     rule_args, rule_flags = _rule(kt, route)
@@ -83,7 +112,15 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
 
 def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0,
                           rng_seed=0, rng_offset=0, route=None):
-    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). No atomics: deterministic."""
+    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). The block-sparse kernels use no
+    atomics (deterministic); a band's dense backward adds dQ in a varying order, as flash_attn_func's
+    default does."""
+    route = route or default_route(q, v, kt)
+    if isinstance(route, routes.DenseBandRoute):
+        dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
+                                           window_size=route.window, softcap=softcap, dropout_p=dropout_p,
+                                           rng_seed=rng_seed, rng_offset=rng_offset)
+        return dq, dk, dv
     b, sq, h, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
                                                             rng_seed, rng_offset)
     sk, hk = k.shape[1], k.shape[2]
@@ -98,7 +135,6 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         GLUON=False,
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
-    route = route or default_route(q, v, kt)
     rule_args, rule_flags = _rule(kt, route)
     kv_cfg, q_cfg = route.dkdv, route.dq
     kv_m, kv_n, q_m, q_n = kv_cfg.block_m, kv_cfg.block_n, q_cfg.block_m, q_cfg.block_n

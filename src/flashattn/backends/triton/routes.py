@@ -18,6 +18,9 @@ Routes of the dense and varlen attention:
             64 or 128 unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic too, in its
             fixed-order variant, but not with a learnable sink), else `TritonBackward` (two programs:
             dK/dV and dQ).
+Block-sparse calls (BlockMask): `DenseBandRoute` when the mask is exactly a band (its rule, see SparseSpec),
+which then takes the routes above with the band as the window; else `SparseRoute`
+(kernels/triton/attn_sparse.py). Decode (flash_attn_with_kvcache, DecodePlan): `DecodeRoute`.
 This module imports neither torch nor Triton.
 """
 
@@ -460,14 +463,18 @@ def decode_route(spec: DecodeSpec) -> DecodeRoute:
 
 @dataclass(frozen=True)
 class SparseSpec:
-    """A block-sparse call as routing sees it: the padded head dim, the mask's block size and whether the
-    mask carries a rule (MaskRule) for its partial blocks."""
+    """A block-sparse call as routing sees it: the padded head dim, the mask's block size, whether the
+    mask carries a rule (MaskRule) for its partial blocks, and band: (left, right), -1 unbounded, when that
+    rule is the whole mask and a band of the dense kernels' form (query i sees keys [i + seqlen_k -
+    seqlen_q - left, i + seqlen_k - seqlen_q + right], no global tokens, one mask for every batch element
+    and head), else None."""
 
     block_d: int
     mask_block_m: int
     mask_block_n: int
     has_rule: bool
     cuda: bool = True
+    band: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -495,6 +502,25 @@ def _sparse_tiles(kernel: str, spec: SparseSpec) -> TileConfig:
                       cfg.num_stages, cfg.maxnreg)
 
 
-def sparse_route(spec: SparseSpec) -> SparseRoute:
+@dataclass(frozen=True)
+class DenseBandRoute:
+    """A mask that is a band (full, causal, sliding window, local without global tokens) runs the dense
+    attention's own routes (forward_route / backward_route: on Hopper the Gluon kernels) with that band as
+    its window: the same element mask, without the block lists' index loads, and its tiles outside the band
+    never visited either."""
+
+    window: tuple[int, int]  # (left, right), -1 unbounded
+    kernel = "dense"
+
+
+def triton_sparse_route(spec: SparseSpec) -> SparseRoute:
+    """The block-sparse kernels' route, for any mask."""
     return SparseRoute(_sparse_tiles("fwd", spec), _sparse_tiles("dkdv", spec), _sparse_tiles("dq", spec),
                        spec.has_rule)
+
+
+def sparse_route(spec: SparseSpec) -> SparseRoute | DenseBandRoute:
+    """A block-sparse call's default route: the dense kernels for a band, else the block-sparse kernels."""
+    if spec.band is not None:
+        return DenseBandRoute(spec.band)
+    return triton_sparse_route(spec)

@@ -1,8 +1,10 @@
 """Providers for the `sparse` suite: one block-sparse mask per case, run by this project and by flex (on its
 Triton kernels, or on FlashAttention-4's where FA4 is installed).
 
-`flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (`flashattn-sparse-bits`:
-the same through the launchers on a route whose partial blocks read bitmasks even where the mask has a rule);
+`flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (a band, as the dense and
+causal cases' masks are, runs the dense kernels: its rows' route_fwd / route_bwd say which kernels ran;
+`flashattn-sparse-bits`: the block-sparse kernels through the launchers, on a route whose partial blocks read
+bitmasks even where the mask has a rule);
 `flex-sparse` runs torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and
 a mask_mod of the same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel
 is the plain `flashattn` provider; the suite skips it where it cannot express the mask. The mask is described
@@ -28,6 +30,7 @@ from flashattn.masks._kernel import FULL, PARTIAL
 from ..case import Case
 from .base import Prepared, Provider, make_leaves
 from .flex import _compiled_flex
+from .ours import routes_info
 
 BLOCK = 128
 
@@ -163,14 +166,31 @@ def flex_block_mask(spec: MaskSpec, device: torch.device):
                                         mask_mod=_flex_mask_mod, seq_lengths=(spec.seqlen, spec.seqlen))
 
 
+def sparse_routes_info(q, k, v, kt) -> dict:
+    """`route_fwd` / `route_bwd` of block_sparse_attn_func with this mask: SparseRoute (the block-sparse
+    kernels), DenseBandRoute/<the dense call's route> for a band, or "torch" on the pure-PyTorch backend."""
+    from flashattn import backends
+
+    if backends.backend_name(q) != "triton":
+        return {"route_fwd": "torch", "route_bwd": "torch"}
+    from flashattn.backends.triton import block_sparse, routes
+
+    route = block_sparse.default_route(q, v, kt)
+    if isinstance(route, routes.DenseBandRoute):
+        dense = routes_info(q, k, v, window_size=route.window)
+        return {key: f"DenseBandRoute/{name}" for key, name in dense.items()}
+    return {"route_fwd": type(route).__name__, "route_bwd": type(route).__name__}
+
+
 def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
     import flashattn
 
     mask = block_mask(MaskSpec.of(case), q.device)
-    mask.to_kernel_tensors(q.device)  # the lists are built here, outside the timed call
+    kt = mask.to_kernel_tensors(q.device)  # the lists are built here, outside the timed call
     leaves = make_leaves(q, k, v, "bshd")
     qb, kb, vb = leaves
-    return Prepared(fwd=lambda: flashattn.block_sparse_attn_func(qb, kb, vb, mask), leaves=leaves)
+    return Prepared(fwd=lambda: flashattn.block_sparse_attn_func(qb, kb, vb, mask), leaves=leaves,
+                    info=sparse_routes_info(qb, kb, vb, kt))
 
 
 class _BitsRoute(torch.autograd.Function):
@@ -183,7 +203,7 @@ class _BitsRoute(torch.autograd.Function):
         from flashattn.backends.triton import block_sparse
 
         scale = q.shape[-1] ** -0.5
-        route = dataclasses.replace(block_sparse.default_route(q, v, kt), by_rule=False)
+        route = dataclasses.replace(block_sparse.triton_route(q, v, kt), by_rule=False)
         out, lse = block_sparse.block_sparse_forward(q, k, v, kt, softmax_scale=scale, route=route)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kt, ctx.route, ctx.scale = kt, route, scale

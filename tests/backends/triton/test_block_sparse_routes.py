@@ -1,0 +1,141 @@
+"""Which kernels a block-sparse call runs (backends/triton/block_sparse.py, routes.sparse_route): a mask that
+is exactly a band runs the dense attention's kernels with the band as its window (DenseBandRoute), any
+other mask the block-sparse kernels. The band must be the mask element for element, and the call through
+the dense kernels must be the dense call, bit for bit. The results against the oracle:
+tests/test_block_sparse.py (its causal and window masks take this route), tests/test_block_sparse_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from utils import INTERPRET, LaunchRecorder, make_qkv
+
+import flashattn
+from flashattn.backends.triton import block_sparse as launchers
+from flashattn.backends.triton import routes
+from flashattn.masks import BlockMask
+
+N, BS = 83, (32, 16)
+BANDS = {  # mask -> the band it is
+    "full": (lambda: BlockMask.full(N, N + 20, block_size=BS), (-1, -1)),
+    "causal_sq<sk": (lambda: BlockMask.causal(N - 9, N, block_size=BS), (-1, 0)),
+    "causal_sq>sk": (lambda: BlockMask.causal(N + 13, N, block_size=BS), (-1, 0)),
+    "window": (lambda: BlockMask.sliding_window(N, N, (24, 9), block_size=BS), (24, 9)),
+    "window_sq>sk": (lambda: BlockMask.sliding_window(N + 13, N, (11, 3), block_size=BS), (11, 3)),
+    "window_causal": (lambda: BlockMask.sliding_window(N, N + 7, (40, -1), causal=True, block_size=BS),
+                      (40, 0)),
+    "local_no_globals": (lambda: BlockMask.local_global(N, (20, 7), 0, block_size=BS), (20, 7)),
+    "local_no_globals_causal": (lambda: BlockMask.local_global(N, 24, 0, causal=True, block_size=BS),
+                                (24, 0)),
+    "reblocked_causal": (lambda: BlockMask.causal(N, block_size=BS).with_block_size(64), (-1, 0)),
+}
+NOT_BANDS = {
+    "local_global": lambda: BlockMask.local_global(N, (20, 7), 19, block_size=BS),
+    "causal_and_window": lambda: BlockMask.causal(N, block_size=BS)
+    & BlockMask.sliding_window(N, N, (30, -1), block_size=BS),
+    "strided": lambda: BlockMask.strided(N, 16, block_size=BS),
+    "from_dense_causal": lambda: BlockMask.from_dense(torch.ones(N, N, dtype=torch.bool).tril(),
+                                                      block_size=BS),
+    "documents": lambda: BlockMask.document(torch.tensor([0, 30, 30, N]), causal=True, block_size=BS),
+}
+
+
+def _band_dense(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """The dense kernels' element mask of window (left, right): query i sees key j iff j is within
+    [i + sk - sq - left, i + sk - sq + right] (a side of -1 unbounded)."""
+    i = torch.arange(sq).view(-1, 1) + sk - sq
+    j = torch.arange(sk).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+@pytest.mark.parametrize("name", BANDS)
+def test_a_band_mask_is_its_band(name):
+    build, band = BANDS[name]
+    mask = build()
+    kt = mask.to_kernel_tensors()
+    assert launchers.band_of(kt) == band
+    # element for element: the route computes this mask, not a neighbour of it
+    assert torch.equal(mask.to_dense()[0, 0], _band_dense(mask.seqlen_q, mask.seqlen_k, *band))
+
+
+@pytest.mark.parametrize("name", NOT_BANDS)
+def test_other_masks_are_no_band(name):
+    assert launchers.band_of(NOT_BANDS[name]().to_kernel_tensors()) is None
+
+
+def test_sparse_route_of_the_spec():
+    spec = routes.SparseSpec(128, 128, 128, True, True, band=(-1, 0))
+    assert routes.sparse_route(spec) == routes.DenseBandRoute((-1, 0))
+    no_band = routes.SparseSpec(128, 128, 128, True, True)
+    assert isinstance(routes.sparse_route(no_band), routes.SparseRoute)
+    # the block-sparse kernels' route stays at hand for a band, to time or check them there
+    assert routes.triton_sparse_route(spec) == routes.sparse_route(no_band)
+
+
+needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                                  reason="the Triton launchers run on CUDA or under TRITON_INTERPRET=1")
+
+
+def _recorders(monkeypatch):
+    """Launches of the block-sparse kernels and of the dense Triton forward, by kernel."""
+    from flashattn.backends.triton import attention
+
+    calls = {"sparse_fwd": [], "sparse_bwd": [], "dense_fwd": []}
+    monkeypatch.setattr(launchers, "sparse_fwd_kernel",
+                        LaunchRecorder(launchers.sparse_fwd_kernel, calls["sparse_fwd"]))
+    monkeypatch.setattr(launchers, "sparse_bwd_kernel",
+                        LaunchRecorder(launchers.sparse_bwd_kernel, calls["sparse_bwd"]))
+    monkeypatch.setattr(attention, "attn_fwd_kernel", LaunchRecorder(attention.attn_fwd_kernel,
+                                                                     calls["dense_fwd"]))
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize("name, dropout_p", [("causal_sq>sk", 0.0), ("window_causal", 0.0), ("full", 0.0),
+                                             ("causal_sq>sk", 0.3)])
+def test_a_band_runs_the_dense_call(monkeypatch, name, dropout_p):
+    """The same bits as flash_attn_func with the band's window (dropout's keep mask too: both draw their
+    Philox state alike), forward and gradients, and no block-sparse kernel launched."""
+    if not INTERPRET:
+        pytest.skip("the dense call's route on a GPU: tests/test_block_sparse_gpu.py")
+    from flashattn import config as flashattn_config
+
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    build, band = BANDS[name]
+    mask = build()
+    q, k, v = make_qkv(2, mask.seqlen_q, mask.seqlen_k, 4, 2, 40, dtype=torch.float32,
+                       generator=torch.Generator().manual_seed(0))
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(1))
+    calls = _recorders(monkeypatch)
+    runs = []
+    for call in (lambda *t: flashattn.block_sparse_attn_func(*t, mask, dropout_p=dropout_p),
+                 lambda *t: flashattn.flash_attn_func(*t, dropout_p=dropout_p, window_size=band)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(7)
+        out = call(*leaves)
+        runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    assert calls["sparse_fwd"] == [] and calls["sparse_bwd"] == []
+    assert len(calls["dense_fwd"]) == 2
+
+
+@needs_triton
+def test_other_masks_run_the_block_sparse_kernels(monkeypatch):
+    if not INTERPRET:
+        pytest.skip("on a GPU: tests/test_block_sparse_gpu.py")
+    from flashattn import config as flashattn_config
+
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    mask = NOT_BANDS["local_global"]()
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, N, N, 2, 2, 32, dtype=torch.float32,
+                                                    generator=torch.Generator().manual_seed(0)))
+    calls = _recorders(monkeypatch)
+    out = flashattn.block_sparse_attn_func(q, k, v, mask)
+    out.sum().backward()
+    assert len(calls["sparse_fwd"]) == 1 and len(calls["sparse_bwd"]) == 2 and calls["dense_fwd"] == []
