@@ -37,7 +37,8 @@
 #                 contiguous and paged 64, beside the 16-bit cache in the same process
 #   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
-#   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels)
+#   sparse        the sparse suite at 16K beside flex (and flex on FA4's kernels), and our block-sparse kernels
+#                 on the masks that run the dense ones (flashattn-sparse-kernels)
 #   profile-inference
 #                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
 #                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache, contiguous and paged 64): sections and
@@ -135,7 +136,7 @@ for stage in "$@"; do
         --providers "flashattn-kvcache,flashattn-kvcache-graph,flashattn-fp8cache,flashattn-fp8cache-graph" ;;
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens 16384 --modes fwd+bwd \
-        --providers "flashattn-sparse,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
+        --providers "flashattn-sparse,flashattn-sparse-kernels,flashattn,flex-sparse${FA4:+,flex-fa4-sparse}" ;;
     decode-merge-ab)
       timeout "${TUNE_S:-200}" python3 scripts/tune_decode_tiles.py --merge-ab --batches 1,16 \
         --seqlens 4096,16384,65536 --pages none,64 --out "$RES/decode_merge_ab.json" 2>&1 | grep "^b=" ;;

@@ -139,3 +139,26 @@ def test_other_masks_run_the_block_sparse_kernels(monkeypatch):
     out = flashattn.block_sparse_attn_func(q, k, v, mask)
     out.sum().backward()
     assert len(calls["sparse_fwd"]) == 1 and len(calls["sparse_bwd"]) == 2 and calls["dense_fwd"] == []
+
+
+@needs_triton
+def test_bench_rows_say_which_kernels_ran(monkeypatch):
+    """flashattn-sparse's rows name the route of the call; flashattn-sparse-kernels runs the block-sparse
+    kernels on a band too (the A/B of DenseBandRoute) and gets the public call's result."""
+    if not INTERPRET:
+        pytest.skip("on a GPU the dense route is Gluon's: tests/test_block_sparse_gpu.py")
+    from flashattn import config as flashattn_config
+    from flashattn.bench.providers.sparse import _KernelRoute, sparse_routes_info
+
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    q, k, v = make_qkv(1, N, N, 2, 2, 32, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    band, other = BANDS["window"][0](), NOT_BANDS["local_global"]()
+    assert sparse_routes_info(q, k, v, band.to_kernel_tensors()) == {
+        "route_fwd": "DenseBandRoute/TritonForward", "route_bwd": "DenseBandRoute/TritonBackward"}
+    assert sparse_routes_info(q, k, v, other.to_kernel_tensors()) == {"route_fwd": "SparseRoute",
+                                                                      "route_bwd": "SparseRoute"}
+    kt = band.to_kernel_tensors()
+    calls = _recorders(monkeypatch)
+    out = _KernelRoute.apply(q, k, v, kt, launchers.triton_route(q, v, kt))
+    assert len(calls["sparse_fwd"]) == 1 and calls["dense_fwd"] == []
+    torch.testing.assert_close(out, flashattn.block_sparse_attn_func(q, k, v, band), rtol=1e-5, atol=1e-5)

@@ -3,8 +3,9 @@ Triton kernels, or on FlashAttention-4's where FA4 is installed).
 
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (a band, as the dense and
 causal cases' masks are, runs the dense kernels: its rows' route_fwd / route_bwd say which kernels ran;
-`flashattn-sparse-bits`: the block-sparse kernels through the launchers, on a route whose partial blocks read
-bitmasks even where the mask has a rule);
+`flashattn-sparse-kernels`: the block-sparse kernels through the launchers, band or not;
+`flashattn-sparse-bits`: the same on a route whose partial blocks read bitmasks even where the mask has a
+rule);
 `flex-sparse` runs torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and
 a mask_mod of the same element rule for the partial tiles (dense too: a mask of full tiles). The dense kernel
 is the plain `flashattn` provider; the suite skips it where it cannot express the mask. The mask is described
@@ -193,17 +194,14 @@ def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: tor
                     info=sparse_routes_info(qb, kb, vb, kt))
 
 
-class _BitsRoute(torch.autograd.Function):
-    """The block-sparse launchers forward and backward on the bitmask route."""
+class _KernelRoute(torch.autograd.Function):
+    """The block-sparse kernels' launchers forward and backward on a given route."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kt):
-        import dataclasses
-
+    def forward(ctx, q, k, v, kt, route):
         from flashattn.backends.triton import block_sparse
 
         scale = q.shape[-1] ** -0.5
-        route = dataclasses.replace(block_sparse.triton_route(q, v, kt), by_rule=False)
         out, lse = block_sparse.block_sparse_forward(q, k, v, kt, softmax_scale=scale, route=route)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kt, ctx.route, ctx.scale = kt, route, scale
@@ -216,13 +214,26 @@ class _BitsRoute(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_sparse.block_sparse_backward(dout, q, k, v, out, lse, ctx.kt,
                                                          softmax_scale=ctx.scale, route=ctx.route)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
-def _setup_flashattn_sparse_bits(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    kt = block_mask(MaskSpec.of(case), q.device).to_kernel_tensors(q.device)
-    leaves = make_leaves(q, k, v, "bshd")
-    return Prepared(fwd=lambda: _BitsRoute.apply(*leaves, kt), leaves=leaves)
+def _kernels_setup(by_rule: bool):
+    """A setup that runs the block-sparse kernels on the case's mask, band or not, with partial blocks by
+    the mask's rule where it has one (by_rule) or always by its bitmask."""
+
+    def setup(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+        import dataclasses
+
+        from flashattn.backends.triton import block_sparse
+
+        kt = block_mask(MaskSpec.of(case), q.device).to_kernel_tensors(q.device)
+        leaves = make_leaves(q, k, v, "bshd")
+        route = block_sparse.triton_route(leaves[0], leaves[2], kt)
+        route = dataclasses.replace(route, by_rule=route.by_rule and by_rule)
+        info = {"route_fwd": "SparseRoute", "route_bwd": "SparseRoute", "by_rule": route.by_rule}
+        return Prepared(fwd=lambda: _KernelRoute.apply(*leaves, kt, route), leaves=leaves, info=info)
+
+    return setup
 
 
 def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -258,9 +269,12 @@ def _setup_flex_fa4_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torc
 PROVIDERS = [
     Provider("flashattn-sparse", _setup_flashattn_sparse,
              "this project: flashattn.block_sparse_attn_func with the case's BlockMask"),
-    Provider("flashattn-sparse-bits", _setup_flashattn_sparse_bits,
-             "the same on the route whose partial blocks read their bitmasks even when the mask has a rule "
-             "(A/B timing)"),
+    Provider("flashattn-sparse-kernels", _kernels_setup(True),
+             "the block-sparse kernels on the case's mask even where it is a band (A/B timing of "
+             "DenseBandRoute)"),
+    Provider("flashattn-sparse-bits", _kernels_setup(False),
+             "the block-sparse kernels on the route whose partial blocks read their bitmasks even when the "
+             "mask has a rule (A/B timing)"),
     Provider("flex-sparse", _setup_flex_sparse,
              "torch.compile(flex_attention) with our BlockMask's block lists and the same element rule"),
     Provider("flex-fa4-sparse", _setup_flex_fa4_sparse,
