@@ -8,8 +8,9 @@
 #   fa4-libs      store FlashAttention-4's libraries for the next call (call carrying .fa4a; see
 #                 ../shared/tools/fa4-wheels.sh), which carries .fa4b and unpacks them
 #   gpu-tests     pytest -m gpu: every GPU test (or GPU_TESTS="paths", GPU_TESTS_K="a -k expression"), its
-#                 summary; GPU_TESTS_N xdist workers
-#                 (default 8: the compiles are the cost, and they run on the host's cores)
+#                 summary; GPU_TESTS_SHARD=I/N the I-th of N interleaved shares (one call each); GPU_TESTS_N
+#                 xdist workers (default 8: the compiles are the cost, and they run on the host's cores;
+#                 decode's GPU files need <= 8: each worker holds its caches on the one GPU)
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
 #                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, unset all, empty none; SANITIZE_S: seconds a case)
 #   fuzz-memcheck the fuzz's GPU sample under compute-sanitizer memcheck (tests/test_fuzz.py's GPU test: 150
@@ -96,7 +97,8 @@ for stage in "$@"; do
       # --results-log (tests/conftest.py): each outcome, its duration and a failure's report land as the
       # test ends, so a run cut off by its time limit still says what passed, what failed and why
       timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
-        --results-log "$RES/gpu_results.log" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests} > "$RES/pytest_gpu.log" 2>&1
+        --results-log "$RES/gpu_results.log" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS_SHARD:+--shard "$GPU_TESTS_SHARD"} \
+        ${GPU_TESTS:-tests} > "$RES/pytest_gpu.log" 2>&1
       grep -A15 -E "^(FAILED|ERROR)" "$RES/gpu_results.log" | head -60
       cut -d' ' -f1 "$RES/gpu_results.log" | sort | uniq -c
       tail -3 "$RES/pytest_gpu.log" ;;

@@ -28,6 +28,9 @@ def pytest_addoption(parser):
     parser.addoption("--results-log", metavar="PATH", default=None,
                      help="append each test's outcome, duration and (on failure) the end of its report to "
                           "PATH as it finishes: a run cut off by a time limit still says what failed and why")
+    parser.addoption("--shard", metavar="I/N", default=None,
+                     help="run the I-th of N interleaved shares of the selected tests (1 <= I <= N): a suite "
+                          "longer than one device call runs as N calls, each with a mix of every file")
 
 
 def pytest_runtest_logreport(report):
@@ -54,13 +57,27 @@ def pytest_configure(config):
                                        "such tests run one at a time across xdist workers")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: --shard cuts its shares from what will run
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
+    if not HAS_CUDA:
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    value = config.getoption("--shard")
+    if value is None:
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    # --shard I/N: every N-th test from the I-th, in collection order
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard is {value!r}; expected I/N with 1 <= I <= N, e.g. 2/3")
+    keep = items[i - 1::n]
+    kept = {id(item) for item in keep}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep
 
 
 def pytest_generate_tests(metafunc):
