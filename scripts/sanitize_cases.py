@@ -1,7 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_deterministic] [ws_features] [fp8] [softcap_wide]
+        [ws_deterministic] [ws_features] [ws_chunked] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -12,7 +12,9 @@ launch), through flash_attn_with_kvcache and a DecodePlan.
 ws_fwd and ws_bwd isolate the warp-specialised Gluon kernels (the forward alone; the backward alone, after
 the Triton forward's route) so that a hazard report names one of them. ws_features runs their compile-time
 variants (windows, softcap, ALiBi, sinks, the forward's varlen layout) forward and backward at small odd
-shapes. ws_deterministic runs the backward's fixed-order dQ variant (deterministic=True).
+shapes. ws_deterministic runs the backward's fixed-order dQ variant (deterministic=True). ws_chunked runs the
+forward's 192-wide heads (Q and K in three 64-wide chunks, one Q buffer or two) and one Q buffer at d = 256,
+persistent programs taking several tiles, padded and varlen.
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -225,6 +227,28 @@ def ws_features():
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                      window_size=(50, -1), softcap=4.0, learnable_sink=sink)
         _grad_check(out, q, k, v, sink)
+
+
+def ws_chunked():
+    from flashattn import config
+
+    h = 4
+    lens_q, lens_k = [0, 77, 1, 130, 64, 191], [5, 77, 0, 200, 64, 150]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for ls in (lens_q, lens_k))
+    for d, dv, tiles in ((192, 128, None), (160, 128, None), (192, 64, None), (192, 128, "fwd_ws=128,64,4,3"),
+                         (256, 256, "fwd_ws=128,64,4,2")):
+        with config.use_tiles(tiles):
+            # 70 heads x 3 query tiles over 132 programs: programs take a second tile from the counter
+            q, k, v = _qkv((1, 300, 70, d), (1, 333, 70, d), (1, 333, 70, dv))
+            outs = [flash_attn_func(q, k, v, causal=True, window_size=(100, -1), softcap=5.0)]
+            q, k, v = _qkv((1, 257, h, d), (1, 129, 2, d), (1, 129, 2, dv))
+            outs.append(flash_attn_func(q, k, v, learnable_sink=torch.randn(h, device="cuda"),
+                                        alibi_slopes=torch.rand(h, device="cuda")))
+            q, k, v = _qkv((sum(lens_q), h, d), (sum(lens_k), 2, d), (sum(lens_k), 2, dv))
+            outs.append(flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True))
+            torch.cuda.synchronize()
+            assert all(torch.isfinite(out).all() for out in outs)
 
 
 def fp8():

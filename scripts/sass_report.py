@@ -11,7 +11,7 @@ named, disassembles its cubin with Triton's nvdisasm and reports what the tuning
     unmasked path: at d = 64, 292 and 64 instructions of its 736).
 
     python scripts/sass_report.py [--kernel attn_bwd_ws_kernel] [--d 64] [--n 1024] [--heads 4]
-        [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
+        [--dv 128] [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
         [--deterministic] [--sass OUT.sass]
 
 Counts are per thread (every thread of a warp issues the same stream), as nvdisasm lists them.
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", default="attn_bwd_ws_kernel",
                    help="the kernel's name (default: the Gluon backward's)")
     p.add_argument("--d", type=int, default=64)
+    p.add_argument("--dv", type=int, default=None, help="V's head dim (default: d)")
     p.add_argument("--n", type=int, default=1024, help="sequence length (the varlen call: two sequences)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--heads-k", type=int, default=2)
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     from flashattn import flash_attn_func, flash_attn_varlen_func
 
     h, hk, d, n = args.heads, args.heads_k, args.d, args.n
+    dv = args.dv or d
     kw = dict(causal=args.causal, window_size=args.window, softcap=args.softcap,
               deterministic=args.deterministic)
     if args.sink:
@@ -68,11 +70,11 @@ def main(argv=None) -> int:
     if args.alibi:
         kw["alibi_slopes"] = torch.rand(h)
     if args.varlen:
-        q, k, v = (cc._t(n, heads, d, grad=True) for heads in (h, hk, hk))
+        q, k, v = (cc._t(n, heads, dim, grad=True) for heads, dim in ((h, d), (hk, d), (hk, dv)))
         cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
         cc._fwd_bwd(flash_attn_varlen_func, q, k, v, cu, cu, n - n // 3, n - n // 3, **kw)
     else:
-        q, k, v = (cc._t(2, n, heads, d, grad=True) for heads in (h, hk, hk))
+        q, k, v = (cc._t(2, n, heads, dim, grad=True) for heads, dim in ((h, d), (hk, d), (hk, dv)))
         cc._fwd_bwd(flash_attn_func, q, k, v, **kw)
     if args.kernel not in compiled:
         print(f"the call launched no {args.kernel}; it launched {sorted(compiled)}", file=sys.stderr)

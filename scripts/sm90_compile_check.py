@@ -213,12 +213,19 @@ def dense_cases():
                 args = (flash_attn_func, q, k, v)
             yield f"{'varlen' if varlen else 'dense'} gluon d=256 {name}", partial(
                 _on_gluon, _fwd_bwd, *args, launchers=("forward",), **opts)
-    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward is the Triton one)
-    for d, dv in ((192, 128),) if QUICK else ((192, 128), (128, 64), (96, 64), (40, 64)):
+    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward is the Triton one); d in
+    # 129..192 as three 64-wide chunks, on one Q buffer beside the 128-key ring; one Q buffer at d = 256 too
+    # (64-key steps)
+    cases = ((192, 128, None),) if QUICK else (
+        (192, 128, None), (160, 128, None), (192, 64, None), (192, 128, "fwd_ws=128,64,4,3"), (128, 64, None),
+        (96, 64, None), (40, 64, None), (256, 256, "fwd_ws=128,64,4,2"))
+    for d, dv, tiles in cases:
         q = _t(1, 1100, 4, d, grad=True)
         k, v = _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
-        yield f"dense gluon d={d} dv={dv} causal softcap", partial(
-            _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=("forward",), causal=True, softcap=20.0)
+        call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=("forward",), causal=True,
+                       softcap=20.0)
+        yield f"dense gluon d={d} dv={dv} {tiles or 'table tiles'} causal softcap", (
+            partial(_with_tiles, tiles, call) if tiles else call)
     # the Gluon backward's group split (a named route): MQA and GQA parts adding dK / dV with atomics,
     # padded and varlen, d = 64 (64-row steps, deferred dQ) and 128
     def split(n):

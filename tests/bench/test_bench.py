@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -385,6 +386,22 @@ def test_ncu_child_failure_is_recorded(tmp_path):
     assert "ncu_error" not in rows[1]  # rows without a timing are not profiled
 
 
+def test_forward_key_providers_take_the_q_buffers_that_fit():
+    # the Gluon forward's A/B of key steps: one Q buffer (no deferred release) where two do not fit
+    from flashattn.backends.triton import routes
+    from flashattn.bench.providers.ours import _forward_keys
+
+    spec = routes.Spec(batch=2, nheads=8, nheads_k=8, seqlen_q=8192, seqlen_k=8192, headdim=256,
+                       headdim_v=256, window=(-1, 0))
+    wide = _forward_keys(64, 2)(spec)
+    assert (wide.tiles.block_n, wide.q_buffers, wide.defer_release, wide.half_diag) == (64, 1, False, False)
+    narrow = _forward_keys(32, 2)(spec)
+    assert (narrow.tiles.block_n, narrow.q_buffers, narrow.defer_release) == (32, 2, True)
+    d128 = _forward_keys(128, 2)(dataclasses.replace(spec, headdim=128, headdim_v=128))
+    assert (d128.q_buffers, d128.half_diag) == (2, True)
+    assert isinstance(_forward_keys(64, 2)(dataclasses.replace(spec, dropout=True)), routes.TritonForward)
+
+
 def test_host_time_is_a_gpu_only_field():
     from flashattn.bench.timing import host_us
 
@@ -392,7 +409,8 @@ def test_host_time_is_a_gpu_only_field():
 
 
 @pytest.mark.parametrize("name", ["flashattn-triton", "flashattn-triton-bwd", "flashattn-ptr",
-                                  "flashattn-headmajor", "flashattn-ws-tiles", "flashattn-bwd-split4"])
+                                  "flashattn-headmajor", "flashattn-ws-tiles", "flashattn-bwd-split4",
+                                  "flashattn-fwd-k64"])
 def test_route_providers_compute_the_same_attention(name):
     # the A/B providers time the library on other routes: same function, checked like any provider
     from flashattn.bench import providers

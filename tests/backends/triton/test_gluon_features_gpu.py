@@ -255,8 +255,8 @@ def test_d256_forward_long_gqa_and_varlen(ws_calls, ws_bwd_calls, dtype):
 
 
 # ---------------------------------------------------------- the Gluon forward with dv < d (192 / 128)
-# Q and K padded to the tile width (TMA reads zeros past d), V and O as they are, O staged in Q's buffer;
-# the backward is the Triton one
+# Q and K padded to the tile width (TMA reads zeros past d; 129..192 to 192, in three 64-wide chunks), V and
+# O as they are, O staged in Q's buffer; the backward is the Triton one
 
 
 def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
@@ -272,6 +272,39 @@ def test_dv_below_d(ws_calls, ws_bwd_calls, d, dv, features, sq, sk):
     torch.manual_seed(0)
     options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
     _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv), gluon_backward=False, **options)
+
+
+# (d, dv, tile override, Q's width, its Q buffers): d 129..192 in three 64-wide chunks of Q and K, on one Q
+# buffer beside the 128-key ring (O staged over its first two chunks) or two beside a 64-key ring; d = 256
+# on one Q buffer beside a 64-key ring
+CHUNKED = [(192, 128, None, 192, 1), (160, 128, None, 192, 1), (192, 64, None, 192, 2),
+           (192, 128, "fwd_ws=128,64,4,3", 192, 2), (256, 256, "fwd_ws=128,64,4,2", 256, 1)]
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (113, 1023), (1023, 113), (2049, 1537)])
+@pytest.mark.parametrize("features", ["causal", "swa+softcap", "window+alibi_bh+sink"])
+@pytest.mark.parametrize("d, dv, tiles, width, q_buffers", CHUNKED, ids=str)
+def test_chunked_heads_and_one_q_buffer(ws_calls, ws_bwd_calls, monkeypatch, d, dv, tiles, width, q_buffers,
+                                        features, sq, sk):
+    torch.manual_seed(0)
+    if tiles:
+        use_tiles(monkeypatch, tiles)
+    options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
+    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv), gluon_backward=False, **options)
+    route = ws_calls.routes[0]
+    assert (route.head_dim, route.q_buffers, route.defer_release) == (width, q_buffers, q_buffers == 2)
+
+
+@pytest.mark.parametrize("d, dv, tiles, width, q_buffers", CHUNKED, ids=str)
+def test_chunked_heads_and_one_q_buffer_over_many_tiles_a_program(ws_calls, ws_bwd_calls, monkeypatch, d, dv,
+                                                                   tiles, width, q_buffers):
+    # 4 x 8 heads x 33 query tiles over 132 programs: each program reuses its Q buffer(s) for ~8 tiles of
+    # unequal causal work, the one-buffer phases included
+    torch.manual_seed(0)
+    if tiles:
+        use_tiles(monkeypatch, tiles)
+    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(4, 4097, 4097, 8, 2, d, dv), grads=False, causal=True)
+    assert ws_calls.routes[0].q_buffers == q_buffers
 
 
 def test_dv_below_d_varlen(ws_calls, ws_bwd_calls):

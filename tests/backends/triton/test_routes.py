@@ -102,7 +102,7 @@ def test_d256_takes_the_gluon_forward_and_the_triton_backward(kw):
     assert isinstance(routes.backward_route(spec), routes.TritonBackward)
 
 
-@pytest.mark.parametrize("d, dv, block_n", [(192, 128, 32), (128, 64, 128), (256, 128, 32), (96, 64, 128),
+@pytest.mark.parametrize("d, dv, block_n", [(192, 128, 128), (128, 64, 128), (256, 128, 32), (96, 64, 128),
                                              (40, 64, 128)])
 def test_dv_below_d_takes_the_gluon_forward_and_the_triton_backward(d, dv, block_n):
     # Q and K padded to the tile width, V and O (a power of two, no wider) staged in Q's buffer; the tiles are
@@ -111,6 +111,38 @@ def test_dv_below_d_takes_the_gluon_forward_and_the_triton_backward(d, dv, block
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward) and route.tiles.block_n == block_n
     assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+
+
+@pytest.mark.parametrize("d, dtype, width", [
+    (40, "bfloat16", 64), (64, "bfloat16", 64), (96, "float16", 128), (128, "bfloat16", 128),
+    (129, "bfloat16", 192), (160, "float16", 192), (192, "bfloat16", 192), (193, "bfloat16", 256),
+    (256, "bfloat16", 256), (192, "float8_e4m3fn", 256), (160, "float8_e4m3fn", 256)])
+def test_the_gluon_forward_pads_q_and_k_to_its_widths(d, dtype, width):
+    # 16-bit heads of 129..192 take 192-wide tiles (three 64-wide chunks), not 256: FA3's widths
+    spec = _spec(headdim=d, headdim_v=128 if d > 128 else 64, dtype=dtype)
+    assert routes.gluon_head_dim(spec) == width
+    if dtype != "float8_e4m3fn":
+        assert routes.forward_route(spec).head_dim == width
+
+
+@pytest.mark.parametrize("d, dv, tiles, q_buffers", [
+    (128, 128, "128,128,4,2", 2), (64, 64, "192,128,4,3", 2), (256, 256, "128,32,4,2", 2),
+    (256, 256, "128,64,4,2", 1), (192, 128, "128,128,4,2", 1), (192, 128, "128,64,4,3", 2),
+    (192, 64, "128,128,4,2", 2)])
+def test_the_gluon_forward_keeps_two_q_buffers_where_they_fit(monkeypatch, d, dv, tiles, q_buffers):
+    # two Q buffers (the next tile's Q prefetched, its release deferred) unless they and the K/V ring pass
+    # the shared memory; one buffer is released at its tile's end (a deferred release would wait forever)
+    use_tiles(monkeypatch, f"fwd_ws={tiles}")
+    route = routes.forward_route(_spec(headdim=d, headdim_v=dv, window=CAUSAL))
+    assert (route.q_buffers, route.defer_release) == (q_buffers, q_buffers == 2)
+
+
+def test_the_default_tiles_take_two_q_buffers_but_at_d192():
+    # the shipped rows' shared memory: one Q buffer only beside d = 192's 128-key ring
+    for d, dv in ((64, 64), (128, 128), (256, 256), (256, 128), (128, 64)):
+        for window in ((-1, -1), CAUSAL):
+            assert routes.forward_route(_spec(headdim=d, headdim_v=dv, window=window)).q_buffers == 2
+    assert routes.forward_route(_spec(headdim=192, headdim_v=128)).q_buffers == 1
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL, nheads=32, nheads_k=1), dict(varlen=True)],
@@ -320,6 +352,16 @@ def test_the_gluon_forward_refuses_tiles_it_cannot_run(monkeypatch, spec, d):
     use_tiles(monkeypatch, f"fwd_ws={spec}")
     with pytest.raises(ValueError, match=f"fwd_ws={spec} is not a config of the Gluon forward at d = {d}"):
         routes.forward_route(_spec(headdim=d, headdim_v=d))
+
+
+@pytest.mark.parametrize("spec, d, dv", [("128,128,4,3", 192, 128), ("128,64,4,3", 256, 256),
+                                         ("192,128,4,3", 128, 128)])
+def test_the_gluon_forward_refuses_tiles_past_the_shared_memory(monkeypatch, spec, d, dv):
+    # one Q buffer and the K/V ring: 48 + 3 x 80 KiB at d = 192, 64 + 3 x 64 at d = 256, 48 + 3 x 64 for
+    # three consumers at d = 128
+    use_tiles(monkeypatch, f"fwd_ws={spec}")
+    with pytest.raises(ValueError, match=f"fwd_ws={spec} needs .* KiB of shared memory at d = {d}"):
+        routes.forward_route(_spec(headdim=d, headdim_v=dv))
 
 
 @pytest.mark.parametrize("spec", ["128,128,4,3", "192,128,4,2", "128,128,4,2", "128,64,4,3", "192,32,4,2"])

@@ -55,6 +55,9 @@ _H200 = {
     # tiles spilled 0.2 KB of registers beside the 64 x 256 float32 output per warpgroup (128 per thread),
     # 32-key ones none
     ("fwd_ws", 256): TileConfig(128, 32, 4, 2),
+    # d_qk 129..192 (Q and K in three 64-wide chunks): 128-key steps, the registers of d = 128's (S 64 x 128,
+    # O 64 x dv per consumer); their 2-stage ring (160 KiB at dv = 128) leaves room for one Q buffer (48)
+    ("fwd_ws", 192): TileConfig(128, 128, 4, 2),
     # the warp-specialised backward (d = 64 and 128): block_m query rows per step, block_n keys per program
     # (two consumers of 64; the kernel asserts 128), the stages are (Q, dO) ring slots. d = 64: 128-row steps
     # (two stages fill the shared memory) +3-4% over 64-row ones without the mask, once the row statistics

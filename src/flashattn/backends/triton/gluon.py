@@ -224,17 +224,21 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     # program even when no sequence has a row
     n_work = max(host.cdiv(pb.seqlen_q, tiles.block_m) * n_bh, 1)
     n_programs = min(n_work, sm_count(q.device)) if route.persistent else n_work
-    # Q's and K's head dim padded to the tile's width (TMA reads the columns past d as zeros); V's and O's,
-    # a power of two, as it is (routes.takes_gluon_forward)
-    d = host.block_d(pb.d)
+    # Q's and K's head dim padded to the route's width (TMA reads the columns past d as zeros), their
+    # descriptors as wide or, at a width that is not a power of two (192), 64 columns wide, the kernel
+    # loading and multiplying such chunks one by one; V's and O's, a power of two, as it is
+    # (routes.takes_gluon_forward)
+    d = route.head_dim
+    chunk = d if d & (d - 1) == 0 else 64
     # an FP8 V: K-major (v is kmajor_v's view)
     v_spec = _kmajor_spec(v, tiles.block_n) if fp8 else _descriptor_spec(v, tiles.block_n, pb.dv)
-    specs = (_descriptor_spec(q, HALF_M, d), _descriptor_spec(k, tiles.block_n, d), v_spec,
+    specs = (_descriptor_spec(q, HALF_M, chunk), _descriptor_spec(k, tiles.block_n, chunk), v_spec,
              _descriptor_spec(out, HALF_M, pb.dv))
     causal, left, right = band_args(pb)
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_RELEASE=route.defer_release,
-                  HALF_DIAG=route.half_diag, TREES=route.trees, num_warps=4, maxnreg=route.maxnreg)
+                  HALF_DIAG=route.half_diag, TREES=route.trees, Q_BUFS=route.q_buffers, num_warps=4,
+                  maxnreg=route.maxnreg)
     # the LSE: (batch, nheads, seqlen_q), or (nheads, total_q) under varlen
     lse_strides = (0, lse.stride(0)) if pb.varlen else (lse.stride(0), lse.stride(1))
     return Prepared(

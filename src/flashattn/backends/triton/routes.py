@@ -47,7 +47,10 @@ SPLIT_BUFFER_CAP = 256 << 20
 # bytes of streamed tiles (K/V, or Q/dO in the dK/dV role) that one group of heads may keep live in L2
 # (50 MiB on the H200): interleaving every head lost 4-9% to L2 misses in the block-sparse kernels
 L2_BUDGET = 16 << 20
-GLUON_HEADDIMS = (64, 128, 256)  # the Gluon forward's; the backward takes 64 and 128
+GLUON_HEADDIMS = (64, 128, 192, 256)  # the Gluon forward's Q/K widths; the backward takes 64 and 128
+GLUON_HEADDIMS_V = (64, 128, 256)  # its V and O widths: O is a register tile (a power of two)
+# shared memory a block may take on the H200 (227 KiB), less room for the mbarriers and work-item slots
+SMEM_BYTES = 227 * 1024 - 1024
 GLUON_BWD_HEADDIMS = (64, 128)
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -152,8 +155,12 @@ class TritonForward:
 class GluonForward:
     """kernels/gluon/attn_fwd.py: a loader warp and two or three consumer warpgroups of 64 query rows."""
 
-    tiles: TileConfig  # block_m: 128 or 192 rows; block_n: 128 keys; num_stages: K/V ring slots
+    tiles: TileConfig  # block_m: 128 or 192 rows; block_n: 32, 64 or 128 keys; num_stages: K/V ring slots
     lpt_group: int
+    head_dim: int  # Q's and K's tile width: d padded to 64, 128, 192 (three 64-wide chunks) or 256
+    # Q buffers: 2 (the next query tile's Q loads during this one) or 1 where two do not fit beside the K/V
+    # ring (the next Q then loads once this tile's O is stored, so no deferred release)
+    q_buffers: int = 2
     persistent: bool = True  # one program per SM, each taking its next tile from a shared counter
     defer_release: bool = True  # a tile's O store completes under the next tile's first QK^T
     # a right edge: a warpgroup skips the upper half of its last key tile when it sees none of it
@@ -208,18 +215,46 @@ def _triton_tma(spec: Spec, tiles: TileConfig) -> bool:
     return spec.tma and spec.headdim == 128 and spec.headdim_v == 128 and tiles.num_stages >= 3
 
 
+def gluon_head_dim(spec: Spec) -> int:
+    """Q's and K's tile width in the Gluon forward: d padded to a power of two, or to 192 for 16-bit d in
+    129..192 (FA3's widths: padding it to 256 cost QK^T a third more work and the tiles shared memory for
+    half the keys a step). FP8 keeps the power of two (its 192-wide chunks are untried)."""
+    width = block_d(spec.headdim, spec.element_size)
+    if width == 256 and spec.headdim <= 192 and spec.element_size == 2:
+        return 192
+    return width
+
+
+def gluon_q_buffers(spec: Spec, tiles: TileConfig, head_dim: int) -> int:
+    """2 Q buffers where they fit the shared memory beside the K/V ring (and an FP8 call's 16-bit O
+    staging), else 1."""
+    e = spec.element_size
+    ring = tiles.num_stages * tiles.block_n * (head_dim + block_d(spec.headdim_v)) * e
+    o_staging = tiles.block_m * block_d(spec.headdim_v) * 2 if e == 1 else 0
+    q_tile = tiles.block_m * head_dim * e
+    return 2 if 2 * q_tile + ring + o_staging <= SMEM_BYTES else 1
+
+
 def gluon_forward_tiles(spec: Spec) -> TileConfig:
     """The Gluon forward's tiles, held to what the kernel does: 32, 64 or 128 keys a step (its half-diagonal
-    step only with 128), two or three consumer warpgroups of 64 rows (two at d = 256: two Q tiles of three
-    would fill the shared memory), a K/V ring of 2+ slots."""
+    step only with 128), two or three consumer warpgroups of 64 rows (two from d = 192: two Q tiles of three
+    would fill the shared memory), a K/V ring of 2+ slots, and one Q buffer at least beside it."""
     # under a band a query tile's work is that of a causal tile at a length of about the band's width (not
     # measured apart from causal masking): the causal rows at that length
-    tiles = tile_config("fwd_ws", spec.block_d, spec.cuda, spec.span, spec.banded)
-    rows = (2 * HALF_M,) if spec.block_d > 128 else (2 * HALF_M, 3 * HALF_M)
+    width = gluon_head_dim(spec)
+    tiles = tile_config("fwd_ws", width, spec.cuda, spec.span, spec.banded)
+    rows = (2 * HALF_M,) if width > 128 else (2 * HALF_M, 3 * HALF_M)
+    one_q = tiles.block_m * width * spec.element_size
+    ring = tiles.num_stages * tiles.block_n * (width + block_d(spec.headdim_v)) * spec.element_size
+    if one_q + ring > SMEM_BYTES:
+        raise FlashAttnError(
+            f"tile override fwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} "
+            f"needs {(one_q + ring) // 1024} KiB of shared memory at d = {width} (at most "
+            f"{SMEM_BYTES // 1024})")
     if tiles.block_n not in (32, 64, 128) or tiles.block_m not in rows or tiles.num_stages < 2:
         raise FlashAttnError(
             f"tile override fwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} is "
-            f"not a config of the Gluon forward at d = {spec.block_d}, which takes block_m "
+            f"not a config of the Gluon forward at d = {width}, which takes block_m "
             f"{' or '.join(map(str, rows))} (consumer warpgroups of 64 rows), block_n 32, 64 or 128 and 2 or "
             f"more stages"
         )
@@ -230,8 +265,9 @@ def _gluon_shapes(spec: Spec) -> bool:
     # Q and K padded to a tile width (TMA reads the columns past d as zeros); V and O staged in Q's buffer,
     # hence no wider, and not padded (a varlen tile's last rows are stored by column-exact masked stores)
     # (and a descriptor needs rows: a varlen batch of only empty sequences, max_seqlen 0, may have none)
-    return (block_d(spec.headdim) in GLUON_HEADDIMS and spec.headdim_v in GLUON_HEADDIMS
-            and spec.headdim_v <= block_d(spec.headdim) and min(spec.seqlen_q, spec.seqlen_k) > 0)
+    width = gluon_head_dim(spec)
+    return (width in GLUON_HEADDIMS and spec.headdim_v in GLUON_HEADDIMS_V and spec.headdim_v <= width
+            and min(spec.seqlen_q, spec.seqlen_k) > 0)
 
 
 def takes_gluon_forward(spec: Spec) -> bool:
@@ -267,7 +303,10 @@ def gluon_forward_route(spec: Spec) -> GluonForward:
     # (not for FP8: its V tiles are K-major, and the half step's half of one would be a slice through the
     # middle of each 128-byte swizzle row, which a wgmma operand cannot start at)
     half_diag = spec.window[1] >= 0 and tiles.block_n == 128 and spec.element_size == 2
-    return GluonForward(tiles, _stream_group(spec), half_diag=half_diag, trees=0 if three else 3,
+    width = gluon_head_dim(spec)
+    q_buffers = gluon_q_buffers(spec, tiles, width)
+    return GluonForward(tiles, _stream_group(spec), width, q_buffers, defer_release=q_buffers == 2,
+                        half_diag=half_diag, trees=0 if three else 3,
                         maxnreg=tiles.maxnreg or (MAXNREG_THREE if three else MAXNREG_TWO))
 
 

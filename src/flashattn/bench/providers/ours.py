@@ -3,7 +3,9 @@ for A/B timing, the same attention on other routes (flashattn.backends.triton.ro
 with an explicit route, `flashattn-triton` (the Triton kernels forward and backward), `flashattn-ptr` (the
 Triton kernels on pointer loads, no TMA descriptors), `flashattn-headmajor` (the default routes with the
 launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one program per query tile instead of
-its persistent grid), `flashattn-bwd-split{2,4,8}` (the Gluon backward's GQA group in parts),
+its persistent grid), `flashattn-fwd-k{32,64,64s3,128}` (the Gluon forward on key steps of that width and
+2 or 3 K/V stages, with the Q buffers that fit beside them), `flashattn-bwd-split{2,4,8}` (the Gluon
+backward's GQA group in parts),
 `flashattn-deterministic` (its fixed-order dQ variant); through the
 public call, every option included, `flashattn-triton-bwd` (with the
 Triton backward); and `torch-backend` (its pure-PyTorch backend)."""
@@ -176,6 +178,24 @@ def _group_split(n: int) -> Callable:
     return make
 
 
+def _forward_keys(block_n: int, stages: int) -> Callable:
+    """The default forward route, its Gluon one on block_n-key steps over `stages` K/V slots, with two Q
+    buffers where they fit (routes.gluon_q_buffers; one defers no release) and the half-diagonal step only
+    on 128-key tiles."""
+    from flashattn.backends.triton import routes as r
+
+    def make(spec):
+        route = r.forward_route(spec)
+        if not isinstance(route, r.GluonForward):
+            return route
+        tiles = dataclasses.replace(route.tiles, block_n=block_n, num_stages=stages)
+        q_buffers = r.gluon_q_buffers(spec, tiles, route.head_dim)
+        return dataclasses.replace(route, tiles=tiles, q_buffers=q_buffers, defer_release=q_buffers == 2,
+                                   half_diag=route.half_diag and block_n == 128)
+
+    return make
+
+
 def _providers() -> list[Provider]:
     from flashattn.backends.triton import routes as r
 
@@ -201,6 +221,10 @@ def _providers() -> list[Provider]:
                      dataclasses.replace(spec, deterministic=True))),
                  "this project's default routes with the Gluon backward's fixed-order dQ variant, as "
                  "deterministic=True takes it (plain attention; A/B timing)"),
+        *(Provider(f"flashattn-fwd-k{n}{'s3' if stages == 3 else ''}",
+                   routed(_forward_keys(n, stages), r.backward_route),
+                   f"this project's Gluon forward on {n}-key steps over {stages} K/V stages, the Q buffers "
+                   "that fit (A/B timing)") for n, stages in ((32, 2), (64, 2), (64, 3), (128, 2))),
         Provider("flashattn-ws-tiles", routed(_replace(r.forward_route, r.GluonForward, persistent=False),
                                               r.backward_route),
                  "this project's Gluon forward on one program per query tile instead of its persistent grid "

@@ -24,8 +24,11 @@ loader and every consumer take the same range (schedule.py's `tile`), so the rin
 warpgroup, only the tiles at the band's edges run the masked softmax. The launcher passes None for each
 option that is off.
 The packed (varlen) layout is a variant too: its query tiles form one list for the persistent schedule
-(schedule.py), and a sequence's last rows are stored by masked stores rather than TMA. 16-bit, head dims 64
-and 128 (the routes decide); dropout, fp32 and other head dims keep the Triton kernel
+(schedule.py), and a sequence's last rows are stored by masked stores rather than TMA. Q's and K's head
+dim is the padded width the route names: 64, 128 and 256 as one tile, 192 as three 64-wide column chunks
+(a tile's shape is a power of two), QK^T one wgmma per chunk (`_qk`); V's and O's 64, 128 or 256. Q_BUFS = 1
+(where two Q tiles and the K/V ring pass the shared memory: d = 192 beside 128-key steps) loads a tile's Q
+once the previous tile's O is stored. Dropout, fp32 and other head dims keep the Triton kernel
 (kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
 FP8 (e4m3 q, k, v with descales, inference; the launcher passes Q_SCALE etc., else None) is a variant too:
 both products on e4m3 wgmma (K = 32 per instruction), V held K-major in shared memory ([dv, BLOCK_N] tiles
@@ -56,6 +59,9 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
+    CW: gl.constexpr = q_desc.block_type.shape[3]  # the columns of a Q or K chunk
+    NCH: gl.constexpr = HEAD_DIM // CW
+    Q_BUFS: gl.constexpr = q_smem.shape[0] // (CONSUMERS * NCH)
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     n_work = problem[5]
     tile_counter = problem[6]
@@ -70,21 +76,27 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
         # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
         # rows past its end are the next sequence's (the consumers mask and never store them)
         desc_b = 0 if varlen else off_b
-        qb = i % 2
+        qb = i % Q_BUFS
         # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
-        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
-        publish_tile(tile_smem, tile_ready, qb, t, b)
-        mbarrier.expect(q_ready.index(qb), CONSUMERS * q_desc.block_type.nbytes)
+        mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
+        # the work item's slot: two, whatever the Q buffers (one Q buffer: the consumers took item i - 2's
+        # index before they released item i - 1's Q)
+        publish_tile(tile_smem, tile_ready, i % 2, t, b)
+        mbarrier.expect(q_ready.index(qb), CONSUMERS * NCH * q_desc.block_type.nbytes)
         for w in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(q_desc, [desc_b, q_start + start_m + w * HALF_M, off_h, 0],
-                                            q_ready.index(qb), q_smem.index(CONSUMERS * qb + w))
+            for ch in gl.static_range(NCH):
+                row = q_start + start_m + w * HALF_M
+                tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, ch * CW], q_ready.index(qb),
+                                                q_smem.index((CONSUMERS * qb + w) * NCH + ch))
         for j in range(n_k):
             s = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), phase)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [desc_b, k_start + n_start + j * BLOCK_N, off_hk, 0],
-                                            k_ready.index(s), k_smem.index(s))
+            mbarrier.expect(k_ready.index(s), NCH * k_desc.block_type.nbytes)
+            for ch in gl.static_range(NCH):
+                key = k_start + n_start + j * BLOCK_N
+                tma.async_copy_global_to_shared(k_desc, [desc_b, key, off_hk, ch * CW], k_ready.index(s),
+                                                k_smem.index(s * NCH + ch))
             mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             if v_desc.dtype.primitive_bitwidth == 8:
@@ -100,9 +112,8 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
         # id): a static walk gave some programs 15% more causal work than the mean
         t = gl.atomic_add(tile_counter, 1, sem="relaxed") + gl.num_programs(0)
     # no tile left: a slot holding n_work tells the consumers to stop
-    qb = i % 2
-    mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)
-    publish_tile(tile_smem, tile_ready, qb, n_work, 0)
+    mbarrier.wait(q_empty.index(i % Q_BUFS), ((i // Q_BUFS) & 1) ^ 1)
+    publish_tile(tile_smem, tile_ready, i % 2, n_work, 0)
     # the last program to get here zeroes the counter for the next launch, which saves the host a zeroing
     # launch per call: every program's last take precedes its arrival (release), and the last
     # arrival sees them all (acquire), so no take can follow the reset
@@ -127,6 +138,23 @@ def _v_tile(v_smem, stage, N: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_V: g
         if N < BLOCK_N:
             t = t.slice(0, N)
     return t
+
+
+@gluon.jit
+def _qk(q_smem, qi, k_smem, stage, s_zero, N: gl.constexpr, BLOCK_N: gl.constexpr, NCH: gl.constexpr):
+    """Issue S = Q Kᵀ (asynchronous) for Q buffer qi against the first N keys of K ring slot `stage`: one
+    wgmma per column chunk of Q and K, into one accumulator. A head dim that is not a power of two (192) is
+    held as 64-wide chunks (a tile's shape must be a power of two); the others as one chunk. Each wgmma is
+    its own group: a wait that leaves one group outstanding after a later PV has retired all of them."""
+    CW: gl.constexpr = q_smem.shape[4]
+    s = s_zero
+    for ch in gl.static_range(NCH):
+        k = k_smem.index(stage * NCH + ch).reshape([BLOCK_N, CW])
+        if N < BLOCK_N:
+            k = k.slice(0, N)
+        s = warpgroup_mma(q_smem.index(qi * NCH + ch).reshape([HALF_M, CW]), k.permute((1, 0)), s,
+                          use_acc=ch > 0, is_async=True)
+    return s
 
 
 @gluon.jit
@@ -159,9 +187,9 @@ def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STA
 
 
 @gluon.jit
-def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step, start_n,
-                    offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
-                    s_layout: gl.constexpr, p_layout: gl.constexpr,
+def _half_last_step(q_smem, qi, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step,
+                    start_n, offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from,
+                    unmasked_to, s_layout: gl.constexpr, p_layout: gl.constexpr,
                     STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     HEAD_DIM_V: gl.constexpr, TREES: gl.constexpr):
     """The last key step of a query tile whose last key tile (ring step `step`) has its upper half masked
@@ -169,7 +197,8 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
     flight as in the main loop. Returns (acc, m_i, l_i) with the last PV done."""
     HALF_N: gl.constexpr = BLOCK_N // 2
-    KW: gl.constexpr = 256 // q.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
+    KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
+    NCH: gl.constexpr = HEAD_DIM // q_smem.shape[4]
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_N, KW])
     rows_h: gl.constexpr = gl.SliceLayout(1, h_layout)
@@ -177,9 +206,8 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
     cur = step % STAGES
     prev = (step - 1) % STAGES
     mbarrier.wait(k_ready.index(cur), (step // STAGES) & 1)
-    k_half = k_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N)
-    s = warpgroup_mma(q, k_half.permute((1, 0)), gl.zeros([HALF_M, HALF_N], gl.float32, h_layout),
-                      use_acc=False, is_async=True)
+    s = _qk(q_smem, qi, k_smem, cur, gl.zeros([HALF_M, HALF_N], gl.float32, h_layout), HALF_N, BLOCK_N,
+            NCH)
     mbarrier.wait(v_ready.index(prev), ((step - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     acc = warpgroup_mma(p_op, _v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
@@ -202,7 +230,7 @@ def _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_rea
 
 
 @gluon.jit
-def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
+def _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
                  offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
                  p_layout: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, TREES: gl.constexpr):
@@ -211,20 +239,17 @@ def _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_
     O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
     one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (the half-diagonal step, always
     masked)."""
-    KW: gl.constexpr = 256 // q.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
+    KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
+    NCH: gl.constexpr = HEAD_DIM // q_smem.shape[4]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, N, KW])
     rows: gl.constexpr = m_i.type.layout
     rows_n: gl.constexpr = gl.SliceLayout(1, st_layout)
     stage = step % STAGES
     phase = (step // STAGES) & 1
-    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     v_tile = _v_tile(v_smem, stage, N, BLOCK_N, HEAD_DIM_V)
-    if N < BLOCK_N:
-        k_tile = k_tile.slice(0, N)
     mbarrier.wait(k_ready.index(stage), phase)
-    s = warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([HALF_M, N], gl.float32, st_layout), use_acc=False,
-                      is_async=True)
+    s = _qk(q_smem, qi, k_smem, stage, gl.zeros([HALF_M, N], gl.float32, st_layout), N, BLOCK_N, NCH)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_n, l_n, alpha = softmax_step(s, gl.convert_layout(m_i, rows_n), l_i,
@@ -265,6 +290,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                  k_width=32 // dtype.primitive_bitwidth)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
+    NCH: gl.constexpr = HEAD_DIM // q_smem.shape[4]  # Q's and K's column chunks (_qk)
+    Q_BUFS: gl.constexpr = q_smem.shape[0] // (CONSUMERS * NCH)
 
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
     i = 0
@@ -306,13 +334,12 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             if cap_in is not None:
                 cap_in = cap_in * ds
             tile_scores = (qk_scale * ds, cap_in, cap_out)
-        qb = i % 2
-        q_buf = q_smem.index((BLOCK_M // HALF_M) * qb + WG)
-        q = q_buf.reshape([HALF_M, HEAD_DIM])
+        qb = i % Q_BUFS
+        qi = CONSUMERS * qb + WG  # this warpgroup's Q buffer: chunks qi * NCH ..
         acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF_M, 4], gl.float32, ROW_PARTS)
-        mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+        mbarrier.wait(q_ready.index(qb), (i // Q_BUFS) & 1)
 
         if BLOCK_M // HALF_M == 3:
             # three consumers: serial steps (_serial_step)
@@ -323,24 +350,24 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 # the last step on its key tile's first half only (below)
                 n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(0, n_loop):
-                acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                             v_empty, c + j, n_start + j * BLOCK_N, offs_q, len_k,
+                acc, m_i, l_i = _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready,
+                                             k_empty, v_empty, c + j, n_start + j * BLOCK_N, offs_q, len_k,
                                              tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
                                              unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
                                              HEAD_DIM_V, TREES)
             if HALF_DIAG:
                 if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
-                    acc, m_i, l_i = _serial_step(q, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                                 v_empty, c + n_k - 1, n_start + (n_k - 1) * BLOCK_N, offs_q,
-                                                 len_k, tile_scores, slope, diag, diag_r, diag_l,
-                                                 unmasked_from, unmasked_to, p_layout, BLOCK_N // 2, STAGES,
-                                                 BLOCK_N, HEAD_DIM, HEAD_DIM_V, TREES)
+                    acc, m_i, l_i = _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready,
+                                                 k_empty, v_empty, c + n_k - 1,
+                                                 n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, tile_scores,
+                                                 slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                                                 p_layout, BLOCK_N // 2, STAGES, BLOCK_N, HEAD_DIM,
+                                                 HEAD_DIM_V, TREES)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
             mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
+            s = _qk(q_smem, qi, k_smem, s0, s_zero, BLOCK_N, BLOCK_N, NCH)
             if DEFER_RELEASE:
                 # while it runs: the previous tile's O store and the release of its buffer
                 _release_q(q_empty, i)
@@ -359,8 +386,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 prev = (c + j - 1) % STAGES
                 # issue this key tile's QK^T, then the previous one's PV; the softmax below runs while they do
                 mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
-                s = warpgroup_mma(q, k_smem.index(cur).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
+                s = _qk(q_smem, qi, k_smem, cur, s_zero, BLOCK_N, BLOCK_N, NCH)
                 mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, _v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc,
@@ -377,8 +403,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             if HALF_DIAG:
                 if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
-                    acc, m_i, l_i = _half_last_step(q, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty,
-                                                    v_ready, v_empty, c + n_k - 1,
+                    acc, m_i, l_i = _half_last_step(q_smem, qi, p, acc, m_i, l_i, k_smem, v_smem, k_ready,
+                                                    k_empty, v_ready, v_empty, c + n_k - 1,
                                                     n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, tile_scores,
                                                     slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
                                                     s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
@@ -418,12 +444,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
         # past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE waits
         # for that under the next tile's first QK^T instead of here (the loader needs the buffer back only
-        # for the tile after that). An O narrower than Q takes the buffer's first bytes in O's layout
+        # for the tile after that). An O narrower than Q takes the buffer's first bytes in O's layout: a wide
+        # tile's shared layout holds its 64-column (128-byte swizzle) chunks one after another, so O over Q's
+        # chunks is the same bytes whether Q came as one tile or as chunks
         if o_smem is not None:
             # FP8: a 16-bit O has twice Q's bytes, so it has buffers of its own; the previous tile's store
             # from this one has completed (_release_q, or the wait below, waited for it)
             o_buf = o_smem.index(WG)
         else:
+            q_buf = q_smem.index(qi * NCH)
             o_buf = q_buf
             if HEAD_DIM_V != HEAD_DIM:
                 o_buf = q_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
@@ -482,6 +511,7 @@ def attn_fwd_ws_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
+    Q_BUFS: gl.constexpr = 2,
 ):
     # options, None when off: left / right, the window's sides (CAUSAL: right = 0, and `right` is None);
     # cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at b · stride_alibi_b
@@ -509,9 +539,16 @@ def attn_fwd_ws_kernel(
         n_work = gl.cdiv(seqlen_q, BLOCK_M) * n_bh
 
     dtype: gl.constexpr = q_desc.dtype
-    # two query tiles (the current one, the next one's prefetch) x the consumers' rows
-    q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    # Q_BUFS query tiles (2: the current one and the next one's prefetch; 1 where shared memory is short,
+    # the next tile's Q then loading once this one's O is stored) x the consumers' rows x the column chunks
+    # of Q and K: HEAD_DIM // the descriptors' width (3 at d = 192, else 1)
+    NCH: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[3]
+    gl.static_assert(NCH * q_desc.block_type.shape[3] == HEAD_DIM)
+    # DEFER_RELEASE returns a Q buffer under the next tile's first QK^T, which needs the next tile's Q loaded
+    gl.static_assert((Q_BUFS == 2) | ((Q_BUFS == 1) & (not DEFER_RELEASE)))
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS * NCH] + q_desc.block_type.shape,
+                                       q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * NCH] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     # the work item of each Q buffer, written by the loader (tile_counter's scheduling), with its sequence
     # under varlen
