@@ -201,7 +201,7 @@ def ws_features():
         ((1, 257, 257, 128), dict(window_size=(-1, 3), softcap=3.0, alibi_slopes=(h,), learnable_sink=True)),
         ((1, 4500, 130, 64), dict(window_size=(64, -1))),
         ((1, 256, 256, 128), dict(causal=True, window_size=(100, -1), nheads=70)),
-        # d = 256: the forward's 32-key steps (its backward is the Triton one)
+        # d = 256: the forward's 64-key steps beside one Q buffer (its backward is the Triton one)
         ((1, 257, 300, 256), dict(causal=True, window_size=(64, -1), softcap=5.0, learnable_sink=True)),
     ]
     for (b, sq, sk, d), options in cases:

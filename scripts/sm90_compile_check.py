@@ -190,7 +190,8 @@ def dense_cases():
         call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
         yield f"dense gluon d={d} {tiles or 'table tiles'} {name}", (
             partial(_with_tiles, tiles, call) if tiles else call)
-    # the Gluon forward at d = 256 (32-key steps; the backward is the Triton one), padded and varlen
+    # the Gluon forward at d = 256 (64-key steps beside one Q buffer; the backward is the Triton one), padded
+    # and varlen
     cu, cu_k = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), torch.tensor([0, 5, 70, 70, 300],
                                                                                   dtype=torch.int32)
     d256 = [("causal", dict(causal=True)), ("swa+softcap+sink", dict(causal=True, window_size=(255, -1),

@@ -233,7 +233,8 @@ def test_varlen_three_consumers(ws_calls, ws_bwd_calls, monkeypatch):
 
 
 # ---------------------------------------------------------- the Gluon forward at d = 256
-# 32-key steps, no half-diagonal step (routes.gluon_forward_tiles); its backward is the Triton one
+# 64-key steps beside one Q buffer, no half-diagonal step (routes.gluon_forward_tiles); its backward is the
+# Triton one
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (113, 1023), (1023, 113), (1023, 1023), (2049, 1537)])

@@ -93,16 +93,21 @@ def test_varlen_dq_buffer_counts_the_packed_rows():
 @pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL), dict(window=(1023, 0), softcap=True, sink=True),
                                 dict(varlen=True, alibi=True)], ids=str)
 def test_d256_takes_the_gluon_forward_and_the_triton_backward(kw):
-    # 32-key steps (two Q tiles of 128 x 256 leave 64 KiB for the K/V ring), hence no half-diagonal step
+    # 64-key steps beside one Q buffer (two of 128 x 256 and the ring pass the shared memory), hence no
+    # deferred release and no half-diagonal step; FP8 keeps its measured 32-key steps beside two
     spec = _spec(headdim=256, headdim_v=256, **kw)
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward)
-    assert (route.tiles.block_m, route.tiles.block_n, route.tiles.num_stages) == (128, 32, 2)
-    assert not route.half_diag and route.trees == 3
+    assert (route.tiles.block_m, route.tiles.block_n, route.tiles.num_stages) == (128, 64, 2)
+    assert (route.q_buffers, route.defer_release, route.half_diag, route.trees) == (1, False, False, 3)
     assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+    if not kw.get("varlen"):
+        fp8 = routes.forward_route(dataclasses.replace(spec, dtype="float8_e4m3fn", out_dtype="bfloat16",
+                                                       seqlen_q=8192, seqlen_k=8192))
+        assert (fp8.tiles.block_n, fp8.q_buffers, fp8.defer_release) == (32, 2, True)
 
 
-@pytest.mark.parametrize("d, dv, block_n", [(192, 128, 128), (128, 64, 128), (256, 128, 32), (96, 64, 128),
+@pytest.mark.parametrize("d, dv, block_n", [(192, 128, 128), (128, 64, 128), (256, 128, 64), (96, 64, 128),
                                              (40, 64, 128)])
 def test_dv_below_d_takes_the_gluon_forward_and_the_triton_backward(d, dv, block_n):
     # Q and K padded to the tile width, V and O (a power of two, no wider) staged in Q's buffer; the tiles are
@@ -137,12 +142,13 @@ def test_the_gluon_forward_keeps_two_q_buffers_where_they_fit(monkeypatch, d, dv
     assert (route.q_buffers, route.defer_release) == (q_buffers, q_buffers == 2)
 
 
-def test_the_default_tiles_take_two_q_buffers_but_at_d192():
-    # the shipped rows' shared memory: one Q buffer only beside d = 192's 128-key ring
-    for d, dv in ((64, 64), (128, 128), (256, 256), (256, 128), (128, 64)):
+def test_the_default_tiles_take_two_q_buffers_where_they_fit():
+    # the shipped rows' shared memory: one Q buffer beside d = 192's 128-key ring and d = 256's 64-key one
+    for d, dv, q_buffers in ((64, 64, 2), (128, 128, 2), (128, 64, 2), (192, 128, 1), (192, 64, 2),
+                             (256, 256, 1), (256, 128, 2)):
         for window in ((-1, -1), CAUSAL):
-            assert routes.forward_route(_spec(headdim=d, headdim_v=dv, window=window)).q_buffers == 2
-    assert routes.forward_route(_spec(headdim=192, headdim_v=128)).q_buffers == 1
+            route = routes.forward_route(_spec(headdim=d, headdim_v=dv, window=window))
+            assert route.q_buffers == q_buffers
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL, nheads=32, nheads_k=1), dict(varlen=True)],

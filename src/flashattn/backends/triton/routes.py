@@ -242,7 +242,7 @@ def gluon_forward_tiles(spec: Spec) -> TileConfig:
     # under a band a query tile's work is that of a causal tile at a length of about the band's width (not
     # measured apart from causal masking): the causal rows at that length
     width = gluon_head_dim(spec)
-    tiles = tile_config("fwd_ws", width, spec.cuda, spec.span, spec.banded)
+    tiles = tile_config("fwd_ws", width, spec.cuda, spec.span, spec.banded, fp8=spec.element_size == 1)
     rows = (2 * HALF_M,) if width > 128 else (2 * HALF_M, 3 * HALF_M)
     one_q = tiles.block_m * width * spec.element_size
     ring = tiles.num_stages * tiles.block_n * (width + block_d(spec.headdim_v)) * spec.element_size
