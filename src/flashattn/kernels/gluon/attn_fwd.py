@@ -27,9 +27,9 @@ The packed (varlen) layout is a variant too: its query tiles form one list for t
 (schedule.py), and a sequence's last rows are stored by masked stores rather than TMA. Q's and K's head
 dim is the padded width the route names: 64, 128 and 256 as one tile, 192 as three 64-wide column chunks
 (a tile's shape is a power of two), QK^T one wgmma per chunk (`_qk`); V's and O's 64, 128 or 256. Q_BUFS = 1
-(where two Q tiles and the K/V ring pass the shared memory: d = 192 beside 128-key steps) loads a tile's Q
-once the previous tile's O is stored. Dropout, fp32 and other head dims keep the Triton kernel
-(kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
+(where two Q tiles and the K/V ring pass the shared memory: d = 192 beside 128-key steps, d = 256 beside
+64-key ones) loads a tile's Q once the previous tile's O is stored. Dropout, fp32 and other head dims
+keep the Triton kernel (kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
 FP8 (e4m3 q, k, v with descales, inference; the launcher passes Q_SCALE etc., else None) is a variant too:
 both products on e4m3 wgmma (K = 32 per instruction), V held K-major in shared memory ([dv, BLOCK_N] tiles
 of a seqlen-contiguous V, read through a transposed view), q's and k's descales folded into each tile's
