@@ -225,14 +225,19 @@ def gluon_head_dim(spec: Spec) -> int:
     return width
 
 
+def _forward_smem(spec: Spec, tiles: TileConfig, head_dim: int, q_buffers: int) -> int:
+    """Bytes of the Gluon forward's tiles in shared memory: Q buffers of block_m rows, the K/V ring, and an
+    FP8 call's 16-bit O staging."""
+    e, dv = spec.element_size, block_d(spec.headdim_v)
+    ring = tiles.num_stages * tiles.block_n * (head_dim + dv) * e
+    o_staging = tiles.block_m * dv * 2 if e == 1 else 0
+    return q_buffers * tiles.block_m * head_dim * e + ring + o_staging
+
+
 def gluon_q_buffers(spec: Spec, tiles: TileConfig, head_dim: int) -> int:
     """2 Q buffers where they fit the shared memory beside the K/V ring (and an FP8 call's 16-bit O
     staging), else 1."""
-    e = spec.element_size
-    ring = tiles.num_stages * tiles.block_n * (head_dim + block_d(spec.headdim_v)) * e
-    o_staging = tiles.block_m * block_d(spec.headdim_v) * 2 if e == 1 else 0
-    q_tile = tiles.block_m * head_dim * e
-    return 2 if 2 * q_tile + ring + o_staging <= SMEM_BYTES else 1
+    return 2 if _forward_smem(spec, tiles, head_dim, 2) <= SMEM_BYTES else 1
 
 
 def gluon_forward_tiles(spec: Spec) -> TileConfig:
@@ -244,13 +249,11 @@ def gluon_forward_tiles(spec: Spec) -> TileConfig:
     width = gluon_head_dim(spec)
     tiles = tile_config("fwd_ws", width, spec.cuda, spec.span, spec.banded, fp8=spec.element_size == 1)
     rows = (2 * HALF_M,) if width > 128 else (2 * HALF_M, 3 * HALF_M)
-    one_q = tiles.block_m * width * spec.element_size
-    ring = tiles.num_stages * tiles.block_n * (width + block_d(spec.headdim_v)) * spec.element_size
-    if one_q + ring > SMEM_BYTES:
+    smem = _forward_smem(spec, tiles, width, 1)
+    if smem > SMEM_BYTES:
         raise FlashAttnError(
             f"tile override fwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} "
-            f"needs {(one_q + ring) // 1024} KiB of shared memory at d = {width} (at most "
-            f"{SMEM_BYTES // 1024})")
+            f"needs {smem // 1024} KiB of shared memory at d = {width} (at most {SMEM_BYTES // 1024})")
     if tiles.block_n not in (32, 64, 128) or tiles.block_m not in rows or tiles.num_stages < 2:
         raise FlashAttnError(
             f"tile override fwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} is "
