@@ -17,13 +17,12 @@
 #                 calls in 4 shards side by side; each log ends with the call that faulted, if one did)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_PROVIDERS: another list)
-#   fwd-keys-ab   the Gluon forward on 32-, 64- and 128-key steps (bench providers flashattn-fwd-k*) beside
-#                 its default route, cuDNN (and FA4) on the workloads suite's plain rows (GQA, d = 256, dv < d)
 #   ab-workloads  the workloads suite beside another revision of this tree in the same process (provider
 #                 flashattn-baseline: `bash scripts/vendor_tree.sh REV flashattn_base`, carry .baseline) and FA4
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
-#                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list
+#                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list (the forward's
+#                 key-step A/B adds flashattn-fwd-k32,flashattn-fwd-k64,flashattn-fwd-k64s3,flashattn-fwd-k128)
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA (and FA4)
 #   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
@@ -127,11 +126,6 @@ for stage in "$@"; do
     workloads)
       bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd \
         --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ;;
-    fwd-keys-ab)
-      # the Gluon forward's key steps (32/64/128, 2 or 3 stages, the Q buffers that fit) on the workloads
-      # suite's plain rows (GQA, MQA, d = 256, d_qk 192 / d_v 128), beside the default route and FA4, cuDNN
-      bench "${WORKLOADS_S:-300}" fwd-keys-ab --suite workloads --modes fwd --providers \
-        "flashattn,flashattn-fwd-k32,flashattn-fwd-k64,flashattn-fwd-k64s3,flashattn-fwd-k128,sdpa-cudnn$FA4" ;;
     ab-workloads)
       PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src bench "${WORKLOADS_S:-300}" ab-workloads --suite workloads \
         --modes fwd,bwd --providers "flashattn,flashattn-baseline$FA4" ;;
