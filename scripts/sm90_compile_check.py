@@ -190,8 +190,8 @@ def dense_cases():
         call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
         yield f"dense gluon d={d} {tiles or 'table tiles'} {name}", (
             partial(_with_tiles, tiles, call) if tiles else call)
-    # the Gluon forward at d = 256 (64-key steps beside one Q buffer; the backward is the Triton one), padded
-    # and varlen
+    # the Gluon kernels at d = 256 (the forward's 64-key steps beside one Q buffer, the wide heads' backward),
+    # padded and varlen
     cu, cu_k = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), torch.tensor([0, 5, 70, 70, 300],
                                                                                   dtype=torch.int32)
     d256 = [("causal", dict(causal=True)), ("swa+softcap+sink", dict(causal=True, window_size=(255, -1),
@@ -213,17 +213,18 @@ def dense_cases():
                 k, v = (_t(1, 1100, 2, 256, grad=True) for _ in range(2))
                 args = (flash_attn_func, q, k, v)
             yield f"{'varlen' if varlen else 'dense'} gluon d=256 {name}", partial(
-                _on_gluon, _fwd_bwd, *args, launchers=("forward",), **opts)
-    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward is the Triton one); d in
-    # 129..192 as three 64-wide chunks, on one Q buffer beside the 128-key ring; one Q buffer at d = 256 too
-    # (64-key steps)
+                _on_gluon, _fwd_bwd, *args, **opts)
+    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward is the wide heads' Gluon
+    # one at dv = 128, else the Triton one); d in 129..192 as three 64-wide chunks, on one Q buffer beside
+    # the 128-key ring; one Q buffer at d = 256 too (64-key steps)
     cases = ((192, 128, None),) if QUICK else (
         (192, 128, None), (160, 128, None), (192, 64, None), (192, 128, "fwd_ws=128,64,4,3"), (128, 64, None),
         (96, 64, None), (40, 64, None), (256, 256, "fwd_ws=128,64,4,2"))
     for d, dv, tiles in cases:
         q = _t(1, 1100, 4, d, grad=True)
         k, v = _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
-        call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=("forward",), causal=True,
+        launchers = ("forward", "backward") if d > 128 and dv >= 128 else ("forward",)
+        call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=launchers, causal=True,
                        softcap=20.0)
         yield f"dense gluon d={d} dv={dv} {tiles or 'table tiles'} causal softcap", (
             partial(_with_tiles, tiles, call) if tiles else call)
@@ -232,9 +233,10 @@ def dense_cases():
     def split(n):
         return lambda spec: dataclasses.replace(routes.gluon_backward_route(spec), group_split=n)
 
-    for d, hk, n, causal in ((128, 1, 4, True), (64, 2, 2, False)):
-        q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, d)
-        yield f"dense gluon bwd d={d} h8/{hk} group_split={n} causal={causal}", partial(
+    for d, dv, hk, n, causal in ((128, 128, 1, 4, True), (64, 64, 2, 2, False), (256, 256, 1, 4, True),
+                                 (192, 128, 2, 2, False)):
+        q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, dv)
+        yield f"dense gluon bwd d={d} dv={dv} h8/{hk} group_split={n} causal={causal}", partial(
             _routes, q, k, v, routes.gluon_forward_route, split(n), causal=causal)
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import VARLEN_K, VARLEN_Q, check_varlen, options_for
+from gluon_helpers import VARLEN_K, VARLEN_Q, check_varlen, options_for, takes_gluon_backward
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 from test_interface import check_against_oracle
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 
 def _check_features(fwd_calls, bwd_calls, q, k, v, grads=True, gluon_backward=True, **options):
     """check_against_oracle with the sink's gradient checked too; the Gluon forward must have run, and the
-    Gluon backward where gluon_backward (else the Triton one, as at d = 256)."""
+    Gluon backward where gluon_backward (else the Triton one, as at dv < d = 128)."""
     causal = options.pop("causal", False)
     sink = options.get("learnable_sink")
     wrt = None if sink is None else (q, k, v, sink)
@@ -234,7 +234,7 @@ def test_varlen_three_consumers(ws_calls, ws_bwd_calls, monkeypatch):
 
 # ---------------------------------------------------------- the Gluon forward at d = 256
 # 64-key steps beside one Q buffer, no half-diagonal step (routes.gluon_forward_tiles); its backward is the
-# Triton one
+# wide-head Gluon one (attn_bwd_dsplit.py)
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (113, 1023), (1023, 113), (1023, 1023), (2049, 1537)])
@@ -243,21 +243,22 @@ def test_d256_forward(ws_calls, ws_bwd_calls, features, sq, sk):
     torch.manual_seed(0)
     options = {} if features == "plain" else (
         dict(causal=True) if features == "causal" else options_for(2, 4, features))
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, 256), gluon_backward=False, **options)
+    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, 256), **options)
+    assert ws_bwd_calls.routes[0].d_qk == 256
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_d256_forward_long_gqa_and_varlen(ws_calls, ws_bwd_calls, dtype):
     torch.manual_seed(0)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(1, 4097, 4097, 4, 1, 256, dtype), causal=True,
-                    gluon_backward=False)
+    _check_features(ws_calls, ws_bwd_calls, *_qkv(1, 4097, 4097, 4, 1, 256, dtype), causal=True)
     check_varlen(ws_calls, ws_bwd_calls, [0, 33, 1, 300, 129], [7, 33, 2, 200, 300], 4, 2, 256, dtype,
                   causal=True)
 
 
 # ---------------------------------------------------------- the Gluon forward with dv < d (192 / 128)
 # Q and K padded to the tile width (TMA reads zeros past d; 129..192 to 192, in three 64-wide chunks), V and
-# O as they are, O staged in Q's buffer; the backward is the Triton one
+# O as they are, O staged in Q's buffer; the backward is the wide-head Gluon one where it takes (d, dv)
+# (gluon_helpers.takes_gluon_backward), else the Triton one
 
 
 def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
@@ -272,7 +273,8 @@ def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
 def test_dv_below_d(ws_calls, ws_bwd_calls, d, dv, features, sq, sk):
     torch.manual_seed(0)
     options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv), gluon_backward=False, **options)
+    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv),
+                    gluon_backward=takes_gluon_backward(d, dv), **options)
 
 
 # (d, dv, tile override, Q's width, its Q buffers): d 129..192 in three 64-wide chunks of Q and K, on one Q
@@ -291,7 +293,8 @@ def test_chunked_heads_and_one_q_buffer(ws_calls, ws_bwd_calls, monkeypatch, d, 
     if tiles:
         use_tiles(monkeypatch, tiles)
     options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv), gluon_backward=False, **options)
+    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv),
+                    gluon_backward=takes_gluon_backward(d, dv), **options)
     route = ws_calls.routes[0]
     assert (route.head_dim, route.q_buffers, route.defer_release) == (width, q_buffers, q_buffers == 2)
 

@@ -19,6 +19,7 @@ from utils import INTERPRET, LaunchRecorder, use_tiles
 from flashattn import flash_attn_func
 from flashattn.backends.triton import attention, configs, routes, tma
 from flashattn.backends.triton.configs import TileConfig, tile_config
+from flashattn.errors import FlashAttnError
 from flashattn.iomodel import AttnShape, backward_io, forward_io
 from flashattn.iomodel.tiled import ws_backward_tiles
 
@@ -92,30 +93,60 @@ def test_varlen_dq_buffer_counts_the_packed_rows():
 
 @pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL), dict(window=(1023, 0), softcap=True, sink=True),
                                 dict(varlen=True, alibi=True)], ids=str)
-def test_d256_takes_the_gluon_forward_and_the_triton_backward(kw):
+def test_d256_takes_the_gluon_forward_and_the_wide_gluon_backward(kw):
     # 64-key steps beside one Q buffer (two of 128 x 256 and the ring pass the shared memory), hence no
-    # deferred release and no half-diagonal step; FP8 keeps its measured 32-key steps beside two
+    # deferred release and no half-diagonal step; FP8 keeps its measured 32-key steps beside two. The
+    # backward: attn_bwd_dsplit.py on 64 x 64 steps, two Q stages and one dO stage (two pass 227 KiB)
     spec = _spec(headdim=256, headdim_v=256, **kw)
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward)
     assert (route.tiles.block_m, route.tiles.block_n, route.tiles.num_stages) == (128, 64, 2)
     assert (route.q_buffers, route.defer_release, route.half_diag, route.trees) == (1, False, False, 3)
-    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+    bwd = routes.backward_route(spec)
+    assert isinstance(bwd, routes.GluonBackward)
+    assert (bwd.d_qk, bwd.do_stages, bwd.tiles.block_m, bwd.tiles.block_n, bwd.tiles.num_stages) == \
+        (256, 1, 64, 64, 2)
+    # no deterministic variant: the Triton backward keeps those calls
+    assert isinstance(routes.backward_route(dataclasses.replace(spec, deterministic=True)),
+                      routes.TritonBackward)
     if not kw.get("varlen"):
         fp8 = routes.forward_route(dataclasses.replace(spec, dtype="float8_e4m3fn", out_dtype="bfloat16",
                                                        seqlen_q=8192, seqlen_k=8192))
         assert (fp8.tiles.block_n, fp8.q_buffers, fp8.defer_release) == (32, 2, True)
 
 
-@pytest.mark.parametrize("d, dv, block_n", [(192, 128, 128), (128, 64, 128), (256, 128, 64), (96, 64, 128),
-                                             (40, 64, 128)])
-def test_dv_below_d_takes_the_gluon_forward_and_the_triton_backward(d, dv, block_n):
+@pytest.mark.parametrize("d, dv, block_n, d_qk", [
+    (192, 128, 128, 192), (160, 128, 128, 192), (128, 64, 128, 0), (256, 128, 64, 256), (224, 128, 64, 256),
+    (96, 64, 128, 0), (40, 64, 128, 0), (192, 64, 128, 0)])
+def test_dv_below_d_takes_the_gluon_forward(d, dv, block_n, d_qk):
     # Q and K padded to the tile width, V and O (a power of two, no wider) staged in Q's buffer; the tiles are
-    # the padded d's
+    # the padded d's. The backward: the wide heads' Gluon kernel at its (width, dv) pairs, two dO stages
+    # beside dv = 128; else the Triton one
     spec = _spec(headdim=d, headdim_v=dv, window=CAUSAL)
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward) and route.tiles.block_n == block_n
-    assert isinstance(routes.backward_route(spec), routes.TritonBackward)
+    bwd = routes.backward_route(spec)
+    if d_qk:
+        assert isinstance(bwd, routes.GluonBackward) and (bwd.d_qk, bwd.do_stages) == (d_qk, 2)
+    else:
+        assert isinstance(bwd, routes.TritonBackward)
+
+
+def test_wide_backward_shared_memory():
+    # what the kernel allocates (sm90_compile_check builds each pair within the limit): 225 KiB at dv = 256
+    # on one dO stage, where a second would need 257
+    tiles = tile_config("bwd_ws", 256, True)
+    for dv, stages, kib in ((128, 2, 209), (256, 1, 225), (256, 2, 257)):
+        spec = _spec(headdim=256, headdim_v=dv)
+        assert routes._dsplit_smem(spec, tiles, stages) == kib * 1024
+
+
+@pytest.mark.parametrize("text", ["128,64,4,2", "64,128,4,2", "64,64,4,4"])
+def test_the_wide_gluon_backward_refuses_tiles_it_cannot_run(monkeypatch, text):
+    # 64 query rows and 64 keys only, and Q stages that fit beside one dO stage
+    use_tiles(monkeypatch, f"bwd_ws={text}")
+    with pytest.raises(FlashAttnError, match="wide-head Gluon backward"):
+        routes.backward_route(_spec(headdim=256, headdim_v=256))
 
 
 @pytest.mark.parametrize("d, dtype, width", [

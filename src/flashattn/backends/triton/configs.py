@@ -66,6 +66,9 @@ _H200 = {
     # 64-row steps over two stages only
     ("bwd_ws", 64): TileConfig(128, 128, 4, 2),
     ("bwd_ws", 128): TileConfig(64, 128, 4, 2),
+    # d 129..256 (attn_bwd_dsplit.py: FA3's d = 256 partition): 64 query rows a step, 64 keys a program, two
+    # Q stages (the dO stages are what shared memory leaves: routes.gluon_backward_route)
+    ("bwd_ws", 256): TileConfig(64, 64, 4, 2),
 }
 # Causal rows of the long table where they differ: the d=64 backward keeps 64-row steps (with the deferred dQ
 # their four dSᵀ buffers allow), 2% ahead of 128-row ones at 1K causal and 1% behind at 16K

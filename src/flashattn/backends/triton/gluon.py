@@ -288,7 +288,7 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
             raise FlashAttnError(f"group_split is {route.group_split}; it must divide the GQA group "
                                  f"({pb.flags['GROUP']} query heads per kv head)")
         # the parts' dK and dV, summed in float32, then cast into dk and dv
-        split = tuple(torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        split = tuple(torch.zeros(t.shape, dtype=torch.float32, device=k.device) for t in (k, v))
     # the sink's gradient, added into by the programs
     dsink = None if learnable_sink is None else torch.zeros(pb.nheads, dtype=torch.float32, device=q.device)
     # deterministic: a counter per query head and row (of which each query tile's first row's is used):
@@ -319,6 +319,8 @@ def _stats_layout():
 
 def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, stats,
                       softmax_scale: float) -> Prepared:
+    if route.d_qk:
+        return _prepare_dsplit(pb, route, q, dout, k, v, dk, dv, dq_acc, stats, softmax_scale)
     from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
 
     tiles = route.tiles
@@ -341,4 +343,32 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
         Bound(attn_bwd_ws_kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
         (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
          *softcap_args(pb)),
+    )
+
+
+def _prepare_dsplit(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, stats,
+                    softmax_scale: float) -> Prepared:
+    """attn_bwd_dsplit.py's launch (route.d_qk set): the arguments of attn_bwd.py's, with Q, K and dK through
+    256-wide tiles (the columns past d read as zeros, and stores clipped at d), dO, V and dV through dv-wide
+    ones, and dQ's reduce-adds 64 columns at a time; the head dims follow the softcap's arguments."""
+    from flashattn.kernels.gluon.attn_bwd_dsplit import attn_bwd_dsplit_kernel
+
+    tiles = route.tiles
+    m, n = tiles.block_m, tiles.block_n
+    n_tiles = host.cdiv(pb.seqlen_k, n) * pb.batch
+    if pb.varlen:
+        n_tiles = max(min(n_tiles, host.cdiv(k.shape[1], n) + pb.batch), 1)
+    specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, pb.dv), _descriptor_spec(k, n, 256),
+             _descriptor_spec(v, n, pb.dv), _descriptor_spec(dk, n, 256), _descriptor_spec(dv, n, pb.dv),
+             _descriptor_spec(dq_acc, m, 64, "float32"),
+             (list(stats.shape), list(stats.stride()), [2, 1, m], _stats_layout()))
+    causal, left, right = band_args(pb)
+    kwargs = dict(GROUP=pb.flags["GROUP"], D_QK=route.d_qk, BLOCK_M=m, BLOCK_N=n, STAGES=tiles.num_stages,
+                  DO_STAGES=route.do_stages, CAUSAL=causal, SPLIT=route.group_split, num_warps=4,
+                  maxnreg=route.maxnreg)
+    return Prepared(
+        Bound(attn_bwd_dsplit_kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
+        (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale,
+         pb.batch * pb.nheads_k * route.group_split, route.kv_group, left, right, *softcap_args(pb), pb.d,
+         pb.dv),
     )

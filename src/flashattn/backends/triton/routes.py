@@ -51,7 +51,9 @@ GLUON_HEADDIMS = (64, 128, 192, 256)  # the Gluon forward's Q/K widths; the back
 GLUON_HEADDIMS_V = (64, 128, 256)  # its V and O widths: O is a register tile (a power of two)
 # shared memory a block may take on the H200 (227 KiB), less room for the mbarriers and work-item slots
 SMEM_BYTES = 227 * 1024 - 1024
-GLUON_BWD_HEADDIMS = (64, 128)
+GLUON_BWD_HEADDIMS = (64, 128)  # attn_bwd.py's d = dv
+# attn_bwd_dsplit.py's (Q/K column units, dv): d 129..256 in 64-column units, dv 128 or 256
+GLUON_BWD_WIDE = ((192, 128), (256, 128), (256, 256))
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -198,6 +200,10 @@ class GluonBackward:
     # the dQ adds into each query tile in a fixed order (a dQ-writer warp and counters): bitwise-reproducible
     # gradients; no group split with it
     deterministic: bool = False
+    # attn_bwd_dsplit.py's kernel (wide heads): its Q/K column units (192 or 256) and dO stages (num_stages
+    # counts the Q stages there); 0: attn_bwd.py's
+    d_qk: int = 0
+    do_stages: int = 0
     kernel = "gluon"
 
 
@@ -283,12 +289,28 @@ def dq_buffer_bytes(spec: Spec) -> int:
     return rows * spec.nheads * spec.headdim * 4
 
 
+def _wide_backward(spec: Spec) -> bool:
+    """A call for attn_bwd_dsplit.py's kernel: Q/K 129..256 columns wide beside a dv of 128 or 256."""
+    return (gluon_head_dim(spec), spec.headdim_v) in GLUON_BWD_WIDE
+
+
 def takes_gluon_backward(spec: Spec) -> bool:
-    # d = 64 and 128: d = 256 and dv != d keep the Triton backward; so does a deterministic call with a
-    # learnable sink, whose gradient the Gluon programs add in no fixed order
-    return (takes_gluon_forward(spec) and spec.headdim in GLUON_BWD_HEADDIMS
-            and spec.headdim_v == spec.headdim and not (spec.deterministic and spec.sink)
+    # d = dv = 64 or 128 (attn_bwd.py), or the wide pairs (attn_bwd_dsplit.py, not deterministic); other
+    # head dims keep the Triton backward, and so does a deterministic call with a learnable sink, whose
+    # gradient the Gluon programs add in no fixed order
+    shapes = ((spec.headdim in GLUON_BWD_HEADDIMS and spec.headdim_v == spec.headdim)
+              or (_wide_backward(spec) and not spec.deterministic))
+    return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
+
+
+def _dsplit_smem(spec: Spec, tiles: TileConfig, do_stages: int) -> int:
+    """Bytes of attn_bwd_dsplit.py's tiles in shared memory: Q (256 wide) and its stats rows over num_stages,
+    dO over do_stages, K, V, two steps' P and dS tiles, and two 64-column float32 dQ staging tiles."""
+    m, n, e = tiles.block_m, tiles.block_n, spec.element_size
+    q = tiles.num_stages * m * (256 * e + 2 * 4)
+    return (q + do_stages * m * spec.headdim_v * e + n * (256 + spec.headdim_v) * e + 4 * m * n * e
+            + 2 * m * 64 * 4)
 
 
 def _stream_group(spec: Spec) -> int:
@@ -360,7 +382,7 @@ def group_split(spec: Spec) -> int:
     if spec.deterministic:  # the parts add dK and dV in no fixed order
         return 1
     most = min(8, spec.group // 2)
-    buffers = 2 * spec.batch * spec.seqlen_k * spec.nheads_k * spec.headdim * 4
+    buffers = spec.batch * spec.seqlen_k * spec.nheads_k * (spec.headdim + spec.headdim_v) * 4
     if most < 2 or buffers > SPLIT_BUFFER_CAP:
         return 1
     return max(n for n in range(1, most + 1) if spec.group % n == 0)
@@ -368,6 +390,17 @@ def group_split(spec: Spec) -> int:
 
 def gluon_backward_route(spec: Spec) -> GluonBackward:
     """The Gluon backward's route for a spec it takes (takes_gluon_backward)."""
+    if _wide_backward(spec):
+        tiles = tile_config("bwd_ws", 256, spec.cuda)
+        # two dO stages where they fit beside two Q stages (dv = 128), else one (dv = 256, as FA3)
+        do_stages = 2 if _dsplit_smem(spec, tiles, 2) <= SMEM_BYTES else 1
+        if tiles.block_m != 64 or tiles.block_n != 64 or _dsplit_smem(spec, tiles, do_stages) > SMEM_BYTES:
+            raise FlashAttnError(
+                f"tile override bwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} "
+                f"is not a config of the wide-head Gluon backward, which takes 64 query rows, 64 keys and "
+                f"the Q stages that fit {SMEM_BYTES // 1024} KiB of shared memory")
+        return GluonBackward(tiles, _kv_group(spec), maxnreg=tiles.maxnreg or MAXNREG_TWO,
+                             group_split=group_split(spec), d_qk=gluon_head_dim(spec), do_stages=do_stages)
     # the causal rows (at d = 64, 64-row steps) under any mask, and where a softcap or ALiBi holds more per
     # step: 128-row steps spilled 0.4-1.1 KB with either
     tiles = tile_config("bwd_ws", spec.headdim, spec.cuda, causal=spec.banded or spec.softcap or spec.alibi)

@@ -60,7 +60,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
+def dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
     """The softcap's derivative over c, 1 - tanh², recovered after the dPᵀ wait from Pᵀ (log2 Pᵀ + lse =
     tanh · cap_out − ALiBi's bias): tanh itself, or 1 - tanh² in 16 bits, held through the wait beside Pᵀ
     spilled 0.4-0.5 KB in the loop at d = 128. The log2 is opaque inline PTX (one MUFU.LG2 an element): as
@@ -78,7 +78,7 @@ def _dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
 
 
 @gluon.jit
-def _add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+def add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
     """Atomically add a scalar into *ptr, once: from the one thread that owns element (0, 0) of a tile in
     `layout`, a wgmma accumulator layout, which holds each element in exactly one thread."""
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
@@ -287,14 +287,14 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             # summed over the queries, within each warp (a sum over the keys would cross warps every step)
             sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
             if c % steps_per_head == steps_per_head - 1:  # the head's last step
-                _add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, HALF_N, BLOCK_M)
+                add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, HALF_N, BLOCK_M)
                 sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
         delta = stats_rows.index(2 * s + 1).load(row_layout)
         if varlen:
             delta = gl.where(inside, delta, 0.0)
         dst = pt * (dpt - delta[None, :])
         if cap_in is not None:
-            dst = dst * _dtanh(pt, stats_rows.index(2 * s).load(row_layout), cap_out, slope, offs_q, offs_k,
+            dst = dst * dtanh(pt, stats_rows.index(2 * s).load(row_layout), cap_out, slope, offs_q, offs_k,
                                diag)
         dst = dst.to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)

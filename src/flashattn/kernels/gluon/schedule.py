@@ -121,9 +121,10 @@ def next_tile(tile_smem, tile_ready, i):
 
 
 @gluon.jit
-def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh):
+def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh, n_cols=None):
     """Rows [0, n_rows) of a warpgroup's staged [rows, d] tile (shared memory) to O's rows from `row` on, of
-    head off_h: 16 bytes a thread and store, no row past n_rows; where a packed sequence ends inside a tile,
+    head off_h: 16 bytes a thread and store, no row past n_rows (and no column past n_cols, where given: a
+    tile wider than what is left of the row's columns); where a packed sequence ends inside a tile,
     whose TMA store would write the next sequence's rows (the forward's O, the backward's dK and dV). Masked
     stores straight from the accumulator's registers, with a 64-bit address per element, spilled 0.4 KB at
     d = 128."""
@@ -136,6 +137,9 @@ def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh):
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     ptrs = O + (row + rows).to(gl.int64)[:, None] * stride_om + off_h * stride_oh + cols[None, :]
-    gl.store(ptrs, tile.load(layout), mask=(rows[:, None] < n_rows) & (cols[None, :] < D))
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    if n_cols is not None:
+        inside = inside & (cols[None, :] < n_cols)
+    gl.store(ptrs, tile.load(layout), mask=inside)
     # these generic-proxy reads before a later TMA (async-proxy) write into the buffer (the forward's next Q)
     fence_async_shared()

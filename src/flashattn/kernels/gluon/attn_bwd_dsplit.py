@@ -1,0 +1,414 @@
+"""The Gluon backward for wide heads (Q and K 129..256 columns): FlashAttention-3's partition for d = 256.
+
+attn_bwd.py gives each consumer warpgroup 64 keys and every column of their dK and dV: at d = 256 those two
+accumulators alone are 256 registers a thread, more than a thread has. Here a program owns 64 keys, both
+warpgroups see all of them, and they split each step's work two ways:
+  - by query rows for the scores: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the 64 keys and its
+    32 of the step's 64 query rows (a wgmma N of 32), recomputes its part of Pᵀ and dSᵀ, and writes it into
+    the step's P and dS tiles in shared memory (rows: queries);
+  - by columns for the gradients: once both parts are there (an mbarrier), each warpgroup adds its columns
+    of dV += Pᵀ dO and dK += dSᵀ Q and computes its columns of dQ = dS K, every operand from shared memory.
+    The columns go in 64-wide units so that both warpgroups issue the same work (`_columns`): at d = dv =
+    256, 128 of each; at d 192 / dv 128, dK 128 + dV 64 + dQ 64 against 64 + 64 + 128.
+Per thread: dK and dV 64 registers each at d = 256, dQ 64 while it is in flight, Sᵀ and dPᵀ 16 each.
+dQ leaves as attn_bwd.py's does, by TMA reduce-adds into a float32 buffer, one 64-column unit at a time
+through a staging tile; dK and dV, staged in K's and V's tiles once no one reads those, by TMA stores.
+Shared memory at d = dv = 256: two Q stages and one dO stage (FA3's choice too), K, V, the P and dS tiles
+of two steps (a warpgroup may write step c + 1's while the other still reads step c's), the dQ staging:
+225 KB of the 227.
+
+The options are the compile-time variants of attn_bwd.py, with the same code for the scores (scores.py):
+windows alone or with causal at any seqlen_q and seqlen_k (`key_tile` visits only the query tiles that
+see the key tile), softcap, ALiBi, learnable sinks, the packed (varlen) layout, GQA (SPLIT programs per
+key tile adding dK and dV into float32 buffers). Not DETERMINISTIC: its calls keep the Triton backward
+(routes.takes_gluon_backward). Q and K are read through tiles HEAD_DIM (256) wide, the columns past the
+head dim read as zeros, and only D_QK of them (192 or 256: the head dim rounded up to 64-column units)
+enter a product.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from flashattn.kernels.gluon.attn_bwd import add_once, dtanh
+from flashattn.kernels.gluon.bwd_dq import reduce_add
+from flashattn.kernels.gluon.bwd_tiles import key_sequence, key_tile, program_sequence
+from flashattn.kernels.gluon.schedule import publish_tile, store_rows
+from flashattn.kernels.gluon.scores import softcapped, with_alibi
+
+ROWS = gl.constexpr(32)  # query rows of a step per warpgroup (the scores' wgmma N)
+UNIT = gl.constexpr(64)  # columns of a dQ staging tile and reduce-add
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _loader(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    """K and V once, then per step Q with its rows' stats (a ring of STAGES) and dO (a ring of DO_STAGES)."""
+    descs, smems, bars, problem = args[0], args[1], args[2], args[3]
+    q_desc, do_desc, k_desc, v_desc, stats_desc = descs
+    q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
+    kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready = bars
+    nheads_k = problem[0]
+    varlen: gl.constexpr = problem[7] is not None
+    b = 0
+    if varlen:
+        t, b = key_sequence(problem, SPLIT)
+        publish_tile(seq_smem, seq_ready, 0, t, b)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = key_tile(problem, b, BLOCK_M,
+                                                                                   BLOCK_N, CAUSAL, SPLIT)
+    HEADS: gl.constexpr = GROUP // SPLIT
+    head0 = off_hk * GROUP + part * HEADS
+    desc_b = 0 if varlen else off_b  # varlen: the packed tensors' descriptors have one batch
+    stats_row0 = 0
+    if varlen:
+        stats_row0 = 4 * gl.load(problem[10] + off_b)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [desc_b, k_start + start_n, off_hk, 0], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [desc_b, k_start + start_n, off_hk, 0], kv_bar, v_smem.index(0))
+    c = 0
+    for g in range(HEADS):
+        off_h = head0 + g
+        for mi in range(n_m):
+            m0 = m_first + mi * BLOCK_M
+            s = c % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0, so the first pass does not wait
+            mbarrier.wait(q_empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [desc_b, q_start + m0, off_h, 0], q_ready.index(s),
+                                            q_smem.index(s))
+            plane = desc_b * nheads_k * GROUP + off_h
+            tma.async_copy_global_to_shared(stats_desc, [0, plane, stats_row0 + m0], q_ready.index(s),
+                                            stats_smem.index(s))
+            t = c % DO_STAGES
+            mbarrier.wait(do_empty.index(t), ((c // DO_STAGES) & 1) ^ 1)
+            mbarrier.expect(do_ready.index(t), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [desc_b, q_start + m0, off_h, 0], do_ready.index(t),
+                                            do_smem.index(t))
+            c += 1
+
+
+@gluon.jit
+def _scores(k, q_rows, D_QK: gl.constexpr, zero):
+    """Sᵀ = K Qᵀ over the first D_QK columns (192: a 128- and a 64-column product; the rest are padding)."""
+    if D_QK == 256:
+        st = warpgroup_mma(k, q_rows.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        st = warpgroup_mma(k.slice(0, 128, dim=1), q_rows.slice(0, 128, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        st = warpgroup_mma(k.slice(128, D_QK - 128, dim=1),
+                           q_rows.slice(128, D_QK - 128, dim=1).permute((1, 0)), st, is_async=True)
+    return st
+
+
+@gluon.jit
+def _stage_dq(dq, dq_buf, dq_desc, coord, sm_scale):
+    """One 64-column unit of dQ through this warpgroup's staging tile, reduce-added at coord."""
+    tma.store_wait(0)  # the previous reduce-add has read the staging tile
+    dq_buf.reshape([dq.shape[0], UNIT]).store(dq * sm_scale)
+    fence_async_shared()
+    reduce_add(dq_desc, coord, dq_buf)
+
+
+@gluon.jit
+def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+              D_QK: gl.constexpr, WG: gl.constexpr):
+    (descs, smems, bars, problem, dk_desc, dv_desc, dq_desc, p_smem, ds_smem, dq_smem, pds_ready, done,
+     scales, kv_rows, kv_acc, sink, widths) = args
+    q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
+    kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready = bars
+    qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
+    SINK, DSINK = sink
+    d_qk, d_v = widths
+    left = problem[5]
+    right = problem[6]
+    varlen: gl.constexpr = problem[7] is not None
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
+        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT)
+    HEADS: gl.constexpr = GROUP // SPLIT
+    head0 = off_hk * GROUP + part * HEADS
+    desc_b = 0 if varlen else off_b
+    dtype: gl.constexpr = q_smem.dtype
+    HEAD_DIM: gl.constexpr = q_smem.shape[-1]
+    DV: gl.constexpr = do_smem.shape[-1]
+    # this warpgroup's columns (`_columns` in the module docstring): dK's [K0, K0 + KW), dV's [V0, V0 + VW),
+    # dQ's [Q0, Q0 + QW); at D_QK = 192 the first warpgroup takes more of dK and the second more of dQ
+    KW: gl.constexpr = 128 if (D_QK == 256 or WG == 0) else 64
+    QW: gl.constexpr = 128 if (D_QK == 256 or WG == 1) else 64
+    K0: gl.constexpr = WG * 128
+    Q0: gl.constexpr = WG * (D_QK - QW)
+    VW: gl.constexpr = DV // 2
+    V0: gl.constexpr = WG * VW
+    # Sᵀ, dPᵀ: (keys, this warpgroup's query rows); dK, dV: (keys, its columns); dQ: (query rows, 64)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, ROWS, 16])
+    k_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, KW, 16])
+    v_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, VW, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, UNIT, 16])
+    diag = seqlen_k - seqlen_q
+    diag_r = None  # the band's edges (scores.py), None where unbounded; CAUSAL's right edge is the diagonal
+    if CAUSAL:
+        diag_r = diag
+    elif right is not None:
+        diag_r = diag + right
+    diag_l = None
+    if left is not None:
+        diag_l = diag - left
+    key0 = start_n
+    offs_k = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    key_tail = key0 + BLOCK_N > seqlen_k
+    s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout)
+    q_zero = gl.zeros([BLOCK_M, UNIT], gl.float32, q_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, KW], gl.float32, k_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, VW], gl.float32, v_layout))
+    k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    v = v_smem.index(0).reshape([BLOCK_N, DV])
+    dq_buf = dq_smem.index(WG)
+    mbarrier.wait(kv_bar, 0)
+    n_steps = HEADS * n_m
+    steps_per_head = gl.maximum(n_m, 1)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
+    # the stats tiles as rows: 2s is stage s's LSE (base 2), 2s + 1 its D (attn_bwd.py's reinterpretation)
+    stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
+    for c in range(n_steps):
+        g = c // steps_per_head
+        off_h = head0 + g
+        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        row0 = m0 + WG * ROWS  # this warpgroup's first query row
+        s = c % STAGES
+        t = c % DO_STAGES
+        b = c % 2
+        offs_q = row0 + gl.arange(0, ROWS, layout=row_layout)
+        slope = None
+        if ALIBI is not None:
+            slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
+        mbarrier.wait(q_ready.index(s), (c // STAGES) & 1)
+        mbarrier.wait(do_ready.index(t), (c // DO_STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(t).reshape([BLOCK_M, DV])
+        # K and V through a view indexed by c >> 30 (0, which the compiler cannot know): left loop-invariant,
+        # the wgmma descriptors of their 16-column steps were hoisted out of the loop and spilled (64
+        # registers at d = 256)
+        kc = k_smem.index(c >> 30).reshape([BLOCK_N, HEAD_DIM])
+        st = _scores(kc, q.slice(WG * ROWS, ROWS, dim=0), D_QK, s_zero)
+        vc = v_smem.index(c >> 30).reshape([BLOCK_N, DV])
+        dpt = warpgroup_mma(vc, do.slice(WG * ROWS, ROWS, dim=0).permute((1, 0)), s_zero, use_acc=False,
+                            is_async=True)
+        lse_row = stats_rows.index(2 * s).slice(WG * ROWS, ROWS)
+        lse = lse_row.load(row_layout)
+        inside = None
+        if varlen:
+            # rows past the sequence's end count as rows that saw no key, and D 0 (attn_bwd.py)
+            inside = offs_q < seqlen_q
+            lse = gl.where(inside, lse, float("inf"))
+        st = warpgroup_mma_wait(1, deps=(st,))
+        x, scale = softcapped(st, qk_scale, cap_in, cap_out)
+        if slope is not None:
+            if CAUSAL:
+                # every key a row sees is at or before its diagonal: the bias splits into a term per key and
+                # one per query, the latter folded into the LSE (attn_bwd.py)
+                x = x * scale + (slope * offs_k.to(gl.float32))[:, None]
+                scale = 1.0
+                lse = lse + slope * (offs_q + diag).to(gl.float32)
+            else:
+                dist = gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
+                x, scale = with_alibi(x, scale, dist, slope)
+        # keys past seqlen_k (zero rows) and the band's edges masked, the mask only where a part of the
+        # 64 x 32 tile may fall outside (attn_bwd.py says why the key tail must be)
+        if (key_tail or (diag_r is not None and row0 + diag_r < key0 + BLOCK_N - 1)
+                or (diag_l is not None and key0 < row0 + (ROWS - 1) + diag_l)):
+            keep = offs_k[:, None] < seqlen_k
+            if diag_r is not None:
+                keep = keep & (offs_q[None, :] + diag_r >= offs_k[:, None])
+            if diag_l is not None:
+                keep = keep & (offs_q[None, :] + diag_l <= offs_k[:, None])
+            pt = gl.exp2(gl.where(keep, x * scale, float("-inf")) - lse[None, :])
+        else:
+            pt = gl.exp2(x * scale - lse[None, :])
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        if SINK is not None:
+            lse_rows = lse_row.load(row_layout)
+            if varlen:
+                lse_rows = gl.where(inside, lse_rows, float("inf"))
+            p_sink = gl.exp2(gl.load(SINK + off_h) * LOG2E - lse_rows)
+            sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
+            if c % steps_per_head == steps_per_head - 1:  # the head's last step: this warpgroup's rows' share
+                add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, BLOCK_N, ROWS)
+                sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
+        delta = stats_rows.index(2 * s + 1).slice(WG * ROWS, ROWS).load(row_layout)
+        if varlen:
+            delta = gl.where(inside, delta, 0.0)
+        dst = pt * (dpt - delta[None, :])
+        if cap_in is not None:
+            dst = dst * dtanh(pt, lse_row.load(row_layout), cap_out, slope, offs_q, offs_k, diag)
+        # this warpgroup's rows of P and dS (rows: queries), then both warpgroups' once the other's are there.
+        # Two buffers: a warpgroup reaches step c + 2's writes only after the other arrived at step c + 1's
+        # barrier, which it does once its step-c products (the readers of buffer b) are done
+        p_buf = p_smem.index(b)
+        ds_buf = ds_smem.index(b)
+        p_buf.slice(WG * ROWS, ROWS, dim=0).store(gl.permute(pt.to(dtype), (1, 0)))
+        ds_buf.slice(WG * ROWS, ROWS, dim=0).store(gl.permute(dst.to(dtype), (1, 0)))
+        fence_async_shared()
+        mbarrier.arrive(pds_ready.index(b), count=1)
+        mbarrier.wait(pds_ready.index(b), (c // 2) & 1)
+        # dQ's first unit first, so that it leaves while dV and dK are multiplied; a second unit (QW = 128)
+        # after them: both in flight beside dK and dV spilled (64 registers more)
+        dq = warpgroup_mma(ds_buf, k.slice(Q0, UNIT, dim=1), q_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_buf.permute((1, 0)), do.slice(V0, VW, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_buf.permute((1, 0)), q.slice(K0, KW, dim=1), dk, is_async=True)
+        dq = warpgroup_mma_wait(2, deps=(dq,))
+        _stage_dq(dq, dq_buf, dq_desc, [desc_b, q_start + m0, off_h, Q0], sm_scale)
+        if QW == 128:
+            dq = warpgroup_mma(ds_buf, k.slice(Q0 + UNIT, UNIT, dim=1), q_zero, use_acc=False, is_async=True)
+            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            _stage_dq(dq, dq_buf, dq_desc, [desc_b, q_start + m0, off_h, Q0 + UNIT], sm_scale)
+        else:
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        # this step's Q and dO have no reader left in this warpgroup
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(do_empty.index(t), count=1)
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+
+    # K and V are no longer read once both warpgroups are done: their tiles stage dK and dV
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(done, 0)
+    if SPLIT > 1:
+        if start_n < seqlen_k:  # past the varlen list: nothing
+            DK_ACC, DV_ACC = kv_acc
+            nheads_k = problem[0]
+            key_row0 = off_b.to(gl.int64) * seqlen_k
+            if varlen:
+                key_row0 = k_start.to(gl.int64)
+            first = (key_row0, key0, seqlen_k, off_hk, nheads_k)
+            _add_columns(DK_ACC, dk * sm_scale, first, d_qk, K0, k_layout)
+            _add_columns(DV_ACC, dv, first, d_v, V0, v_layout)
+    else:
+        dk_tile = k.slice(K0, KW, dim=1)
+        dv_tile = v.slice(V0, VW, dim=1)
+        dk_tile.store((dk * sm_scale).to(dtype))
+        dv_tile.store(dv.to(dtype))
+        if varlen and key0 + BLOCK_N > seqlen_k:
+            if start_n < seqlen_k:
+                # the sequence ends inside the key tile, and a TMA store would write the next sequence's:
+                # this warpgroup's columns of the keys inside by masked stores
+                DK, DV_, stride_km, stride_kh = kv_rows
+                n = seqlen_k - key0
+                store_rows(dk_tile, DK + K0, k_start + key0, n, off_hk, stride_km, stride_kh, d_qk - K0)
+                store_rows(dv_tile, DV_ + V0, k_start + key0, n, off_hk, stride_km, stride_kh, d_v - V0)
+        else:
+            # both warpgroups' columns staged, then one TMA store each: dK from the first, dV from the second
+            fence_async_shared()
+            mbarrier.arrive(done, count=1)
+            mbarrier.wait(done, 1)
+            key = k_start + key0
+            if WG == 0:
+                tma.async_copy_shared_to_global(dk_desc, [desc_b, key, off_hk, 0], k_smem.index(0))
+            else:
+                tma.async_copy_shared_to_global(dv_desc, [desc_b, key, off_hk, 0], v_smem.index(0))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _add_columns(ACC, x, tile, d, col0: gl.constexpr, layout: gl.constexpr):
+    """Add a warpgroup's columns [col0, col0 + x's width) of a key tile's dK or dV into a float32 buffer
+    shaped like k or v (contiguous (b, sk, h_k, d), or (total_k, h_k, d) under varlen): SPLIT's parts. tile:
+    (the sequence's first key row in the buffer, the tile's first key, seqlen_k, kv head, kv heads)."""
+    key_row0, key0, seqlen_k, off_hk, nheads_k = tile
+    rows = key0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    first = (key_row0 * nheads_k + off_hk) * d
+    offs = first + (rows.to(gl.int64) * (nheads_k * d))[:, None] + cols[None, :]
+    inside = (rows < seqlen_k)[:, None] & (cols < d)[None, :]
+    gl.atomic_add(ACC + offs, x, mask=inside, sem="relaxed")
+
+
+@gluon.jit
+def _consumer0(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+               D_QK: gl.constexpr):
+    _consumer(args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK, 1)
+
+
+@gluon.jit
+def _consumer1(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+               D_QK: gl.constexpr):
+    _consumer(args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK, 0)
+
+
+@gluon.jit
+def attn_bwd_dsplit_kernel(
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
+    qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, d_qk, d_v, ALIBI, stride_alibi_b,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC, SINK, DSINK,
+    LOCK, stride_lock_b, stride_lock_h,
+    GROUP: gl.constexpr, D_QK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, DO_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1,
+):
+    # the arguments of attn_bwd.py's kernel, and d_qk / d_v: the head dims (the columns dK and dV have; Q's
+    # and K's descriptors are 256 wide, V's and dO's DV); D_QK: d_qk rounded up to 192 or 256. LOCK: None
+    gl.static_assert(LOCK is None)
+    gl.static_assert(BLOCK_M == 2 * ROWS)
+    gl.static_assert((D_QK == 192 or D_QK == 256) and D_QK <= q_desc.block_type.shape[3])
+    gl.static_assert(GROUP % SPLIT == 0)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    # P and dS of two steps, (query rows, keys)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    pds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    seq_smem = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if CU_Q is not None:
+        mbarrier.init(seq_ready.index(0), count=1)
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # released by both consumer warpgroups
+    for i in gl.static_range(DO_STAGES):
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(pds_ready.index(i), count=2)
+    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
+    smems = (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem)
+    bars = (kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready)
+    args = ((q_desc, do_desc, k_desc, v_desc, stats_desc), smems, bars, problem, dk_desc, dv_desc, dq_desc,
+            p_smem, ds_smem, dq_smem, pds_ready, done, (qk_scale, sm_scale, cap_in, cap_out, ALIBI,
+                                                         stride_alibi_b),
+            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC), (SINK, DSINK), (d_qk, d_v))
+    # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's
+    gl.warp_specialize([
+        (_consumer0, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+        (_consumer1, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+        (_loader, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)),
+    ], [4, 1], [240, 24])

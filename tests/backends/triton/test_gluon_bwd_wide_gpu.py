@@ -1,0 +1,94 @@
+"""The wide heads' Gluon backward (kernels/gluon/attn_bwd_dsplit.py) on a Hopper GPU (``pytest -m gpu``).
+
+Its column units differ per (width, dv) pair: 128 + 128 + 128 per warpgroup at d = dv = 256, 128 + 64 + 64
+against 64 + 64 + 128 at d 192 / dv 128, and 128 + 64 + 128 at d 256 / dv 128; d below the width (160,
+224) leaves padding columns that must neither enter a product nor be stored. Each case asserts the route
+(the kernel and its width) and checks the gradients against the oracle; the options and the varlen layout
+are also covered by test_gluon_features_gpu.py, whose d >= 129 cases now take this kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gluon_helpers import check_varlen, options_for
+from gluon_helpers import qkv as _qkv
+from gluon_helpers import vary_routes as _vary_routes
+from test_interface import check_against_oracle
+
+from flashattn import flash_attn_func
+
+pytestmark = pytest.mark.gpu
+
+# (d, dv, the kernel's column width)
+PAIRS = [(256, 256, 256), (192, 128, 192), (160, 128, 192), (256, 128, 256), (224, 256, 256)]
+
+
+def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
+    q, k, _ = _qkv(b, sq, sk, h, hk, d, dtype)
+    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def _check(bwd_calls, width, q, k, v, **options):
+    causal = options.pop("causal", False)
+    sink = options.get("learnable_sink")
+    wrt = None if sink is None else (q, k, v, sink)
+    check_against_oracle(q, k, v, causal=causal, wrt=wrt, **options)
+    assert bwd_calls, "the Gluon backward did not run"
+    assert all(r.d_qk == width for r in bwd_calls.routes)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (63, 65), (113, 1023), (1023, 113), (2049, 1537)])
+@pytest.mark.parametrize("d, dv, width", PAIRS, ids=str)
+def test_wide_backward_seqlens(ws_bwd_calls, d, dv, width, sq, sk, causal):
+    torch.manual_seed(0)
+    _check(ws_bwd_calls, width, *_qkv_dv(2, sq, sk, 4, 2, d, dv), causal=causal)
+
+
+@pytest.mark.parametrize("features", ["window", "swa+softcap", "alibi", "alibi_bh+sink", "softcap+alibi_bh",
+                                      "window+softcap+alibi+sink"])
+@pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (192, 128, 192)], ids=str)
+@pytest.mark.parametrize("sq, sk", [(113, 1023), (1023, 113), (1023, 1023)])
+def test_wide_backward_options(ws_bwd_calls, d, dv, width, features, sq, sk):
+    torch.manual_seed(0)
+    _check(ws_bwd_calls, width, *_qkv_dv(2, sq, sk, 4, 2, d, dv), **options_for(2, 4, features))
+
+
+@pytest.mark.parametrize("window", [(63, 0), (64, 0), (0, 63), (31, 32), (64, 64)], ids=str)
+def test_wide_backward_window_edges_at_step_boundaries(ws_bwd_calls, window):
+    # 64-key tiles, 64-row steps and 32-row halves: edges on and beside each
+    torch.manual_seed(0)
+    _check(ws_bwd_calls, 256, *_qkv_dv(1, 700, 700, 4, 2, 256, 256), window_size=window)
+
+
+@pytest.mark.parametrize("h, hk, split", [(8, 1, 4), (8, 2, 2), (8, 2, 1)], ids=["mqa-4", "gqa4-2", "gqa4-1"])
+@pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (192, 128, 192), (160, 128, 192)], ids=str)
+def test_wide_backward_gqa_and_group_split(ws_bwd_calls, monkeypatch, h, hk, split, d, dv, width):
+    # the parts add their columns of dK and dV into float32 buffers shaped like k and v
+    _vary_routes(monkeypatch, backward=dict(group_split=split))
+    torch.manual_seed(0)
+    _check(ws_bwd_calls, width, *_qkv_dv(2, 300, 1100, h, hk, d, dv), causal=True)
+    _check(ws_bwd_calls, width, *_qkv_dv(1, 1023, 113, h, hk, d, dv))
+
+
+@pytest.mark.parametrize("d, dv", [(256, 256), (192, 128), (160, 128)], ids=str)
+@pytest.mark.parametrize("features", ["causal", "swa+softcap+sink"])
+def test_wide_backward_varlen(ws_calls, ws_bwd_calls, d, dv, features):
+    # empty documents, one-row ones, a sequence ending inside a key tile (its last keys by masked stores)
+    torch.manual_seed(0)
+    options = dict(causal=True) if features == "causal" else options_for(1, 4, features)
+    check_varlen(ws_calls, ws_bwd_calls, [0, 65, 1, 300, 129, 0], [7, 65, 2, 200, 300, 0], 4, 2, d, dv=dv,
+                 **options)
+
+
+def test_wide_backward_fp16_long(ws_bwd_calls):
+    torch.manual_seed(0)
+    _check(ws_bwd_calls, 256, *_qkv_dv(1, 4097, 4097, 4, 1, 256, 256, torch.float16), causal=True)
+
+
+def test_wide_backward_deterministic_keeps_triton(ws_bwd_calls):
+    q, k, v = _qkv(1, 512, 512, 2, 2, 256)
+    flash_attn_func(q, k, v, causal=True, deterministic=True).sum().backward()
+    assert not ws_bwd_calls
