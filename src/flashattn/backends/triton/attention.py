@@ -334,7 +334,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     preprocess = Bound(
         attn_bwd_preprocess_kernel, (host.cdiv(pb.seqlen_q, pre_m), pb.batch * pb.nheads),
         dict(HEAD_DIM_V=pb.dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_m, IS_VARLEN=pb.varlen,
-             GLUON=on_gluon),
+             GLUON=on_gluon, HEAD_DIM=pb.d, BLOCK_D=flags["BLOCK_D"]),
     )
     pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)

@@ -132,7 +132,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         out, dout, delta, q, q, delta, delta, None, *_rows(out), *_rows(dout),
         *(lse.stride(0), lse.stride(1)) * 2,
         h, sq, sq, HEAD_DIM_V=v.shape[-1], BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=64, IS_VARLEN=False,
-        GLUON=False,
+        GLUON=False, HEAD_DIM=q.shape[-1], BLOCK_D=flags["BLOCK_D"],
     )
     n_qblocks, n_kblocks = kt.kv_full_num.shape[2], kt.q_full_num.shape[2]
     rule_args, rule_flags = _rule(kt, route)

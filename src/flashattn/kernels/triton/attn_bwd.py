@@ -39,17 +39,17 @@ def attn_bwd_preprocess_kernel(
     stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
     nheads, seqlen_q, delta_rows,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
-    GLUON: tl.constexpr,
+    GLUON: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # GLUON: the Gluon backward's inputs (kernels/gluon/attn_bwd.py). D goes with the LSE in base 2 (LSE2)
     # into its TMA-read stats planes, whose rows are padded to delta_rows >= seqlen_q (the padding rows get
     # D = 0 and LSE2 = 0: their Q and dO rows read as zeros, so they add nothing; varlen: sequence b's rows
     # start at 4 · STATS_ROW0[b], 16-byte aligned for the kernel's TMA, and the rows between sequences are
-    # not written), and the float32 dQ buffer (contiguous like q, d = dv) is zeroed
-    # here, which saves a launch of its own: ~15-30 us of host time on the H200 machine. Otherwise D is
-    # shaped like the LSE (delta_rows = seqlen_q, ignored) and LSE, LSE2 and DQ_ACC are not read. (A
-    # learnable sink's gradient is not taken from this D, the rounded output's rowsum with dO: both backward
-    # kernels sum it from their float32 P and dP)
+    # not written), and the float32 dQ buffer (contiguous like q: HEAD_DIM columns, BLOCK_D a power of two
+    # covering them) is zeroed here, which saves a launch of its own: ~15-30 us of host time on the H200
+    # machine. Otherwise D is shaped like the LSE (delta_rows = seqlen_q, ignored) and LSE, LSE2 and DQ_ACC
+    # are not read. (A learnable sink's gradient is not taken from this D, the rounded output's rowsum with
+    # dO: both backward kernels sum it from their float32 P and dP)
     off_bh = tl.program_id(1)
     off_b = off_bh // nheads
     off_h = (off_bh % nheads).to(tl.int64)
@@ -76,9 +76,10 @@ def attn_bwd_preprocess_kernel(
         tl.store(LSE2 + delta_offs, lse * LOG2E, mask=offs_m < n_rows)
         # q's rows: (b, sq) in the padded layout, the packed ones under varlen
         rows = ((row0 + offs_m) if IS_VARLEN else (off_b64 * seqlen_q + offs_m)) * nheads + off_h
-        ptrs = DQ_ACC + rows[:, None] * HEAD_DIM_V + offs_d[None, :]
-        tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),
-                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM_V))
+        offs_dq = tl.arange(0, BLOCK_D)
+        ptrs = DQ_ACC + rows[:, None] * HEAD_DIM + offs_dq[None, :]
+        tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_dq[None, :] < HEAD_DIM))
 
 
 @triton.jit
