@@ -277,11 +277,13 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
     batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, dk,
     dv, dsink, the launch prepared)."""
     streamed = (q, dout, k, v, dk, dv, dq_acc)
-    varlen = (None,) * 8
+    # the wide heads' kernel (route.d_qk) takes dv's row and head strides besides dk's: dv may differ from d
+    varlen = (None,) * (10 if route.d_qk else 8)
     if pb.varlen:
         streamed = tuple(t.unsqueeze(0) for t in streamed)
         plan = varlen_tile_offsets(cu_seqlens_k, pb.batch, route.tiles.block_n, k.shape[0])
-        varlen = (cu_seqlens_q, cu_seqlens_k, plan, stats_row0, dk, dv, dk.stride(0), dk.stride(1))
+        varlen = (cu_seqlens_q, cu_seqlens_k, plan, stats_row0, dk, dv, dk.stride(0), dk.stride(1),
+                  *((dv.stride(0), dv.stride(1)) if route.d_qk else ()))
     split = (None, None)
     if route.group_split > 1:
         if pb.flags["GROUP"] % route.group_split:

@@ -306,10 +306,10 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
             if start_n < seqlen_k:
                 # the sequence ends inside the key tile, and a TMA store would write the next sequence's:
                 # this warpgroup's columns of the keys inside by masked stores
-                DK, DV_, stride_km, stride_kh = kv_rows
+                DK, DV_, stride_km, stride_kh, stride_vm, stride_vh = kv_rows
                 n = seqlen_k - key0
                 store_rows(dk_tile, DK + K0, k_start + key0, n, off_hk, stride_km, stride_kh, d_qk - K0)
-                store_rows(dv_tile, DV_ + V0, k_start + key0, n, off_hk, stride_km, stride_kh, d_v - V0)
+                store_rows(dv_tile, DV_ + V0, k_start + key0, n, off_hk, stride_vm, stride_vh, d_v - V0)
         else:
             # both warpgroups' columns staged, then one TMA store each: dK from the first, dV from the second
             fence_async_shared()
@@ -355,13 +355,14 @@ def _consumer1(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.
 def attn_bwd_dsplit_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, d_qk, d_v, ALIBI, stride_alibi_b,
-    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC, SINK, DSINK,
-    LOCK, stride_lock_b, stride_lock_h,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, stride_vm, stride_vh, DK_ACC, DV_ACC, SINK,
+    DSINK, LOCK, stride_lock_b, stride_lock_h,
     GROUP: gl.constexpr, D_QK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, DO_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1,
 ):
     # the arguments of attn_bwd.py's kernel, and d_qk / d_v: the head dims (the columns dK and dV have; Q's
-    # and K's descriptors are 256 wide, V's and dO's DV); D_QK: d_qk rounded up to 192 or 256. LOCK: None
+    # and K's descriptors are 256 wide, V's and dO's DV); D_QK: d_qk rounded up to 192 or 256; stride_vm,
+    # stride_vh: DV's row and head strides (varlen; dv may differ from d). LOCK: None
     gl.static_assert(LOCK is None)
     gl.static_assert(BLOCK_M == 2 * ROWS)
     gl.static_assert((D_QK == 192 or D_QK == 256) and D_QK <= q_desc.block_type.shape[3])
@@ -405,7 +406,8 @@ def attn_bwd_dsplit_kernel(
     args = ((q_desc, do_desc, k_desc, v_desc, stats_desc), smems, bars, problem, dk_desc, dv_desc, dq_desc,
             p_smem, ds_smem, dq_smem, pds_ready, done, (qk_scale, sm_scale, cap_in, cap_out, ALIBI,
                                                          stride_alibi_b),
-            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC), (SINK, DSINK), (d_qk, d_v))
+            (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
+            (d_qk, d_v))
     # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's
     gl.warp_specialize([
         (_consumer0, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
