@@ -166,13 +166,14 @@ def test_an_installed_hook_takes_the_jit(fake_cuda):
 @pytest.mark.parametrize("sq", [1, 17, 113])
 def test_preprocess_fills_the_gluon_backward_inputs(sq):
     """GLUON: the backward's preprocess zeroes the Gluon backward's float32 dQ buffer, every row and column of
-    it (the tail tile included), and writes D = rowsum(dO * O) and the LSE in base 2 into the stats planes,
-    whose padding rows (up to a multiple of 4) get zeros. (A sink's gradient is the Gluon kernel's.)"""
+    it (the tail tile included; q's head dim, wider here than dv's), and writes D = rowsum(dO * O) and the LSE
+    in base 2 into the stats planes, whose padding rows (up to a multiple of 4) get zeros. (A sink's gradient
+    is the Gluon kernel's.)"""
     from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 
-    b, h, d = 2, 3, 40
+    b, h, d, dv = 2, 3, 72, 40
     rows = -(-sq // 4) * 4
-    o, do = (torch.randn(b, sq, h, d, dtype=torch.float16) for _ in range(2))
+    o, do = (torch.randn(b, sq, h, dv, dtype=torch.float16) for _ in range(2))
     lse = torch.randn(b, h, sq)
     stats = torch.full((2, b * h, rows), float("nan"))
     dq_acc = torch.full((b, sq, h, d), float("nan"))
@@ -180,7 +181,7 @@ def test_preprocess_fills_the_gluon_backward_inputs(sq):
         attn_bwd_preprocess_kernel, (-(-sq // 32), b * h),
         o, do, stats[1], o, dq_acc, lse, stats[0], None, *o.stride()[:3], *do.stride()[:3],
         lse.stride(0), lse.stride(1), h * rows, rows, h, sq, rows,
-        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True,
+        HEAD_DIM_V=dv, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=False, GLUON=True, HEAD_DIM=d, BLOCK_D=128,
     )
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).reshape(b * h, sq)
@@ -211,7 +212,7 @@ def test_preprocess_fills_the_varlen_gluon_backward_inputs():
         attn_bwd_preprocess_kernel, (-(-max(lens) // 32), batch * h),
         o, do, stats[1], cu, dq_acc, lse, stats[0], row0,
         0, *o.stride()[:2], 0, *do.stride()[:2], 0, lse.stride(0), 0, rows, h, total, rows,
-        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=True, GLUON=True,
+        HEAD_DIM_V=d, BLOCK_DV=64, BLOCK_M=32, IS_VARLEN=True, GLUON=True, HEAD_DIM=d, BLOCK_D=64,
     )
     assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
     delta = (o.float() * do.float()).sum(-1).t()  # (h, total)
