@@ -1,12 +1,13 @@
 """Launchers of the warp-specialised Hopper kernels: the forward (kernels/gluon/attn_fwd.py) and the backward
-(kernels/gluon/attn_bwd.py), given their route (routes.GluonForward / routes.GluonBackward).
+(kernels/gluon/attn_bwd.py, and attn_bwd_dsplit.py for wide heads), given their route (routes.GluonForward /
+routes.GluonBackward).
 
 The routes send them fp16/bf16 calls with TMA-ready tensors on sm90+: the forward at d (padded) and dv of 64,
-128 or 256, dv <= d; the backward at d = dv = 64 or 128 (routes.takes_gluon_forward, takes_gluon_backward);
-both in either layout. Windows, softcap, ALiBi, sinks and the varlen layout are compile-time variants of
-the kernels, each passed as None when off (`band_args`, `softcap_args`, `alibi_args`). Both read and write
-every streamed tile through TMA descriptors, built here per call over the call's tensors with the shapes,
-strides and shared layouts the route fixes.
+128 or 256, dv <= d; the backward at d = dv = 64 or 128, and at d 129..256 beside dv 128 or 256
+(routes.takes_gluon_forward, takes_gluon_backward); both in either layout. Windows, softcap, ALiBi, sinks
+and the varlen layout are compile-time variants of the kernels, each passed as None when off (`band_args`,
+`softcap_args`, `alibi_args`). Both read and write every streamed tile through TMA descriptors, built here
+per call over the call's tensors with the shapes, strides and shared layouts the route fixes.
 
 Forward grid: persistent (one program per SM, as one fills an SM's registers); after the first, each program
 takes its next query tile from a shared counter, so under a causal mask the programs' totals even out (a

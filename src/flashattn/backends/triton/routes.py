@@ -16,8 +16,9 @@ Routes of the dense and varlen attention:
             measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d = dv =
             64 or 128 unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic too, in its
-            fixed-order variant, but not with a learnable sink), else `TritonBackward` (two programs:
-            dK/dV and dQ).
+            fixed-order variant, but not with a learnable sink), and at d 129..256 beside dv 128 or 256
+            on the wide heads' kernel (kernels/gluon/attn_bwd_dsplit.py, `GluonBackward.d_qk`; not
+            deterministic), else `TritonBackward` (two programs: dK/dV and dQ).
 Block-sparse calls (BlockMask): `DenseBandRoute` when the mask is exactly a band (its rule, see SparseSpec),
 which then takes the routes above with the band as the window; else `SparseRoute`
 (kernels/triton/attn_sparse.py). Decode (flash_attn_with_kvcache, DecodePlan): `DecodeRoute`.
@@ -47,7 +48,7 @@ SPLIT_BUFFER_CAP = 256 << 20
 # bytes of streamed tiles (K/V, or Q/dO in the dK/dV role) that one group of heads may keep live in L2
 # (50 MiB on the H200): interleaving every head lost 4-9% to L2 misses in the block-sparse kernels
 L2_BUDGET = 16 << 20
-GLUON_HEADDIMS = (64, 128, 192, 256)  # the Gluon forward's Q/K widths; the backward takes 64 and 128
+GLUON_HEADDIMS = (64, 128, 192, 256)  # the Gluon forward's Q/K widths
 GLUON_HEADDIMS_V = (64, 128, 256)  # its V and O widths: O is a register tile (a power of two)
 # shared memory a block may take on the H200 (227 KiB), less room for the mbarriers and work-item slots
 SMEM_BYTES = 227 * 1024 - 1024
