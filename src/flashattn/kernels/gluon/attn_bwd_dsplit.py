@@ -8,8 +8,10 @@ warpgroups see all of them, and they split each step's work two ways:
     the step's P and dS tiles in shared memory (rows: queries);
   - by columns for the gradients: once both parts are there (an mbarrier), each warpgroup adds its columns
     of dV += Pᵀ dO and dK += dSᵀ Q and computes its columns of dQ = dS K, every operand from shared memory.
-    The columns go in 64-wide units so that both warpgroups issue the same work (`_columns`): at d = dv =
-    256, 128 of each; at d 192 / dv 128, dK 128 + dV 64 + dQ 64 against 64 + 64 + 128.
+    The columns go in 64-wide units so that both warpgroups issue the same matrix work (`_consumer`'s
+    K0 / KW, V0 / VW, Q0 / QW): at d = dv = 256, 128 of each; at d 192 / dv 128, dK 128 + dV 64 + dQ 64
+    against 64 + 64 + 128 (the second warpgroup's second dQ unit, issued after dK and dV, then staged, is
+    what it does beyond the first's).
 Per thread: dK and dV 64 registers each at d = 256, dQ 64 while it is in flight, Sᵀ and dPᵀ 16 each.
 dQ leaves as attn_bwd.py's does, by TMA reduce-adds into a float32 buffer, one 64-column unit at a time
 through a staging tile; dK and dV, staged in K's and V's tiles once no one reads those, by TMA stores.
@@ -121,8 +123,8 @@ def _stage_dq(dq, dq_buf, dq_desc, coord, sm_scale):
 def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
               D_QK: gl.constexpr, WG: gl.constexpr):
-    (descs, smems, bars, problem, dk_desc, dv_desc, dq_desc, p_smem, ds_smem, dq_smem, pds_ready, done,
-     scales, kv_rows, kv_acc, sink, widths) = args
+    (_, smems, bars, problem, dk_desc, dv_desc, dq_desc, p_smem, ds_smem, dq_smem, pds_ready, done, scales,
+     kv_rows, kv_acc, sink, widths) = args
     q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
     kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
@@ -139,8 +141,8 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     dtype: gl.constexpr = q_smem.dtype
     HEAD_DIM: gl.constexpr = q_smem.shape[-1]
     DV: gl.constexpr = do_smem.shape[-1]
-    # this warpgroup's columns (`_columns` in the module docstring): dK's [K0, K0 + KW), dV's [V0, V0 + VW),
-    # dQ's [Q0, Q0 + QW); at D_QK = 192 the first warpgroup takes more of dK and the second more of dQ
+    # this warpgroup's columns: dK's [K0, K0 + KW), dV's [V0, V0 + VW), dQ's [Q0, Q0 + QW); at D_QK = 192
+    # the first warpgroup takes more of dK and the second more of dQ
     KW: gl.constexpr = 128 if (D_QK == 256 or WG == 0) else 64
     QW: gl.constexpr = 128 if (D_QK == 256 or WG == 1) else 64
     K0: gl.constexpr = WG * 128
