@@ -238,6 +238,20 @@ def dense_cases():
         q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, dv)
         yield f"dense gluon bwd d={d} dv={dv} h8/{hk} group_split={n} causal={causal}", partial(
             _routes, q, k, v, routes.gluon_forward_route, split(n), causal=causal)
+    # head dims below their tiles' width on explicit Gluon routes (the default routes send them to the Triton
+    # kernels until a GPU run has checked them): TMA reads zeros past d and dv and clips the stores there
+    if not QUICK:
+        gluon_routes = (routes.gluon_forward_route, routes.gluon_backward_route)
+        for d, dv, hk, causal in ((96, 96, 2, True), (40, 40, 2, False), (80, 80, 1, True),
+                                  (128, 96, 2, False), (72, 64, 2, True), (200, 96, 2, True)):
+            q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, dv)
+            yield f"dense gluon padded d={d} dv={dv} h8/{hk} causal={causal}", partial(
+                _routes, q, k, v, *gluon_routes, causal=causal)
+        for d, dv in ((96, 96), (160, 96)):
+            q, k, v = _t(208, 4, d), _t(208, 2, d), _t(208, 2, dv)
+            yield f"varlen gluon bwd padded d={d} dv={dv} causal", partial(
+                _varlen_backward, q, k, v, torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), 130,
+                routes.gluon_backward_route, causal=True)
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)
     yield "varlen gluon bwd d=128 h8/1 group_split=8 causal", partial(

@@ -60,13 +60,15 @@ def options_for(b, h, features: str) -> dict:
     return options
 
 
-def check_varlen(fwd_calls, bwd_calls, lens_q, lens_k, h, hk, d, dtype=torch.bfloat16, dv=None, **options):
+def check_varlen(fwd_calls, bwd_calls, lens_q, lens_k, h, hk, d, dtype=torch.bfloat16, dv=None,
+                 gluon_backward=None, **options):
     """flash_attn_varlen_func on packed sequences of lens_q queries and lens_k keys, checked sequence by
     sequence against the oracle (forward, LSE, gradients, the sink's summed over the sequences); the Gluon
     forward must have run (fwd_calls), and the Gluon backward (bwd_calls) exactly where it takes the head
     dims, else the Triton one reading the Gluon forward's LSE."""
-    # the wide heads' kernel has no deterministic variant
-    gluon_backward = takes_gluon_backward(d, dv) and not (d > 128 and options.get("deterministic", False))
+    # the wide heads' kernel has no deterministic variant; gluon_backward: the caller's expectation instead
+    if gluon_backward is None:
+        gluon_backward = takes_gluon_backward(d, dv) and not (d > 128 and options.get("deterministic", False))
     cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
                                  device="cuda")
     q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, requires_grad=True)

@@ -151,11 +151,11 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     streamed = (q, k, v, out)
     if descales is not None:
         streamed = (q, k, kmajor_v(v, pb.varlen), out)
-    varlen = (None,) * 6
+    varlen = (None,) * 7
     if pb.varlen:
         streamed = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in streamed)
         offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m, q.shape[0])
-        varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1))
+        varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1), pb.dv)
     if prepared is None:
         prepared = _prepare_forward(pb, route, *streamed, lse, fp8=descales is not None)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
@@ -232,9 +232,11 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     d = route.head_dim
     chunk = d if d & (d - 1) == 0 else 64
     # an FP8 V: K-major (v is kmajor_v's view)
-    v_spec = _kmajor_spec(v, tiles.block_n) if fp8 else _descriptor_spec(v, tiles.block_n, pb.dv)
+    # V's and O's as wide as dv's padded width (TMA reads zeros past dv and clips O's stores there)
+    dv_width = host.block_d(pb.dv)
+    v_spec = _kmajor_spec(v, tiles.block_n) if fp8 else _descriptor_spec(v, tiles.block_n, dv_width)
     specs = (_descriptor_spec(q, HALF_M, chunk), _descriptor_spec(k, tiles.block_n, chunk), v_spec,
-             _descriptor_spec(out, HALF_M, pb.dv))
+             _descriptor_spec(out, HALF_M, dv_width))
     causal, left, right = band_args(pb)
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_RELEASE=route.defer_release,
@@ -278,13 +280,12 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
     batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, dk,
     dv, dsink, the launch prepared)."""
     streamed = (q, dout, k, v, dk, dv, dq_acc)
-    # the wide heads' kernel (route.d_qk) takes dv's row and head strides besides dk's: dv may differ from d
-    varlen = (None,) * (10 if route.d_qk else 8)
+    varlen = (None,) * 10
     if pb.varlen:
         streamed = tuple(t.unsqueeze(0) for t in streamed)
         plan = varlen_tile_offsets(cu_seqlens_k, pb.batch, route.tiles.block_n, k.shape[0])
         varlen = (cu_seqlens_q, cu_seqlens_k, plan, stats_row0, dk, dv, dk.stride(0), dk.stride(1),
-                  *((dv.stride(0), dv.stride(1)) if route.d_qk else ()))
+                  dv.stride(0), dv.stride(1))
     split = (None, None)
     if route.group_split > 1:
         if pb.flags["GROUP"] % route.group_split:
@@ -334,18 +335,21 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
         # a bound on the key tiles of every sequence (the kernel reads the exact list): at most one partial
         # tile per sequence beyond the packed keys' whole tiles; and one program when there are none
         n_tiles = max(min(n_tiles, host.cdiv(k.shape[1], tiles.block_n) + pb.batch), 1)
-    specs = (*(_descriptor_spec(t, tiles.block_m, pb.d) for t in (q, dout)),
-             *(_descriptor_spec(t, half_n, pb.d) for t in (k, v, dk, dv)),
-             _descriptor_spec(dq_acc, tiles.block_m, pb.d // 2, "float32"),
+    # every tile as wide as the head dims' padded width (one for d and dv: routes.takes_gluon_backward), the
+    # columns past them read as zeros and clipped from the stores
+    width = host.block_d(pb.d)
+    specs = (*(_descriptor_spec(t, tiles.block_m, width) for t in (q, dout)),
+             *(_descriptor_spec(t, half_n, width) for t in (k, v, dk, dv)),
+             _descriptor_spec(dq_acc, tiles.block_m, width // 2, "float32"),
              (list(stats.shape), list(stats.stride()), [2, 1, tiles.block_m], _stats_layout()))
     causal, left, right = band_args(pb)
-    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=pb.d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=width, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_DQ=route.defer_dq, SPLIT=route.group_split,
                   num_warps=4, maxnreg=route.maxnreg)
     return Prepared(
         Bound(attn_bwd_ws_kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
         (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
-         *softcap_args(pb)),
+         *softcap_args(pb), pb.d, pb.dv),
     )
 
 
@@ -361,8 +365,9 @@ def _prepare_dsplit(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, sta
     n_tiles = host.cdiv(pb.seqlen_k, n) * pb.batch
     if pb.varlen:
         n_tiles = max(min(n_tiles, host.cdiv(k.shape[1], n) + pb.batch), 1)
-    specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, pb.dv), _descriptor_spec(k, n, 256),
-             _descriptor_spec(v, n, pb.dv), _descriptor_spec(dk, n, 256), _descriptor_spec(dv, n, pb.dv),
+    dv_w = host.block_d(pb.dv)
+    specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, dv_w), _descriptor_spec(k, n, 256),
+             _descriptor_spec(v, n, dv_w), _descriptor_spec(dk, n, 256), _descriptor_spec(dv, n, dv_w),
              _descriptor_spec(dq_acc, m, 64, "float32"),
              (list(stats.shape), list(stats.stride()), [2, 1, m], _stats_layout()))
     causal, left, right = band_args(pb)

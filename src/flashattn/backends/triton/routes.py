@@ -291,8 +291,9 @@ def dq_buffer_bytes(spec: Spec) -> int:
 
 
 def _wide_backward(spec: Spec) -> bool:
-    """A call for attn_bwd_dsplit.py's kernel: Q/K 129..256 columns wide beside a dv of 128 or 256."""
-    return (gluon_head_dim(spec), spec.headdim_v) in GLUON_BWD_WIDE
+    """A call for attn_bwd_dsplit.py's kernel: Q/K 129..256 columns wide beside V's 128 or 256 (dv padded to
+    a power of two, as its tiles are)."""
+    return (gluon_head_dim(spec), block_d(spec.headdim_v)) in GLUON_BWD_WIDE
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
@@ -403,11 +404,13 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
         return GluonBackward(tiles, _kv_group(spec), maxnreg=tiles.maxnreg or MAXNREG_TWO,
                              group_split=group_split(spec), d_qk=gluon_head_dim(spec), do_stages=do_stages)
     # the causal rows (at d = 64, 64-row steps) under any mask, and where a softcap or ALiBi holds more per
-    # step: 128-row steps spilled 0.4-1.1 KB with either
-    tiles = tile_config("bwd_ws", spec.headdim, spec.cuda, causal=spec.banded or spec.softcap or spec.alibi)
+    # step: 128-row steps spilled 0.4-1.1 KB with either. The tiles are those of the head dims' padded width
+    # (the kernel's tiles are that wide: TMA reads zeros past d)
+    width = block_d(spec.headdim, spec.element_size)
+    tiles = tile_config("bwd_ws", width, spec.cuda, causal=spec.banded or spec.softcap or spec.alibi)
     # 64-row steps at d = 64 compute each step's dQ one step late: the four dS^T buffers this needs leave no
     # shared memory for 128-row steps
-    return GluonBackward(tiles, _kv_group(spec), defer_dq=spec.headdim == 64 and tiles.block_m == 64,
+    return GluonBackward(tiles, _kv_group(spec), defer_dq=width == 64 and tiles.block_m == 64,
                          maxnreg=tiles.maxnreg or MAXNREG_TWO, group_split=group_split(spec),
                          deterministic=spec.deterministic)
 

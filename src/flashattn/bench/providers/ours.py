@@ -203,6 +203,10 @@ def _providers() -> list[Provider]:
         Provider("flashattn-triton", routed(r.triton_forward_route, r.triton_backward_route),
                  "this project's Triton kernels forward and backward (the routes every feature takes), "
                  "through the launchers (A/B timing)"),
+        Provider("flashattn-gluon", routed(r.gluon_forward_route, r.gluon_backward_route),
+                 "this project's Gluon kernels forward and backward on every call, head dims padded to their "
+                 "tiles' widths (A/B timing: the default routes send a head dim that is not a tile width to "
+                 "the Triton kernels)"),
         Provider("flashattn-triton-bwd", _setup_triton_backward,
                  "this project's public call (every option) with the Triton backward (A/B timing)"),
         Provider("flashattn-ptr", routed(_replace(r.triton_forward_route, tma=False),

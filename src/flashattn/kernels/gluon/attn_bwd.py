@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashattn.kernels.gluon.bwd_dq import dq_writer, store_dq
-from flashattn.kernels.gluon.bwd_tiles import key_sequence, key_tile, program_sequence
+from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_sequence, key_tile, program_sequence
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import softcapped, with_alibi
 
@@ -152,7 +152,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
-     scales, problem, kv_rows, kv_acc, sink, det) = args
+     scales, problem, kv_rows, kv_acc, sink, det, widths) = args
+    d_qk, d_v = widths
     SINK, DSINK = sink
     LOCK, _, dq_full, dq_empty = det
     handoff = None
@@ -346,29 +347,25 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         # a part of the group: its share of dK and dV added into the float32 buffers (shaped like k)
         if start_n < seqlen_k:  # past the varlen list: nothing
             DK_ACC, DV_ACC = kv_acc
-            rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, o_layout))
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            # element offsets in a contiguous (b, sk, h_k, d) buffer, or (total_k, h_k, d) under varlen
-            nheads_k = problem[0]
             key_row0 = off_b.to(gl.int64) * seqlen_k
             if varlen:
                 key_row0 = k_start.to(gl.int64)
-            first = (key_row0 * nheads_k + off_hk) * HEAD_DIM
-            offs = first + (rows.to(gl.int64) * (nheads_k * HEAD_DIM))[:, None] + cols[None, :]
-            inside = (rows < seqlen_k)[:, None] & (cols < HEAD_DIM)[None, :]
-            gl.atomic_add(DK_ACC + offs, dk * sm_scale, mask=inside, sem="relaxed")
-            gl.atomic_add(DV_ACC + offs, dv, mask=inside, sem="relaxed")
+            first = (key_row0, key0, seqlen_k, off_hk, problem[0])
+            add_key_tile(DK_ACC, dk * sm_scale, first, d_qk, 0, o_layout)
+            add_key_tile(DV_ACC, dv, first, d_v, 0, o_layout)
     else:
         k.store((dk * sm_scale).to(dtype))
         v.store(dv.to(dtype))
         if varlen:
-            DK, DV, stride_km, stride_kh = kv_rows
+            DK, DV, stride_km, stride_kh, stride_vm, stride_vh = kv_rows
             if start_n < seqlen_k:  # a tile of the list
                 if key0 + HALF_N > seqlen_k:
                     # the sequence ends inside this warpgroup's keys, and a TMA store would write the next
-                    # sequence's: the keys inside go from the staging buffers by masked stores
-                    store_rows(k, DK, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
-                    store_rows(v, DV, k_start + key0, seqlen_k - key0, off_hk, stride_km, stride_kh)
+                    # sequence's: the keys inside go from the staging buffers by masked stores, no column
+                    # past the head dims (the tiles are HEAD_DIM wide)
+                    n = seqlen_k - key0
+                    store_rows(k, DK, k_start + key0, n, off_hk, stride_km, stride_kh, d_qk)
+                    store_rows(v, DV, k_start + key0, n, off_hk, stride_vm, stride_vh, d_v)
                 else:
                     fence_async_shared()
                     key = k_start + key0
@@ -399,19 +396,21 @@ def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 @gluon.jit
 def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
-    qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, ALIBI, stride_alibi_b,
-    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, DK_ACC, DV_ACC, SINK, DSINK,
-    LOCK, stride_lock_b, stride_lock_h,
+    qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, d_qk, d_v, ALIBI, stride_alibi_b,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, stride_vm, stride_vh, DK_ACC, DV_ACC, SINK,
+    DSINK, LOCK, stride_lock_b, stride_lock_h,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
 ):
     # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
     # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
-    # b · stride_alibi_b + h. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors, PLAN the key
-    # tiles before each sequence (n_bhk = sequences · nheads_k), STATS_ROW0 where each sequence's rows start
-    # in the stats planes (in 4-row units: a TMA start must be 16-byte aligned), DK / DV (stride_km,
-    # stride_kh: their row and head strides) for the masked stores of a sequence's last keys; all None in the
-    # padded layout. SPLIT > 1: DK_ACC / DV_ACC, zeroed float32 buffers shaped like k (contiguous), into
+    # b · stride_alibi_b + h. d_qk, d_v: the head dims, up to HEAD_DIM (the tiles' width, to which TMA pads
+    # them with zeros and at which it clips the stores). Varlen: CU_Q, CU_K the sequences' offsets in the
+    # packed tensors, PLAN the key tiles before each sequence (n_bhk = sequences · nheads_k), STATS_ROW0 where
+    # each sequence's rows start in the stats planes (in 4-row units: a TMA start must be 16-byte aligned),
+    # DK / DV (stride_km, stride_kh and stride_vm, stride_vh: their row and head strides) for the masked
+    # stores of a sequence's last keys; all None in the padded layout. SPLIT > 1: DK_ACC / DV_ACC, zeroed
+    # float32 buffers shaped like k and v (contiguous), into
     # which the programs add (None otherwise); n_bhk counts batch · kv heads · SPLIT. SINK: a learnable
     # sink's float32 values (h,), and DSINK the zeroed (h,) float32 its gradient is added into (None without).
     # LOCK (DETERMINISTIC; else None): zeroed int32 counters, query tile m0 of head h of batch b at
@@ -463,8 +462,8 @@ def attn_bwd_ws_kernel(
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
-            (DK, DV, stride_km, stride_kh), (DK_ACC, DV_ACC), (SINK, DSINK),
-            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty))
+            (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
+            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashattn.kernels.gluon.attn_bwd import add_once, dtanh
 from flashattn.kernels.gluon.bwd_dq import reduce_add
-from flashattn.kernels.gluon.bwd_tiles import key_sequence, key_tile, program_sequence
+from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_sequence, key_tile, program_sequence
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import softcapped, with_alibi
 
@@ -297,8 +297,8 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
             if varlen:
                 key_row0 = k_start.to(gl.int64)
             first = (key_row0, key0, seqlen_k, off_hk, nheads_k)
-            _add_columns(DK_ACC, dk * sm_scale, first, d_qk, K0, k_layout)
-            _add_columns(DV_ACC, dv, first, d_v, V0, v_layout)
+            add_key_tile(DK_ACC, dk * sm_scale, first, d_qk, K0, k_layout)
+            add_key_tile(DV_ACC, dv, first, d_v, V0, v_layout)
     else:
         dk_tile = k.slice(K0, KW, dim=1)
         dv_tile = v.slice(V0, VW, dim=1)
@@ -323,20 +323,6 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
             else:
                 tma.async_copy_shared_to_global(dv_desc, [desc_b, key, off_hk, 0], v_smem.index(0))
     tma.store_wait(0)
-
-
-@gluon.jit
-def _add_columns(ACC, x, tile, d, col0: gl.constexpr, layout: gl.constexpr):
-    """Add a warpgroup's columns [col0, col0 + x's width) of a key tile's dK or dV into a float32 buffer
-    shaped like k or v (contiguous (b, sk, h_k, d), or (total_k, h_k, d) under varlen): SPLIT's parts. tile:
-    (the sequence's first key row in the buffer, the tile's first key, seqlen_k, kv head, kv heads)."""
-    key_row0, key0, seqlen_k, off_hk, nheads_k = tile
-    rows = key0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
-    first = (key_row0 * nheads_k + off_hk) * d
-    offs = first + (rows.to(gl.int64) * (nheads_k * d))[:, None] + cols[None, :]
-    inside = (rows < seqlen_k)[:, None] & (cols < d)[None, :]
-    gl.atomic_add(ACC + offs, x, mask=inside, sem="relaxed")
 
 
 @gluon.jit

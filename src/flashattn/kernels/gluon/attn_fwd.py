@@ -273,7 +273,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
     scores, ALIBI, stride_alibi_b, SINK = features
-    O, stride_om, stride_oh = out_rows  # varlen only: O's rows past a sequence's end go by masked stores
+    O, stride_om, stride_oh, d_v = out_rows  # varlen only: O's rows past a sequence's end go by masked stores
     # FP8: O's own staging buffers and the descales (per (batch, head), strides 0 for one per tensor; q's
     # may be per kv head: q_scale_group query heads share one), all None otherwise
     (o_smem, Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
@@ -462,7 +462,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             if row0 + HALF_M > len_q:
                 # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
                 # sequence's: the rows inside go from the staging buffer by masked stores
-                store_rows(o_tile, O, q_start + row0, len_q - row0, off_h, stride_om, stride_oh)
+                store_rows(o_tile, O, q_start + row0, len_q - row0, off_h, stride_om, stride_oh, d_v)
             else:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [0, q_start + row0, off_h, 0], o_buf)
@@ -505,7 +505,7 @@ def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 def attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, left, right, cap_in, cap_out, tile_counter, ALIBI,
-    stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh,
+    stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh, d_v,
     Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     q_scale_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -517,8 +517,9 @@ def attn_fwd_ws_kernel(
     # cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at b · stride_alibi_b
     # + h; SINK: float32 (nheads,) logits. Varlen: CU_Q, CU_K the sequences' offsets in the packed tensors
     # (whose descriptors have one batch), PLAN the query tiles before each sequence (kernels/triton/tiles.py;
-    # its last entry, times nheads, is the work), O with its row and head strides for the rows of a
-    # sequence's last tile; seqlen_q and seqlen_k are then the packed tensors' rows, into which each sequence
+    # its last entry, times nheads, is the work), O with its row and head strides and its head dim d_v (O's
+    # tile may be wider: TMA pads V with zeros) for the rows of a sequence's last tile; seqlen_q and seqlen_k
+    # are then the packed tensors' rows, into which each sequence
     # is clamped (common.seq_bounds, as in the Triton kernels).
     # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
     # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
@@ -586,7 +587,7 @@ def attn_fwd_ws_kernel(
         fp8 = (Q_SCALE, Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
                stride_vsh, q_scale_group)
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features,
-            problem, (O, stride_om, stride_oh), fp8)
+            problem, (O, stride_om, stride_oh, d_v), fp8)
     loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240

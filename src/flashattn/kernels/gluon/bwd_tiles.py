@@ -93,3 +93,18 @@ def key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
         if start_n >= seqlen_k:  # past the list
             n_m = 0
     return off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def add_key_tile(ACC, x, tile, d, col0: gl.constexpr, layout: gl.constexpr):
+    """Add a warpgroup's columns [col0, col0 + x's width) of its keys' dK or dV (x: [keys, columns] in
+    `layout`) into a float32 buffer shaped like k or v (contiguous (b, sk, h_k, d), or (total_k, h_k, d)
+    under varlen), no key past seqlen_k and no column past d: the GQA group split's parts. tile: (the
+    sequence's first key row in the buffer, x's first key, seqlen_k, kv head, kv heads)."""
+    key_row0, key0, seqlen_k, off_hk, nheads_k = tile
+    rows = key0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    first = (key_row0 * nheads_k + off_hk) * d
+    offs = first + (rows.to(gl.int64) * (nheads_k * d))[:, None] + cols[None, :]
+    inside = (rows < seqlen_k)[:, None] & (cols < d)[None, :]
+    gl.atomic_add(ACC + offs, x, mask=inside, sem="relaxed")
