@@ -19,6 +19,9 @@
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_PROVIDERS: another list)
 #   ab-workloads  the workloads suite beside another revision of this tree in the same process (provider
 #                 flashattn-baseline: `bash scripts/vendor_tree.sh REV flashattn_base`, carry .baseline) and FA4
+#   padded-heads  head dims below the Gluon kernels' tile widths (d 40, 80, 96, dv < d): their forced-route
+#                 GPU tests, memcheck on ws_padded, and the train suite at d 80 and 96 on the default routes
+#                 (Triton) beside the forced Gluon ones (flashattn-gluon) and cuDNN (PADDED_S: the bench's limit)
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list (the forward's
@@ -120,6 +123,14 @@ for stage in "$@"; do
       timeout "${FUZZ_S:-540}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_fuzz.py -k memcheck \
         > "$RES/fuzz_memcheck.log" 2>&1
       tail -40 "$RES/fuzz_memcheck.log" ;;
+    padded-heads)
+      timeout 280 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 tests/backends/triton/test_gluon_padded_gpu.py \
+        > "$RES/pytest_padded.log" 2>&1
+      grep -E "^(FAILED|ERROR)" "$RES/pytest_padded.log" | head -20; tail -2 "$RES/pytest_padded.log"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py \
+        ws_padded 2>&1 | tail -3 | tee "$RES/memcheck-padded.log"
+      bench "${PADDED_S:-240}" padded --suite train --headdims 80,96 --modes fwd,bwd --seqlens 4096,16384 \
+        --providers "flashattn,flashattn-gluon,sdpa-cudnn$FA4" ;;
     train-table)
       bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
