@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashattn.kernels.gluon.bwd_dq import dq_writer, store_dq
 from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_sequence, key_tile, program_sequence
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
-from flashattn.kernels.gluon.scores import softcapped, with_alibi
+from flashattn.kernels.gluon.scores import transposed_probs
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -78,7 +78,26 @@ def dtanh(pt, lse, cap_out, slope, offs_q, offs_k, diag):
 
 
 @gluon.jit
-def add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+def sink_step(sink_acc, pt, dpt, lse_rows, inside, SINK, DSINK, off_h, head_done,
+              s_layout: gl.constexpr):
+    """A learnable sink's gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, from one step's float32 Pᵀ and dPᵀ (keys ×
+    rows in s_layout) and its rows' LSE (base 2, as read from the stats rows; inside: varlen's rows of the
+    sequence, else None): summed per key into sink_acc over the head's steps, within each warp (a sum over
+    the keys would cross warps every step), and added into DSINK[off_h] once the head's last step is in
+    (head_done). P_sink = exp(sink - lse) is 0 where a row saw no key (lse = +inf, varlen's rows past the
+    sequence included); rows past seqlen_q in the padded layout have dO = 0, hence dPᵀ = 0."""
+    if inside is not None:
+        lse_rows = gl.where(inside, lse_rows, float("inf"))
+    p_sink = gl.exp2(gl.load(SINK + off_h) * LOG2E - lse_rows)
+    sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
+    if head_done:
+        _add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, pt.shape[0], pt.shape[1])
+        sink_acc = gl.zeros_like(sink_acc)
+    return sink_acc
+
+
+@gluon.jit
+def _add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
     """Atomically add a scalar into *ptr, once: from the one thread that owns element (0, 0) of a tile in
     `layout`, a wgmma accumulator layout, which holds each element in exactly one thread."""
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
@@ -247,49 +266,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             inside = offs_q < seqlen_q
             lse = gl.where(inside, lse, float("inf"))
         st = warpgroup_mma_wait(1, deps=(st,))
-        # the scores as x · scale (scores.py)
-        x, scale = softcapped(st, qk_scale, cap_in, cap_out)
-        if slope is not None:
-            if CAUSAL:
-                # every key a row sees is at or before its diagonal: slope · |i + diag - j| is slope · (i +
-                # diag) - slope · j, a term per key and one per query, folded into the query's LSE (masked
-                # scores are -inf whatever their bias). A float vector of the queries beside Sᵀ, or the bias
-                # per score, spilled in the loop at d = 128 with a window
-                x = x * scale + (slope * offs_k.to(gl.float32))[:, None]
-                scale = 1.0
-                lse = lse + slope * (offs_q + diag).to(gl.float32)
-            else:
-                dist = gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
-                x, scale = with_alibi(x, scale, dist, slope)
-        # keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 - lse) overflows against a very negative
-        # lse, and inf times a zero K row is NaN in dQ, so the key tail is masked with the band's edges: the
-        # first row's right edge before this warpgroup's last key, the last row's left edge past its first
-        if (key_tail or (diag_r is not None and m0 + diag_r < key0 + HALF_N - 1)
-                or (diag_l is not None and key0 < m0 + (BLOCK_M - 1) + diag_l)):
-            keep = offs_k[:, None] < seqlen_k
-            if diag_r is not None:
-                keep = keep & (offs_q[None, :] + diag_r >= offs_k[:, None])
-            if diag_l is not None:
-                keep = keep & (offs_q[None, :] + diag_l <= offs_k[:, None])
-            pt = gl.exp2(gl.where(keep, x * scale, float("-inf")) - lse[None, :])
-        else:
-            pt = gl.exp2(x * scale - lse[None, :])
+        pt, lse = transposed_probs(st, lse, offs_k, offs_q, key0, m0, key_tail, seqlen_k, qk_scale, cap_in,
+                                   cap_out, slope, diag, diag_r, diag_l, CAUSAL)
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         if SINK is not None:
-            # P_sink = exp(sink - lse) per row: 0 where the row saw no key (lse = +inf, varlen's rows past
-            # the sequence included); rows past seqlen_q in the padded layout have dO = 0, hence dPᵀ = 0.
-            # The LSE read again from shared memory (ALiBi under causal masking has folded a bias into
+            # the LSE read again from shared memory (ALiBi under causal masking has folded a bias into
             # `lse`; and holding `lse` this far spilled 0.4 KB more at d = 64)
-            lse_rows = stats_rows.index(2 * s).load(row_layout)
-            if varlen:
-                lse_rows = gl.where(inside, lse_rows, float("inf"))
-            p_sink = gl.exp2(gl.load(SINK + off_h) * LOG2E - lse_rows)
-            # summed over the queries, within each warp (a sum over the keys would cross warps every step)
-            sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
-            if c % steps_per_head == steps_per_head - 1:  # the head's last step
-                add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, HALF_N, BLOCK_M)
-                sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
+            sink_acc = sink_step(sink_acc, pt, dpt, stats_rows.index(2 * s).load(row_layout), inside, SINK,
+                                 DSINK, off_h, c % steps_per_head == steps_per_head - 1, s_layout)
         delta = stats_rows.index(2 * s + 1).load(row_layout)
         if varlen:
             delta = gl.where(inside, delta, 0.0)

@@ -39,11 +39,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashattn.kernels.gluon.attn_bwd import add_once, dtanh
+from flashattn.kernels.gluon.attn_bwd import dtanh, sink_step
 from flashattn.kernels.gluon.bwd_dq import reduce_add
 from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_sequence, key_tile, program_sequence
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
-from flashattn.kernels.gluon.scores import softcapped, with_alibi
+from flashattn.kernels.gluon.scores import transposed_probs
 
 ROWS = gl.constexpr(32)  # query rows of a step per warpgroup (the scores' wgmma N)
 UNIT = gl.constexpr(64)  # columns of a dQ staging tile and reduce-add
@@ -217,39 +217,12 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
             inside = offs_q < seqlen_q
             lse = gl.where(inside, lse, float("inf"))
         st = warpgroup_mma_wait(1, deps=(st,))
-        x, scale = softcapped(st, qk_scale, cap_in, cap_out)
-        if slope is not None:
-            if CAUSAL:
-                # every key a row sees is at or before its diagonal: the bias splits into a term per key and
-                # one per query, the latter folded into the LSE (attn_bwd.py)
-                x = x * scale + (slope * offs_k.to(gl.float32))[:, None]
-                scale = 1.0
-                lse = lse + slope * (offs_q + diag).to(gl.float32)
-            else:
-                dist = gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
-                x, scale = with_alibi(x, scale, dist, slope)
-        # keys past seqlen_k (zero rows) and the band's edges masked, the mask only where a part of the
-        # 64 x 32 tile may fall outside (attn_bwd.py says why the key tail must be)
-        if (key_tail or (diag_r is not None and row0 + diag_r < key0 + BLOCK_N - 1)
-                or (diag_l is not None and key0 < row0 + (ROWS - 1) + diag_l)):
-            keep = offs_k[:, None] < seqlen_k
-            if diag_r is not None:
-                keep = keep & (offs_q[None, :] + diag_r >= offs_k[:, None])
-            if diag_l is not None:
-                keep = keep & (offs_q[None, :] + diag_l <= offs_k[:, None])
-            pt = gl.exp2(gl.where(keep, x * scale, float("-inf")) - lse[None, :])
-        else:
-            pt = gl.exp2(x * scale - lse[None, :])
+        pt, lse = transposed_probs(st, lse, offs_k, offs_q, key0, row0, key_tail, seqlen_k, qk_scale, cap_in,
+                                   cap_out, slope, diag, diag_r, diag_l, CAUSAL)
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
-        if SINK is not None:
-            lse_rows = lse_row.load(row_layout)
-            if varlen:
-                lse_rows = gl.where(inside, lse_rows, float("inf"))
-            p_sink = gl.exp2(gl.load(SINK + off_h) * LOG2E - lse_rows)
-            sink_acc += gl.sum(pt * dpt * p_sink[None, :], axis=1)
-            if c % steps_per_head == steps_per_head - 1:  # the head's last step: this warpgroup's rows' share
-                add_once(DSINK + off_h, -gl.sum(sink_acc, axis=0), s_layout, BLOCK_N, ROWS)
-                sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
+        if SINK is not None:  # this warpgroup's rows' share
+            sink_acc = sink_step(sink_acc, pt, dpt, lse_row.load(row_layout), inside, SINK, DSINK, off_h,
+                                 c % steps_per_head == steps_per_head - 1, s_layout)
         delta = stats_rows.index(2 * s + 1).slice(WG * ROWS, ROWS).load(row_layout)
         if varlen:
             delta = gl.where(inside, delta, 0.0)

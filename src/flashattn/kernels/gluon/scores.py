@@ -1,5 +1,6 @@
 """The score side of the Gluon kernels: the score transforms (softcap, ALiBi) that the forward and the
-backward share, and the forward's online-softmax step over one key tile in a wgmma accumulator layout.
+backward share, the forward's online-softmax step over one key tile in a wgmma accumulator layout, and the
+backwards' recomputed Pᵀ of one transposed score tile.
 
 Base-2 scores are kept as a pair (x, scale) whose product is the score, scale > 0: a row's max is taken on
 x and scaled once per row, and each exponent is one FFMA, x · scale − m. A feature that is off is a None
@@ -56,6 +57,43 @@ def with_alibi(x, scale, dist, slope):
         x = x * scale - slope * dist
         scale = 1.0
     return x, scale
+
+
+@gluon.jit
+def transposed_probs(st, lse, offs_k, offs_q, key0, row0, key_tail, seqlen_k, qk_scale, cap_in, cap_out,
+                     slope, diag, diag_r, diag_l, CAUSAL: gl.constexpr):
+    """The backwards' Pᵀ = exp2(score − lse) over an Sᵀ tile of raw q·k products (keys × query rows: offs_k
+    from key0, offs_q from row0; lse per row, base 2), and the lse it used, which ALiBi under CAUSAL changes.
+    key_tail: the tile's keys pass seqlen_k. Keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 − lse)
+    overflows against a very negative lse, and inf times a zero K row is NaN in dQ, so the key tail is masked
+    with the band's edges, and only where the tile may cross one: the first row's right edge before the last
+    key, the last row's left edge past the first."""
+    N_KEYS: gl.constexpr = st.shape[0]
+    N_ROWS: gl.constexpr = st.shape[1]
+    x, scale = softcapped(st, qk_scale, cap_in, cap_out)
+    if slope is not None:
+        if CAUSAL:
+            # every key a row sees is at or before its diagonal: slope · |i + diag - j| is slope · (i + diag)
+            # - slope · j, a term per key and one per query, folded into the query's LSE (masked scores are
+            # -inf whatever their bias). A float vector of the queries beside Sᵀ, or the bias per score,
+            # spilled in attn_bwd.py's loop at d = 128 with a window
+            x = x * scale + (slope * offs_k.to(gl.float32))[:, None]
+            scale = 1.0
+            lse = lse + slope * (offs_q + diag).to(gl.float32)
+        else:
+            dist = gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
+            x, scale = with_alibi(x, scale, dist, slope)
+    if (key_tail or (diag_r is not None and row0 + diag_r < key0 + N_KEYS - 1)
+            or (diag_l is not None and key0 < row0 + (N_ROWS - 1) + diag_l)):
+        keep = offs_k[:, None] < seqlen_k
+        if diag_r is not None:
+            keep = keep & (offs_q[None, :] + diag_r >= offs_k[:, None])
+        if diag_l is not None:
+            keep = keep & (offs_q[None, :] + diag_l <= offs_k[:, None])
+        pt = gl.exp2(gl.where(keep, x * scale, float("-inf")) - lse[None, :])
+    else:
+        pt = gl.exp2(x * scale - lse[None, :])
+    return pt, lse
 
 
 @gluon.jit
