@@ -323,60 +323,42 @@ def _stats_layout():
 
 def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, stats,
                       softmax_scale: float) -> Prepared:
-    if route.d_qk:
-        return _prepare_dsplit(pb, route, q, dout, k, v, dk, dv, dq_acc, stats, softmax_scale)
-    from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel
-
-    tiles = route.tiles
-    n_bhk = pb.batch * pb.nheads_k * route.group_split  # the group's parts count as heads of their own
-    half_n = tiles.block_n // 2
-    n_tiles = host.cdiv(pb.seqlen_k, tiles.block_n) * pb.batch
-    if pb.varlen:
-        # a bound on the key tiles of every sequence (the kernel reads the exact list): at most one partial
-        # tile per sequence beyond the packed keys' whole tiles; and one program when there are none
-        n_tiles = max(min(n_tiles, host.cdiv(k.shape[1], tiles.block_n) + pb.batch), 1)
-    # every tile as wide as the head dims' padded width (one for d and dv: routes.takes_gluon_backward), the
-    # columns past them read as zeros and clipped from the stores
-    width = host.block_d(pb.d)
-    specs = (*(_descriptor_spec(t, tiles.block_m, width) for t in (q, dout)),
-             *(_descriptor_spec(t, half_n, width) for t in (k, v, dk, dv)),
-             _descriptor_spec(dq_acc, tiles.block_m, width // 2, "float32"),
-             (list(stats.shape), list(stats.stride()), [2, 1, tiles.block_m], _stats_layout()))
-    causal, left, right = band_args(pb)
-    kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=width, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                  STAGES=tiles.num_stages, CAUSAL=causal, DEFER_DQ=route.defer_dq, SPLIT=route.group_split,
-                  num_warps=4, maxnreg=route.maxnreg)
-    return Prepared(
-        Bound(attn_bwd_ws_kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
-        (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
-         *softcap_args(pb), pb.d, pb.dv),
-    )
-
-
-def _prepare_dsplit(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, stats,
-                    softmax_scale: float) -> Prepared:
-    """attn_bwd_dsplit.py's launch (route.d_qk set): the arguments of attn_bwd.py's, with Q, K and dK through
-    256-wide tiles (the columns past d read as zeros, and stores clipped at d), dO, V and dV through dv-wide
-    ones, and dQ's reduce-adds 64 columns at a time; the head dims follow the softcap's arguments."""
-    from flashattn.kernels.gluon.attn_bwd_dsplit import attn_bwd_dsplit_kernel
-
+    """The backward's launch: attn_bwd.py's, or attn_bwd_dsplit.py's where route.d_qk is set; both take the
+    same runtime arguments, a program per key tile, kv head and part of the GQA group."""
     tiles = route.tiles
     m, n = tiles.block_m, tiles.block_n
     n_tiles = host.cdiv(pb.seqlen_k, n) * pb.batch
     if pb.varlen:
+        # a bound on the key tiles of every sequence (the kernel reads the exact list): at most one partial
+        # tile per sequence beyond the packed keys' whole tiles; and one program when there are none
         n_tiles = max(min(n_tiles, host.cdiv(k.shape[1], n) + pb.batch), 1)
-    dv_w = host.block_d(pb.dv)
-    specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, dv_w), _descriptor_spec(k, n, 256),
-             _descriptor_spec(v, n, dv_w), _descriptor_spec(dk, n, 256), _descriptor_spec(dv, n, dv_w),
-             _descriptor_spec(dq_acc, m, 64, "float32"),
-             (list(stats.shape), list(stats.stride()), [2, 1, m], _stats_layout()))
+    stats_spec = (list(stats.shape), list(stats.stride()), [2, 1, m], _stats_layout())
     causal, left, right = band_args(pb)
-    kwargs = dict(GROUP=pb.flags["GROUP"], D_QK=route.d_qk, BLOCK_M=m, BLOCK_N=n, STAGES=tiles.num_stages,
-                  DO_STAGES=route.do_stages, CAUSAL=causal, SPLIT=route.group_split, num_warps=4,
-                  maxnreg=route.maxnreg)
+    common = dict(GROUP=pb.flags["GROUP"], BLOCK_M=m, BLOCK_N=n, STAGES=tiles.num_stages, CAUSAL=causal,
+                  SPLIT=route.group_split, num_warps=4, maxnreg=route.maxnreg)
+    if route.d_qk:
+        from flashattn.kernels.gluon.attn_bwd_dsplit import attn_bwd_dsplit_kernel as kernel
+
+        # Q, K and dK through 256-wide tiles, dO, V and dV through dv's padded width, dQ's reduce-adds 64
+        # columns at a time
+        dv_w = host.block_d(pb.dv)
+        specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, dv_w), _descriptor_spec(k, n, 256),
+                 _descriptor_spec(v, n, dv_w), _descriptor_spec(dk, n, 256), _descriptor_spec(dv, n, dv_w),
+                 _descriptor_spec(dq_acc, m, 64, "float32"), stats_spec)
+        kwargs = dict(common, D_QK=route.d_qk, DO_STAGES=route.do_stages)
+    else:
+        from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel as kernel
+
+        # every tile as wide as the head dims' padded width (one for d and dv: routes.takes_gluon_backward),
+        # the columns past them read as zeros and clipped from the stores; two warpgroups of half the keys
+        width = host.block_d(pb.d)
+        specs = (*(_descriptor_spec(t, m, width) for t in (q, dout)),
+                 *(_descriptor_spec(t, n // 2, width) for t in (k, v, dk, dv)),
+                 _descriptor_spec(dq_acc, m, width // 2, "float32"), stats_spec)
+        kwargs = dict(common, HEAD_DIM=width, DEFER_DQ=route.defer_dq)
+    n_bhk = pb.batch * pb.nheads_k * route.group_split  # the group's parts count as heads of their own
     return Prepared(
-        Bound(attn_bwd_dsplit_kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
-        (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale,
-         pb.batch * pb.nheads_k * route.group_split, route.kv_group, left, right, *softcap_args(pb), pb.d,
-         pb.dv),
+        Bound(kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
+        (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
+         *softcap_args(pb), pb.d, pb.dv),
     )
