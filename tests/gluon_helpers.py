@@ -1,11 +1,13 @@
 """What the Gluon GPU tests (test_gluon_*_gpu.py) share: route variants, random bf16 inputs on the GPU, the
-features' options, and the check of a packed (varlen) call (the spies on the launchers: conftest.py)."""
+features' options, and the checks of a padded and a packed (varlen) call (the spies on the launchers:
+conftest.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from test_interface import check_against_oracle
 from utils import assert_close_to_ref
 
 from flashattn import flash_attn_varlen_func
@@ -41,6 +43,26 @@ def qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(True)
 
     return rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+
+
+def qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
+    """qkv's inputs with V's head dim dv."""
+    q, k, _ = qkv(b, sq, sk, h, hk, d, dtype)
+    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def check_features(fwd_calls, bwd_calls, q, k, v, grads=True, gluon_backward=True, **options):
+    """check_against_oracle with the sink's gradient checked too; the Gluon forward must have run, and the
+    Gluon backward where gluon_backward (else the Triton one, as at dv < d = 128)."""
+    causal = options.pop("causal", False)
+    sink = options.get("learnable_sink")
+    wrt = None if sink is None else (q, k, v, sink)
+    result = check_against_oracle(q, k, v, causal=causal, grads=grads, wrt=wrt, **options)
+    assert fwd_calls, "the Gluon forward did not run"
+    if grads:
+        assert bool(bwd_calls) is gluon_backward, f"the Gluon backward ran: {bool(bwd_calls)}"
+    return result
 
 
 def options_for(b, h, features: str) -> dict:

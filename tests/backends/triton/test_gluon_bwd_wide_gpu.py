@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import check_varlen, options_for
+from gluon_helpers import check_features, check_varlen, options_for, qkv_dv
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
-from test_interface import check_against_oracle
 
 from flashattn import flash_attn_func
 
@@ -24,53 +23,43 @@ pytestmark = pytest.mark.gpu
 PAIRS = [(256, 256, 256), (192, 128, 192), (160, 128, 192), (256, 128, 256), (224, 256, 256)]
 
 
-def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
-    q, k, _ = _qkv(b, sq, sk, h, hk, d, dtype)
-    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, requires_grad=True)
-    return q, k, v
-
-
-def _check(bwd_calls, width, q, k, v, **options):
-    causal = options.pop("causal", False)
-    sink = options.get("learnable_sink")
-    wrt = None if sink is None else (q, k, v, sink)
-    check_against_oracle(q, k, v, causal=causal, wrt=wrt, **options)
-    assert bwd_calls, "the Gluon backward did not run"
+def _check(fwd_calls, bwd_calls, width, q, k, v, **options):
+    check_features(fwd_calls, bwd_calls, q, k, v, **options)
     assert all(r.d_qk == width for r in bwd_calls.routes)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (63, 65), (113, 1023), (1023, 113), (2049, 1537)])
 @pytest.mark.parametrize("d, dv, width", PAIRS, ids=str)
-def test_wide_backward_seqlens(ws_bwd_calls, d, dv, width, sq, sk, causal):
+def test_wide_backward_seqlens(ws_calls, ws_bwd_calls, d, dv, width, sq, sk, causal):
     torch.manual_seed(0)
-    _check(ws_bwd_calls, width, *_qkv_dv(2, sq, sk, 4, 2, d, dv), causal=causal)
+    _check(ws_calls, ws_bwd_calls, width, *qkv_dv(2, sq, sk, 4, 2, d, dv), causal=causal)
 
 
 @pytest.mark.parametrize("features", ["window", "swa+softcap", "alibi", "alibi_bh+sink", "softcap+alibi_bh",
                                       "window+softcap+alibi+sink"])
 @pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (192, 128, 192)], ids=str)
 @pytest.mark.parametrize("sq, sk", [(113, 1023), (1023, 113), (1023, 1023)])
-def test_wide_backward_options(ws_bwd_calls, d, dv, width, features, sq, sk):
+def test_wide_backward_options(ws_calls, ws_bwd_calls, d, dv, width, features, sq, sk):
     torch.manual_seed(0)
-    _check(ws_bwd_calls, width, *_qkv_dv(2, sq, sk, 4, 2, d, dv), **options_for(2, 4, features))
+    _check(ws_calls, ws_bwd_calls, width, *qkv_dv(2, sq, sk, 4, 2, d, dv), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("window", [(63, 0), (64, 0), (0, 63), (31, 32), (64, 64)], ids=str)
-def test_wide_backward_window_edges_at_step_boundaries(ws_bwd_calls, window):
+def test_wide_backward_window_edges_at_step_boundaries(ws_calls, ws_bwd_calls, window):
     # 64-key tiles, 64-row steps and 32-row halves: edges on and beside each
     torch.manual_seed(0)
-    _check(ws_bwd_calls, 256, *_qkv_dv(1, 700, 700, 4, 2, 256, 256), window_size=window)
+    _check(ws_calls, ws_bwd_calls, 256, *qkv_dv(1, 700, 700, 4, 2, 256, 256), window_size=window)
 
 
 @pytest.mark.parametrize("h, hk, split", [(8, 1, 4), (8, 2, 2), (8, 2, 1)], ids=["mqa-4", "gqa4-2", "gqa4-1"])
 @pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (192, 128, 192), (160, 128, 192)], ids=str)
-def test_wide_backward_gqa_and_group_split(ws_bwd_calls, monkeypatch, h, hk, split, d, dv, width):
+def test_wide_backward_gqa_and_group_split(ws_calls, ws_bwd_calls, monkeypatch, h, hk, split, d, dv, width):
     # the parts add their columns of dK and dV into float32 buffers shaped like k and v
     _vary_routes(monkeypatch, backward=dict(group_split=split))
     torch.manual_seed(0)
-    _check(ws_bwd_calls, width, *_qkv_dv(2, 300, 1100, h, hk, d, dv), causal=True)
-    _check(ws_bwd_calls, width, *_qkv_dv(1, 1023, 113, h, hk, d, dv))
+    _check(ws_calls, ws_bwd_calls, width, *qkv_dv(2, 300, 1100, h, hk, d, dv), causal=True)
+    _check(ws_calls, ws_bwd_calls, width, *qkv_dv(1, 1023, 113, h, hk, d, dv))
 
 
 @pytest.mark.parametrize("d, dv", [(256, 256), (192, 128), (160, 128)], ids=str)
@@ -83,9 +72,9 @@ def test_wide_backward_varlen(ws_calls, ws_bwd_calls, d, dv, features):
                  **options)
 
 
-def test_wide_backward_fp16_long(ws_bwd_calls):
+def test_wide_backward_fp16_long(ws_calls, ws_bwd_calls):
     torch.manual_seed(0)
-    _check(ws_bwd_calls, 256, *_qkv_dv(1, 4097, 4097, 4, 1, 256, 256, torch.float16), causal=True)
+    _check(ws_calls, ws_bwd_calls, 256, *qkv_dv(1, 4097, 4097, 4, 1, 256, 256, torch.float16), causal=True)
 
 
 def test_wide_backward_deterministic_keeps_triton(ws_bwd_calls):

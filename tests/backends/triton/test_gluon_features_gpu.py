@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import VARLEN_K, VARLEN_Q, check_varlen, options_for, takes_gluon_backward
+from gluon_helpers import (
+    VARLEN_K,
+    VARLEN_Q,
+    check_features,
+    check_varlen,
+    options_for,
+    qkv_dv,
+    takes_gluon_backward,
+)
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 from test_interface import check_against_oracle
@@ -21,19 +29,6 @@ pytestmark = pytest.mark.gpu
 # Windows (alone and with causal), softcap, ALiBi and learnable sinks are compile-time variants of both Gluon
 # kernels. Each case asserts that both launchers ran, and checks the forward, the LSE and every gradient (the
 # sink's included) against the oracle.
-
-
-def _check_features(fwd_calls, bwd_calls, q, k, v, grads=True, gluon_backward=True, **options):
-    """check_against_oracle with the sink's gradient checked too; the Gluon forward must have run, and the
-    Gluon backward where gluon_backward (else the Triton one, as at dv < d = 128)."""
-    causal = options.pop("causal", False)
-    sink = options.get("learnable_sink")
-    wrt = None if sink is None else (q, k, v, sink)
-    result = check_against_oracle(q, k, v, causal=causal, grads=grads, wrt=wrt, **options)
-    assert fwd_calls, "the Gluon forward did not run"
-    if grads:
-        assert bool(bwd_calls) is gluon_backward, f"the Gluon backward ran: {bool(bwd_calls)}"
-    return result
 
 
 FEATURES = ["window", "swa", "softcap", "alibi", "alibi_bh", "sink"]
@@ -49,7 +44,7 @@ FEATURE_SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (113, 1023), (102
 @pytest.mark.parametrize("features", FEATURES)
 def test_feature_seqlens(ws_calls, ws_bwd_calls, features, sq, sk, d):
     torch.manual_seed(0)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, d), **options_for(2, 4, features))
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, d), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -57,7 +52,7 @@ def test_feature_seqlens(ws_calls, ws_bwd_calls, features, sq, sk, d):
 @pytest.mark.parametrize("features", PAIRS)
 def test_feature_pairs(ws_calls, ws_bwd_calls, features, sq, sk, d):
     torch.manual_seed(0)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, d), **options_for(2, 4, features))
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, d), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -67,7 +62,7 @@ def test_sink_gradient_over_draws(ws_calls, ws_bwd_calls, features, d, seed):
     # passed plain PyTorch's error several-fold on some draws (swa+sink 113 x 1023 at d = 64: 5x); the
     # kernel sums it from its float32 P and dP
     torch.manual_seed(seed)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, 113, 1023, 4, 2, d), **options_for(2, 4, features))
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, 113, 1023, 4, 2, d), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -75,7 +70,7 @@ def test_sink_gradient_over_draws(ws_calls, ws_bwd_calls, features, d, seed):
 def test_features_at_4097(ws_calls, ws_bwd_calls, features, d):
     # past 4K at d = 64 the forward takes three consumer warpgroups (a band wider than 4K, or none)
     torch.manual_seed(0)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(1, 4097, 4097, 2, 1, d), **options_for(1, 2, features))
+    check_features(ws_calls, ws_bwd_calls, *_qkv(1, 4097, 4097, 2, 1, d), **options_for(1, 2, features))
 
 
 # windows whose edges fall on and beside tile boundaries (64-row warpgroups, 128-key tiles, 192-row tiles),
@@ -88,7 +83,7 @@ WINDOW_EDGES = [(127, 0), (128, 0), (63, 64), (64, 64), (191, 1), (192, 0), (0, 
 @pytest.mark.parametrize("sq, sk", [(1024, 1024), (1024, 1088), (1088, 1024), (1152, 1152)])
 @pytest.mark.parametrize("window", WINDOW_EDGES, ids=str)
 def test_window_edges_at_tile_boundaries(ws_calls, ws_bwd_calls, window, sq, sk, d):
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 4, d), window_size=window)
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 4, d), window_size=window)
 
 
 @pytest.mark.parametrize("tiles", ["fwd_ws=192,128,4,3", "fwd_ws=128,128,4,3"], ids=["three", "two"])
@@ -96,7 +91,7 @@ def test_window_edges_at_tile_boundaries(ws_calls, ws_bwd_calls, window, sq, sk,
 def test_window_d64_consumer_counts(ws_calls, ws_bwd_calls, monkeypatch, tiles, window):
     # three consumer warpgroups run serial steps with their own half-diagonal step: both counts per band
     use_tiles(monkeypatch, tiles)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, 1500, 1400, 4, 2, 64), window_size=window)
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, 1500, 1400, 4, 2, 64), window_size=window)
 
 
 @pytest.mark.parametrize("order", ["default", "full-diagonal", "tile-end-release", "one-program-per-tile"])
@@ -117,7 +112,7 @@ def test_window_forward_route_options(ws_calls, monkeypatch, order, d):
 def test_d64_backward_dq_orders_with_features(ws_calls, ws_bwd_calls, monkeypatch, defer, features):
     _vary_routes(monkeypatch, backward=dict(defer_dq=defer))
     torch.manual_seed(0)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, 1100, 1300, 4, 2, 64), **options_for(2, 4, features))
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, 1100, 1300, 4, 2, 64), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -126,7 +121,7 @@ def test_d64_backward_dq_orders_with_features(ws_calls, ws_bwd_calls, monkeypatc
 def test_features_dtypes_and_gqa(ws_calls, ws_bwd_calls, dtype, features, d):
     torch.manual_seed(0)
     for h, hk in ((8, 1), (12, 4)):
-        _check_features(ws_calls, ws_bwd_calls, *_qkv(2, 700, 1100, h, hk, d, dtype),
+        check_features(ws_calls, ws_bwd_calls, *_qkv(2, 700, 1100, h, hk, d, dtype),
                         **options_for(2, h, features))
 
 
@@ -139,7 +134,7 @@ def test_rows_without_keys_under_a_band(ws_calls, ws_bwd_calls, window, sq, sk, 
     n = sq - sk - window[1]
     options = options_for(1, 2, "sink") if sink else {}
     floor = "rounding" if sk <= 3 else None  # see tests/test_interface.py::test_fully_masked_rows
-    out, lse, grads = _check_features(ws_calls, ws_bwd_calls, *_qkv(1, sq, sk, 2, 2, 128), window_size=window,
+    out, lse, grads = check_features(ws_calls, ws_bwd_calls, *_qkv(1, sq, sk, 2, 2, 128), window_size=window,
                                       grad_floor=floor, **options)
     dq = grads[0]
     assert (out[:, :n] == 0).all() and (dq[:, :n] == 0).all()
@@ -155,7 +150,7 @@ def test_keys_no_query_sees(ws_calls, ws_bwd_calls, window):
     # sq < sk under a left edge: row i sees keys from i + sk - sq - left on, so the first sk - sq - left keys
     # (whole key tiles of the backward's programs) get dk = dv = 0
     sq, sk = 100, 700
-    _, _, (_, dk, dv) = _check_features(ws_calls, ws_bwd_calls, *_qkv(1, sq, sk, 2, 2, 128),
+    _, _, (_, dk, dv) = check_features(ws_calls, ws_bwd_calls, *_qkv(1, sq, sk, 2, 2, 128),
                                         window_size=window)
     n = sk - sq - window[0]
     assert (dk[:, :n] == 0).all() and (dv[:, :n] == 0).all()
@@ -168,13 +163,13 @@ def test_softcap_saturated_and_loose(ws_calls, ws_bwd_calls, softcap):
     q, k, v = _qkv(2, 600, 900, 4, 2, 128)
     with torch.no_grad():
         q.mul_(8.0)
-    _check_features(ws_calls, ws_bwd_calls, q, k, v, softcap=softcap, causal=True)
+    check_features(ws_calls, ws_bwd_calls, q, k, v, softcap=softcap, causal=True)
 
 
 def test_extreme_sinks(ws_calls, ws_bwd_calls):
     # a sink far above every score takes nearly all the mass (out ~ 0, lse ~ sink), one far below none
     sink = torch.tensor([30.0, -30.0, 0.0, 5.0], device="cuda", requires_grad=True)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, 500, 700, 4, 2, 64), learnable_sink=sink,
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, 500, 700, 4, 2, 64), learnable_sink=sink,
                     window_size=(128, 0))
 
 
@@ -243,14 +238,14 @@ def test_d256_forward(ws_calls, ws_bwd_calls, features, sq, sk):
     torch.manual_seed(0)
     options = {} if features == "plain" else (
         dict(causal=True) if features == "causal" else options_for(2, 4, features))
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, 256), **options)
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, 256), **options)
     assert ws_bwd_calls.routes[0].d_qk == 256
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_d256_forward_long_gqa_and_varlen(ws_calls, ws_bwd_calls, dtype):
     torch.manual_seed(0)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv(1, 4097, 4097, 4, 1, 256, dtype), causal=True)
+    check_features(ws_calls, ws_bwd_calls, *_qkv(1, 4097, 4097, 4, 1, 256, dtype), causal=True)
     check_varlen(ws_calls, ws_bwd_calls, [0, 33, 1, 300, 129], [7, 33, 2, 200, 300], 4, 2, 256, dtype,
                   causal=True)
 
@@ -261,19 +256,13 @@ def test_d256_forward_long_gqa_and_varlen(ws_calls, ws_bwd_calls, dtype):
 # (gluon_helpers.takes_gluon_backward), else the Triton one
 
 
-def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
-    q, k, _ = _qkv(b, sq, sk, h, hk, d, dtype)
-    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, requires_grad=True)
-    return q, k, v
-
-
 @pytest.mark.parametrize("sq, sk", [(17, 17), (113, 1023), (1023, 113), (1023, 1023)])
 @pytest.mark.parametrize("features", ["causal", "swa+softcap", "alibi+sink"])
 @pytest.mark.parametrize("d, dv", [(192, 128), (128, 64), (256, 128), (96, 64)])
 def test_dv_below_d(ws_calls, ws_bwd_calls, d, dv, features, sq, sk):
     torch.manual_seed(0)
     options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv),
+    check_features(ws_calls, ws_bwd_calls, *qkv_dv(2, sq, sk, 4, 2, d, dv),
                     gluon_backward=takes_gluon_backward(d, dv), **options)
 
 
@@ -293,7 +282,7 @@ def test_chunked_heads_and_one_q_buffer(ws_calls, ws_bwd_calls, monkeypatch, d, 
     if tiles:
         use_tiles(monkeypatch, tiles)
     options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv),
+    check_features(ws_calls, ws_bwd_calls, *qkv_dv(2, sq, sk, 4, 2, d, dv),
                     gluon_backward=takes_gluon_backward(d, dv), **options)
     route = ws_calls.routes[0]
     assert (route.head_dim, route.q_buffers, route.defer_release) == (width, q_buffers, q_buffers == 2)
@@ -307,7 +296,7 @@ def test_chunked_heads_and_one_q_buffer_over_many_tiles_a_program(ws_calls, ws_b
     torch.manual_seed(0)
     if tiles:
         use_tiles(monkeypatch, tiles)
-    _check_features(ws_calls, ws_bwd_calls, *_qkv_dv(4, 4097, 4097, 8, 2, d, dv), grads=False, causal=True)
+    check_features(ws_calls, ws_bwd_calls, *qkv_dv(4, 4097, 4097, 8, 2, d, dv), grads=False, causal=True)
     assert ws_calls.routes[0].q_buffers == q_buffers
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import check_varlen, options_for
-from gluon_helpers import qkv as _qkv
-from test_interface import check_against_oracle
+from gluon_helpers import check_features, check_varlen, options_for, qkv_dv
 
 from flashattn.backends.triton import attention, routes
 
@@ -32,17 +30,8 @@ def gluon_routes(monkeypatch):
     monkeypatch.setattr(routes, "backward_route", routes.gluon_backward_route)
 
 
-def _qkv_dv(b, sq, sk, h, hk, d, dv, dtype=torch.bfloat16):
-    q, k, _ = _qkv(b, sq, sk, h, hk, d, dtype)
-    v = torch.randn(b, sk, hk, dv, device="cuda", dtype=dtype, requires_grad=True)
-    return q, k, v
-
-
 def _check(fwd_calls, bwd_calls, q, k, v, **options):
-    causal = options.pop("causal", False)
-    sink = options.get("learnable_sink")
-    check_against_oracle(q, k, v, causal=causal, wrt=None if sink is None else (q, k, v, sink), **options)
-    assert fwd_calls and bwd_calls, "the Gluon kernels did not both run"
+    check_features(fwd_calls, bwd_calls, q, k, v, **options)
     assert bwd_calls.routes[0].d_qk == (0 if q.shape[-1] <= 128 else 192 if q.shape[-1] <= 192 else 256)
 
 
@@ -51,14 +40,14 @@ def _check(fwd_calls, bwd_calls, q, k, v, **options):
 @pytest.mark.parametrize("d, dv", PADDED, ids=str)
 def test_padded_head_dims(gluon_routes, ws_calls, ws_bwd_calls, d, dv, sq, sk, causal):
     torch.manual_seed(0)
-    _check(ws_calls, ws_bwd_calls, *_qkv_dv(2, sq, sk, 4, 2, d, dv), causal=causal)
+    _check(ws_calls, ws_bwd_calls, *qkv_dv(2, sq, sk, 4, 2, d, dv), causal=causal)
 
 
 @pytest.mark.parametrize("features", ["swa+softcap", "window+alibi_bh+sink"])
 @pytest.mark.parametrize("d, dv", [(96, 96), (128, 96), (200, 96)], ids=str)
 def test_padded_head_dims_with_options(gluon_routes, ws_calls, ws_bwd_calls, d, dv, features):
     torch.manual_seed(0)
-    _check(ws_calls, ws_bwd_calls, *_qkv_dv(2, 1023, 700, 4, 2, d, dv), **options_for(2, 4, features))
+    _check(ws_calls, ws_bwd_calls, *qkv_dv(2, 1023, 700, 4, 2, d, dv), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("d, dv", [(96, 96), (80, 80), (128, 96), (160, 100)], ids=str)
@@ -69,7 +58,7 @@ def test_padded_head_dims_gqa_split(gluon_routes, ws_calls, ws_bwd_calls, monkey
     monkeypatch.setattr(routes, "backward_route",
                         lambda spec: dataclasses.replace(routes.gluon_backward_route(spec), group_split=2))
     torch.manual_seed(0)
-    _check(ws_calls, ws_bwd_calls, *_qkv_dv(2, 300, 1100, 8, 2, d, dv), causal=True)
+    _check(ws_calls, ws_bwd_calls, *qkv_dv(2, 300, 1100, 8, 2, d, dv), causal=True)
 
 
 @pytest.mark.parametrize("d, dv", [(96, 96), (128, 96), (160, 100)], ids=str)
