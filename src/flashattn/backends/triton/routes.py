@@ -308,11 +308,11 @@ def takes_gluon_backward(spec: Spec) -> bool:
 
 def _dsplit_smem(spec: Spec, tiles: TileConfig, do_stages: int) -> int:
     """Bytes of attn_bwd_dsplit.py's tiles in shared memory: Q (256 wide) and its stats rows over num_stages,
-    dO over do_stages, K, V, two steps' P and dS tiles, and two 64-column float32 dQ staging tiles."""
-    m, n, e = tiles.block_m, tiles.block_n, spec.element_size
+    dO over do_stages, K, V (dO's and V's at dv's padded width, as the tiles are), two steps' P and dS
+    tiles, and two 64-column float32 dQ staging tiles."""
+    m, n, e, dv = tiles.block_m, tiles.block_n, spec.element_size, block_d(spec.headdim_v)
     q = tiles.num_stages * m * (256 * e + 2 * 4)
-    return (q + do_stages * m * spec.headdim_v * e + n * (256 + spec.headdim_v) * e + 4 * m * n * e
-            + 2 * m * 64 * 4)
+    return q + do_stages * m * dv * e + n * (256 + dv) * e + 4 * m * n * e + 2 * m * 64 * 4
 
 
 def _stream_group(spec: Spec) -> int:
