@@ -16,7 +16,7 @@ shapes. ws_deterministic runs the backward's fixed-order dQ variant (determinist
 forward's 192-wide heads (Q and K in three 64-wide chunks, one Q buffer or two) and one Q buffer at d = 256,
 persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs the wide heads' backward
 (d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward.
-ws_padded runs both Gluon kernels on head dims below their tiles' widths (forced routes).
+ws_padded runs both Gluon kernels on head dims below their tiles' widths.
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -298,35 +298,31 @@ def ws_wide_bwd():
 
 
 def ws_padded():
-    # head dims below the Gluon kernels' tile widths, on forced Gluon routes (the default routes send them to
-    # the Triton kernels): zeros read past d and dv, stores clipped there, varlen's masked stores stopping at
-    # the head dims, the group split's float32 buffers shaped like k and v
+    # head dims below the Gluon kernels' tile widths (their default routes): zeros read past d and dv, stores
+    # clipped there, varlen's masked stores stopping at the head dims, the group split's float32 buffers
+    # shaped like k and v
     from dataclasses import replace
 
     from flashattn.backends.triton import attention, routes
 
-    default = routes.forward_route, routes.backward_route
-    routes.forward_route, routes.backward_route = routes.gluon_forward_route, routes.gluon_backward_route
-    attention._forward_cache.clear()
-    attention._backward_cache.clear()
+    default = routes.backward_route
     h = 4
-    for d, dv in ((96, 96), (40, 40), (128, 96), (72, 64), (200, 96), (160, 100)):
+    for d, dv in ((96, 96), (40, 40), (128, 96), (72, 64), (200, 96), (160, 104)):
         q, k, v = _qkv((1, 200, h, d), (1, 137, 2, d), (1, 137, 2, dv))
         _grad_check(flash_attn_func(q, k, v, causal=True), q, k, v)
     lens_q, lens_k = [0, 77, 1, 130, 64, 0, 191, 1], [5, 77, 0, 200, 64, 3, 150, 129]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for ls in (lens_q, lens_k))
-    for d, dv in ((96, 96), (128, 96), (160, 100)):
+    for d, dv in ((96, 96), (128, 96), (160, 104)):
         q, k, v = _qkv((sum(lens_q), h, d), (sum(lens_k), 2, d), (sum(lens_k), 2, dv))
         _grad_check(flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True),
                     q, k, v)
     routes.backward_route = lambda spec: replace(routes.gluon_backward_route(spec), group_split=2)
     attention._backward_cache.clear()
-    for d, dv in ((96, 96), (160, 100)):
+    for d, dv in ((96, 96), (160, 104)):
         q, k, v = _qkv((1, 150, 8, d), (1, 190, 2, d), (1, 190, 2, dv))
         _grad_check(flash_attn_func(q, k, v, causal=True), q, k, v)
-    routes.forward_route, routes.backward_route = default
-    attention._forward_cache.clear()
+    routes.backward_route = default
     attention._backward_cache.clear()
 
 

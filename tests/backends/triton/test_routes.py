@@ -48,6 +48,10 @@ CAUSAL = (-1, 0)
     dict(window=(1023, 0), headdim=64, headdim_v=64),
     dict(softcap=True), dict(alibi=True), dict(sink=True), dict(softcap=True, headdim=64, headdim_v=64),
     dict(window=(255, 0), softcap=True, alibi=True, sink=True), dict(window=CAUSAL, alibi=True, nheads_k=1),
+    # head dims below the tiles' widths (TMA reads zeros past them): d padded to 64 or 128, dv <= d
+    dict(headdim=96, headdim_v=96), dict(headdim_v=96), dict(headdim=40, headdim_v=40),
+    dict(headdim=80, headdim_v=64, window=CAUSAL), dict(varlen=True, headdim=96, headdim_v=96),
+    dict(headdim=192, headdim_v=192),  # 256-wide tiles: O, 256 wide, is staged in Q's buffer
 ], ids=str)
 def test_calls_the_gluon_kernels_take(kw):
     spec = _spec(**kw)
@@ -56,11 +60,11 @@ def test_calls_the_gluon_kernels_take(kw):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(headdim=96, headdim_v=96), dict(headdim=192, headdim_v=192), dict(headdim=64, headdim_v=128),
-    dict(headdim_v=96), dict(headdim=32, headdim_v=32),
+    dict(headdim=64, headdim_v=128), dict(headdim=40, headdim_v=128),
+    dict(headdim=32, headdim_v=32), dict(headdim=24, headdim_v=24),
     dict(dropout=True), dict(dropout=True, window=(64, 0)), dict(dtype="float32"),
     dict(dtype="float32", softcap=True), dict(varlen=True, dropout=True),
-    dict(varlen=True, headdim=96, headdim_v=96), dict(varlen=True, seqlen_k=0), dict(varlen=True, seqlen_q=0),
+    dict(varlen=True, seqlen_k=0), dict(varlen=True, seqlen_q=0),
     dict(aligned=False), dict(aligned=False, sink=True), dict(capability=(8, 0)), dict(cuda=False),
 ], ids=str)
 def test_every_other_call_routes_to_the_triton_kernels(kw):
@@ -117,19 +121,23 @@ def test_d256_takes_the_gluon_forward_and_the_wide_gluon_backward(kw):
 
 @pytest.mark.parametrize("d, dv, block_n, d_qk", [
     (192, 128, 128, 192), (160, 128, 128, 192), (128, 64, 128, 0), (256, 128, 64, 256), (224, 128, 64, 256),
-    (96, 64, 128, 0), (40, 64, 128, 0), (192, 64, 128, 0)])
+    (96, 64, 128, 0), (40, 64, 128, None), (192, 64, 128, None), (200, 96, 64, 256), (160, 104, 128, 192),
+    (256, 200, 64, 256), (160, 160, 64, 256)])
 def test_dv_below_d_takes_the_gluon_forward(d, dv, block_n, d_qk):
-    # Q and K padded to the tile width, V and O (a power of two, no wider) staged in Q's buffer; the tiles are
-    # the padded d's. The backward: the wide heads' Gluon kernel at its (width, dv) pairs, two dO stages
-    # beside dv = 128; else the Triton one
+    # Q and K padded to the tile width, V and O to theirs (no wider: O is staged in Q's buffer); the tiles are
+    # the padded d's. The backward: the wide heads' Gluon kernel at its (width, padded dv) pairs, two dO
+    # stages beside dv's 128 (d_qk 192 / 256), attn_bwd.py at d padded to 64 or 128 beside dv <= d (d_qk 0),
+    # else the Triton one (None)
     spec = _spec(headdim=d, headdim_v=dv, window=CAUSAL)
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward) and route.tiles.block_n == block_n
     bwd = routes.backward_route(spec)
-    if d_qk:
-        assert isinstance(bwd, routes.GluonBackward) and (bwd.d_qk, bwd.do_stages) == (d_qk, 2)
-    else:
+    if d_qk is None:
         assert isinstance(bwd, routes.TritonBackward)
+    else:
+        assert isinstance(bwd, routes.GluonBackward) and bwd.d_qk == d_qk
+        if d_qk:
+            assert bwd.do_stages == (2 if dv <= 128 else 1)
 
 
 def test_wide_backward_shared_memory():

@@ -2,9 +2,10 @@
 (kernels/gluon/attn_bwd.py, and attn_bwd_dsplit.py for wide heads), given their route (routes.GluonForward /
 routes.GluonBackward).
 
-The routes send them fp16/bf16 calls with TMA-ready tensors on sm90+: the forward at d (padded) and dv of 64,
-128 or 256, dv <= d; the backward at d = dv = 64 or 128, and at d 129..256 beside dv 128 or 256
-(routes.takes_gluon_forward, takes_gluon_backward); both in either layout. Windows, softcap, ALiBi, sinks
+The routes send them fp16/bf16 calls with TMA-ready tensors on sm90+: the forward at d and dv padded to its
+widths (d to 64, 128, 192 or 256; dv to 64, 128 or 256, no wider than d's); the backward at d padded to 64
+or 128 beside dv <= d, and at d 129..256 beside dv padded to 128 or 256 (routes.takes_gluon_forward,
+takes_gluon_backward); both in either layout. Windows, softcap, ALiBi, sinks
 and the varlen layout are compile-time variants of the kernels, each passed as None when off (`band_args`,
 `softcap_args`, `alibi_args`). Both read and write every streamed tile through TMA descriptors, built here
 per call over the call's tensors with the shapes, strides and shared layouts the route fixes.
@@ -349,7 +350,7 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
     else:
         from flashattn.kernels.gluon.attn_bwd import attn_bwd_ws_kernel as kernel
 
-        # every tile as wide as the head dims' padded width (one for d and dv: routes.takes_gluon_backward),
+        # every tile as wide as d's padded width (dv <= d: routes.takes_gluon_backward),
         # the columns past them read as zeros and clipped from the stores; two warpgroups of half the keys
         width = host.block_d(pb.d)
         specs = (*(_descriptor_spec(t, m, width) for t in (q, dout)),

@@ -225,9 +225,10 @@ def _triton_tma(spec: Spec, tiles: TileConfig) -> bool:
 def gluon_head_dim(spec: Spec) -> int:
     """Q's and K's tile width in the Gluon forward: d padded to a power of two, or to 192 for 16-bit d in
     129..192 (FA3's widths: padding it to 256 cost QK^T a third more work and the tiles shared memory for
-    half the keys a step). FP8 keeps the power of two (its 192-wide chunks are untried)."""
+    half the keys a step), unless dv pads to 256 (O is staged in Q's buffer). FP8 keeps the power of two (its
+    192-wide chunks are untried)."""
     width = block_d(spec.headdim, spec.element_size)
-    if width == 256 and spec.headdim <= 192 and spec.element_size == 2:
+    if width == 256 and spec.headdim <= 192 and spec.element_size == 2 and block_d(spec.headdim_v) <= 128:
         return 192
     return width
 
@@ -272,15 +273,19 @@ def gluon_forward_tiles(spec: Spec) -> TileConfig:
 
 
 def _gluon_shapes(spec: Spec) -> bool:
-    # Q and K padded to a tile width (TMA reads the columns past d as zeros); V and O staged in Q's buffer,
-    # hence no wider, and not padded (a varlen tile's last rows are stored by column-exact masked stores)
-    # (and a descriptor needs rows: a varlen batch of only empty sequences, max_seqlen 0, may have none)
-    width = gluon_head_dim(spec)
-    return (width in GLUON_HEADDIMS and spec.headdim_v in GLUON_HEADDIMS_V and spec.headdim_v <= width
+    # Q and K padded to a tile width, V and O to theirs (TMA reads the columns past d and dv as zeros and
+    # clips the stores there; a varlen tile's last rows go by masked stores that stop at dv); O is staged in
+    # Q's buffer, hence no wider (and a descriptor needs rows: a varlen batch of only empty sequences,
+    # max_seqlen 0, may have none)
+    width, dv_width = gluon_head_dim(spec), block_d(spec.headdim_v)
+    return (width in GLUON_HEADDIMS and dv_width in GLUON_HEADDIMS_V and dv_width <= width
             and min(spec.seqlen_q, spec.seqlen_k) > 0)
 
 
 def takes_gluon_forward(spec: Spec) -> bool:
+    """A 16-bit call on sm90+ with TMA-ready tensors at head dims the Gluon tiles hold: on the H100 the
+    Gluon forward ran d 80 and 96 (padded to 128) at 1.2-1.4x the Triton one's TFLOP/s and its backward at
+    1.3x (benchmarks/results/2026-12-06-padded-heads-h100)."""
     return spec.gluon_features and spec.tma_ready and _gluon_shapes(spec)
 
 
@@ -297,10 +302,10 @@ def _wide_backward(spec: Spec) -> bool:
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
-    # d = dv = 64 or 128 (attn_bwd.py), or the wide pairs (attn_bwd_dsplit.py, not deterministic); other
-    # head dims keep the Triton backward, and so does a deterministic call with a learnable sink, whose
-    # gradient the Gluon programs add in no fixed order
-    shapes = ((spec.headdim in GLUON_BWD_HEADDIMS and spec.headdim_v == spec.headdim)
+    # d padded to 64 or 128 beside dv <= d (attn_bwd.py: every tile as wide as d's), or the wide pairs
+    # (attn_bwd_dsplit.py, not deterministic); other head dims keep the Triton backward, and so does a
+    # deterministic call with a learnable sink, whose gradient the Gluon programs add in no fixed order
+    shapes = ((block_d(spec.headdim) in GLUON_BWD_HEADDIMS and spec.headdim_v <= spec.headdim)
               or (_wide_backward(spec) and not spec.deterministic))
     return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
@@ -356,7 +361,8 @@ def takes_gluon_fp8_forward(spec: Spec) -> bool:
     under a mask from 2K at d >= 128 and from 8K at d = 64, it ran +3% to +25% (one point -0.6%: d 256 8K
     full); at 1K it lost up to 31% under causal masking, and d 64 lost up to 2.6% under it below 8K."""
     if not (spec.dtype == "float8_e4m3fn" and spec.cuda and spec.capability[0] >= 9 and spec.aligned
-            and not spec.varlen and spec.out_dtype in ("float16", "bfloat16") and _gluon_shapes(spec)):
+            and not spec.varlen and spec.out_dtype in ("float16", "bfloat16") and _gluon_shapes(spec)
+            and spec.headdim_v in GLUON_HEADDIMS_V):  # its K-major V at a padded dv is untried
         return False
     shortest = 8192 if spec.banded and block_d(spec.headdim) <= 64 else 2048
     return spec.longest >= shortest
