@@ -12,6 +12,9 @@ warpgroups see all of them, and they split each step's work two ways:
     K0 / KW, V0 / VW, Q0 / QW): at d = dv = 256, 128 of each; at d 192 / dv 128, dK 128 + dV 64 + dQ 64
     against 64 + 64 + 128 (the second warpgroup's second dQ unit, issued after dK and dV, then staged, is
     what it does beyond the first's).
+With two dO stages (dv = 128) the steps overlap: step c + 1's Sᵀ and dPᵀ are issued ahead of step c's
+products, and its Pᵀ and dSᵀ are computed while those run; with one (dv = 256) each step computes its own
+scores first.
 Per thread: dK and dV 64 registers each at d = 256, dQ 64 while it is in flight, Sᵀ and dPᵀ 16 each.
 dQ leaves as attn_bwd.py's does, by TMA reduce-adds into a float32 buffer, one 64-column unit at a time
 through a staging tile; dK and dV, staged in K's and V's tiles once no one reads those, by TMA stores.
@@ -120,6 +123,131 @@ def _stage_dq(dq, dq_buf, dq_desc, coord, sm_scale):
 
 
 @gluon.jit
+def _tile(smem, i):
+    """Tile i of a ring of TMA tiles (stages, batch, rows, head, cols) as a (rows, cols) operand."""
+    return smem.index(i).reshape([smem.shape[2], smem.shape[4]])
+
+
+@gluon.jit
+def _issue_scores(c, q_smem, k_smem, q_ready, STAGES: gl.constexpr, D_QK: gl.constexpr, WG: gl.constexpr,
+                  s_zero):
+    """Step c's Sᵀ = K Qᵀ over this warpgroup's rows, issued once the step's Q stage is in. K through a
+    view indexed by c >> 30 (0, which the compiler cannot know): left loop-invariant, the wgmma descriptors
+    of its 16-column steps were hoisted out of the loop and spilled (64 registers at d = 256)."""
+    s = c % STAGES
+    mbarrier.wait(q_ready.index(s), (c // STAGES) & 1)
+    return _scores(_tile(k_smem, c >> 30), _tile(q_smem, s).slice(WG * ROWS, ROWS, dim=0), D_QK, s_zero)
+
+
+@gluon.jit
+def _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES: gl.constexpr, WG: gl.constexpr, s_zero):
+    """Step c's dPᵀ = V dOᵀ over this warpgroup's rows, issued once the step's dO stage is in."""
+    t = c % DO_STAGES
+    mbarrier.wait(do_ready.index(t), (c // DO_STAGES) & 1)
+    do = _tile(do_smem, t).slice(WG * ROWS, ROWS, dim=0)
+    return warpgroup_mma(_tile(v_smem, c >> 30), do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _step_rows(c, rows, BLOCK_M: gl.constexpr):
+    """Step c's query head, first query row, and whether it is its head's last step."""
+    steps_per_head, head0, m_first = rows[1], rows[2], rows[3]
+    g = c // steps_per_head
+    i = c - g * steps_per_head
+    return head0 + g, m_first + i * BLOCK_M, i == steps_per_head - 1
+
+
+@gluon.jit
+def _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink, STAGES: gl.constexpr,
+              BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr,
+              s_layout: gl.constexpr):
+    """Step c's Pᵀ and dSᵀ (keys × this warpgroup's rows, float32) from its finished Sᵀ and dPᵀ, and the
+    sink's gradient summed over them. diag_r, diag_l: the band's edges (None where unbounded)."""
+    stats_rows, _, _, _, off_b = rows
+    offs_k, key0, key_tail, seqlen_q, seqlen_k, diag = band
+    qk_scale, _, cap_in, cap_out, ALIBI, stride_alibi_b = scales
+    SINK, DSINK = sink
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
+    off_h, m0, head_done = _step_rows(c, rows, BLOCK_M)
+    row0 = m0 + WG * ROWS  # this warpgroup's first query row
+    offs_q = row0 + gl.arange(0, ROWS, layout=row_layout)
+    slope = None
+    if ALIBI is not None:
+        slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
+    s = c % STAGES
+    lse_row = stats_rows.index(2 * s).slice(WG * ROWS, ROWS)
+    lse = lse_row.load(row_layout)
+    inside = None
+    if VARLEN:
+        # rows past the sequence's end count as rows that saw no key, and D 0 (attn_bwd.py)
+        inside = offs_q < seqlen_q
+        lse = gl.where(inside, lse, float("inf"))
+    pt, lse = transposed_probs(st, lse, offs_k, offs_q, key0, row0, key_tail, seqlen_k, qk_scale, cap_in,
+                               cap_out, slope, diag, diag_r, diag_l, CAUSAL)
+    if SINK is not None:  # this warpgroup's rows' share
+        sink_acc = sink_step(sink_acc, pt, dpt, lse_row.load(row_layout), inside, SINK, DSINK, off_h,
+                             head_done, s_layout)
+    delta = stats_rows.index(2 * s + 1).slice(WG * ROWS, ROWS).load(row_layout)
+    if VARLEN:
+        delta = gl.where(inside, delta, 0.0)
+    dst = pt * (dpt - delta[None, :])
+    if cap_in is not None:
+        dst = dst * dtanh(pt, lse_row.load(row_layout), cap_out, slope, offs_q, offs_k, diag)
+    return pt, dst, sink_acc
+
+
+@gluon.jit
+def _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG: gl.constexpr):
+    """This warpgroup's rows of step c's P and dS (rows: queries) into the step's buffers, then wait for the
+    other's. Two buffers: a warpgroup reaches step c + 2's writes only after the other arrived at step
+    c + 1's barrier, which it does once its step-c products (the readers of buffer c % 2) are done."""
+    b = c % 2
+    dtype: gl.constexpr = p_smem.dtype
+    p_smem.index(b).slice(WG * ROWS, ROWS, dim=0).store(gl.permute(pt.to(dtype), (1, 0)))
+    ds_smem.index(b).slice(WG * ROWS, ROWS, dim=0).store(gl.permute(dst.to(dtype), (1, 0)))
+    fence_async_shared()
+    mbarrier.arrive(pds_ready.index(b), count=1)
+    mbarrier.wait(pds_ready.index(b), (c // 2) & 1)
+
+
+@gluon.jit
+def _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES: gl.constexpr,
+                 DO_STAGES: gl.constexpr, K0: gl.constexpr, KW: gl.constexpr, V0: gl.constexpr,
+                 VW: gl.constexpr, Q0: gl.constexpr, q_zero):
+    """Step c's products on this warpgroup's columns: dQ's first unit (first, so that it can leave while
+    dV and dK are multiplied), dV += Pᵀ dO and dK += dSᵀ Q."""
+    ds_buf = ds_smem.index(c % 2)
+    dq = warpgroup_mma(ds_buf, k.slice(Q0, UNIT, dim=1), q_zero, use_acc=False, is_async=True)
+    do = _tile(do_smem, c % DO_STAGES)
+    dv = warpgroup_mma(p_smem.index(c % 2).permute((1, 0)), do.slice(V0, VW, dim=1), dv, is_async=True)
+    dk = warpgroup_mma(ds_buf.permute((1, 0)), _tile(q_smem, c % STAGES).slice(K0, KW, dim=1), dk,
+                       is_async=True)
+    return dq, dk, dv
+
+
+@gluon.jit
+def _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty, sm_scale,
+                  STAGES: gl.constexpr, DO_STAGES: gl.constexpr, Q0: gl.constexpr, QW: gl.constexpr,
+                  q_zero):
+    """Step c's dQ units reduce-added (a second unit, QW = 128, issued once the first is staged: both in
+    flight beside dK and dV spilled, 64 registers more), dK and dV waited for, and the step's Q and dO
+    stages released. coord: the dQ tile's coordinates but its first column."""
+    dq = warpgroup_mma_wait(2, deps=(dq,))
+    _stage_dq(dq, dq_buf, dq_desc, [coord[0], coord[1], coord[2], Q0], sm_scale)
+    if QW == 128:
+        dq = warpgroup_mma(ds_smem.index(c % 2), k.slice(Q0 + UNIT, UNIT, dim=1), q_zero, use_acc=False,
+                           is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        _stage_dq(dq, dq_buf, dq_desc, [coord[0], coord[1], coord[2], Q0 + UNIT], sm_scale)
+    else:
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    # this step's Q and dO have no reader left in this warpgroup
+    mbarrier.arrive(q_empty.index(c % STAGES), count=1)
+    mbarrier.arrive(do_empty.index(c % DO_STAGES), count=1)
+    return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+
+@gluon.jit
 def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
               D_QK: gl.constexpr, WG: gl.constexpr):
@@ -127,8 +255,7 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
      kv_rows, kv_acc, sink, widths) = args
     q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
     kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready = bars
-    qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
-    SINK, DSINK = sink
+    sm_scale = scales[1]
     d_qk, d_v = widths
     left = problem[5]
     right = problem[6]
@@ -179,84 +306,51 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     dq_buf = dq_smem.index(WG)
     mbarrier.wait(kv_bar, 0)
     n_steps = HEADS * n_m
-    steps_per_head = gl.maximum(n_m, 1)
-    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
     # the stats tiles as rows: 2s is stage s's LSE (base 2), 2s + 1 its D (attn_bwd.py's reinterpretation)
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    rows = (stats_rows, gl.maximum(n_m, 1), head0, m_first, off_b)
+    band = (offs_k, key0, key_tail, seqlen_q, seqlen_k, diag)
     sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
+    # With two dO stages each step's Pᵀ and dSᵀ are computed while the step before it has its products in
+    # flight: step c + 1's Sᵀ and dPᵀ are issued ahead of step c's dQ, dV and dK and waited for first. With
+    # one (dv = 256) a step's dO comes only once the step before has read its own in dV, and Sᵀ alone
+    # ahead of the products spilled (19 STL at d = 256 causal): each step computes its own scores
+    pt = s_zero
+    dst = s_zero
+    if DO_STAGES > 1:
+        if n_steps > 0:
+            st = _issue_scores(0, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
+            dpt = _issue_dp(0, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            pt, dst, sink_acc = _probs_ds(st, dpt, 0, sink_acc, rows, band, diag_r, diag_l, scales, sink,
+                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
     for c in range(n_steps):
-        g = c // steps_per_head
-        off_h = head0 + g
-        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
-        row0 = m0 + WG * ROWS  # this warpgroup's first query row
-        s = c % STAGES
-        t = c % DO_STAGES
-        b = c % 2
-        offs_q = row0 + gl.arange(0, ROWS, layout=row_layout)
-        slope = None
-        if ALIBI is not None:
-            slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
-        mbarrier.wait(q_ready.index(s), (c // STAGES) & 1)
-        mbarrier.wait(do_ready.index(t), (c // DO_STAGES) & 1)
-        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(t).reshape([BLOCK_M, DV])
-        # K and V through a view indexed by c >> 30 (0, which the compiler cannot know): left loop-invariant,
-        # the wgmma descriptors of their 16-column steps were hoisted out of the loop and spilled (64
-        # registers at d = 256)
-        kc = k_smem.index(c >> 30).reshape([BLOCK_N, HEAD_DIM])
-        st = _scores(kc, q.slice(WG * ROWS, ROWS, dim=0), D_QK, s_zero)
-        vc = v_smem.index(c >> 30).reshape([BLOCK_N, DV])
-        dpt = warpgroup_mma(vc, do.slice(WG * ROWS, ROWS, dim=0).permute((1, 0)), s_zero, use_acc=False,
-                            is_async=True)
-        lse_row = stats_rows.index(2 * s).slice(WG * ROWS, ROWS)
-        lse = lse_row.load(row_layout)
-        inside = None
-        if varlen:
-            # rows past the sequence's end count as rows that saw no key, and D 0 (attn_bwd.py)
-            inside = offs_q < seqlen_q
-            lse = gl.where(inside, lse, float("inf"))
-        st = warpgroup_mma_wait(1, deps=(st,))
-        pt, lse = transposed_probs(st, lse, offs_k, offs_q, key0, row0, key_tail, seqlen_k, qk_scale, cap_in,
-                                   cap_out, slope, diag, diag_r, diag_l, CAUSAL)
-        dpt = warpgroup_mma_wait(0, deps=(dpt,))
-        if SINK is not None:  # this warpgroup's rows' share
-            sink_acc = sink_step(sink_acc, pt, dpt, lse_row.load(row_layout), inside, SINK, DSINK, off_h,
-                                 c % steps_per_head == steps_per_head - 1, s_layout)
-        delta = stats_rows.index(2 * s + 1).slice(WG * ROWS, ROWS).load(row_layout)
-        if varlen:
-            delta = gl.where(inside, delta, 0.0)
-        dst = pt * (dpt - delta[None, :])
-        if cap_in is not None:
-            dst = dst * dtanh(pt, lse_row.load(row_layout), cap_out, slope, offs_q, offs_k, diag)
-        # this warpgroup's rows of P and dS (rows: queries), then both warpgroups' once the other's are there.
-        # Two buffers: a warpgroup reaches step c + 2's writes only after the other arrived at step c + 1's
-        # barrier, which it does once its step-c products (the readers of buffer b) are done
-        p_buf = p_smem.index(b)
-        ds_buf = ds_smem.index(b)
-        p_buf.slice(WG * ROWS, ROWS, dim=0).store(gl.permute(pt.to(dtype), (1, 0)))
-        ds_buf.slice(WG * ROWS, ROWS, dim=0).store(gl.permute(dst.to(dtype), (1, 0)))
-        fence_async_shared()
-        mbarrier.arrive(pds_ready.index(b), count=1)
-        mbarrier.wait(pds_ready.index(b), (c // 2) & 1)
-        # dQ's first unit first, so that it leaves while dV and dK are multiplied; a second unit (QW = 128)
-        # after them: both in flight beside dK and dV spilled (64 registers more)
-        dq = warpgroup_mma(ds_buf, k.slice(Q0, UNIT, dim=1), q_zero, use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_buf.permute((1, 0)), do.slice(V0, VW, dim=1), dv, is_async=True)
-        dk = warpgroup_mma(ds_buf.permute((1, 0)), q.slice(K0, KW, dim=1), dk, is_async=True)
-        dq = warpgroup_mma_wait(2, deps=(dq,))
-        _stage_dq(dq, dq_buf, dq_desc, [desc_b, q_start + m0, off_h, Q0], sm_scale)
-        if QW == 128:
-            dq = warpgroup_mma(ds_buf, k.slice(Q0 + UNIT, UNIT, dim=1), q_zero, use_acc=False, is_async=True)
-            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-            _stage_dq(dq, dq_buf, dq_desc, [desc_b, q_start + m0, off_h, Q0 + UNIT], sm_scale)
+        if DO_STAGES == 1:
+            st = _issue_scores(c, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
+            dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
+                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
+        off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
+        coord = (desc_b, q_start + m0, off_h)
+        _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
+        if DO_STAGES > 1 and c + 1 < n_steps:
+            st = _issue_scores(c + 1, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
+            dpt = _issue_dp(c + 1, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
+            dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
+                                      K0, KW, V0, VW, Q0, q_zero)
+            st, dpt = warpgroup_mma_wait(3, deps=(st, dpt))
+            pt, dst, sink_acc = _probs_ds(st, dpt, c + 1, sink_acc, rows, band, diag_r, diag_l, scales, sink,
+                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
+            # (each branch waits for its own products: no wgmma result in flight crosses the branches' join)
+            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty,
+                                   sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
         else:
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        # this step's Q and dO have no reader left in this warpgroup
-        mbarrier.arrive(q_empty.index(s), count=1)
-        mbarrier.arrive(do_empty.index(t), count=1)
-        dk = warpgroup_mma_init(dk)
-        dv = warpgroup_mma_init(dv)
+            dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
+                                      K0, KW, V0, VW, Q0, q_zero)
+            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty,
+                                   sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     # K and V are no longer read once both warpgroups are done: their tiles stage dK and dV
