@@ -313,29 +313,24 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     band = (offs_k, key0, key_tail, seqlen_q, seqlen_k, diag)
     sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
     # With two dO stages each step's Pᵀ and dSᵀ are computed while the step before it has its products in
-    # flight: step c + 1's Sᵀ and dPᵀ are issued ahead of step c's dQ, dV and dK and waited for first. With
-    # one (dv = 256) a step's dO comes only once the step before has read its own in dV, and Sᵀ alone
-    # ahead of the products spilled (19 STL at d = 256 causal): each step computes its own scores
-    pt = s_zero
-    dst = s_zero
+    # flight: step c + 1's Sᵀ and dPᵀ are issued ahead of step c's dQ, dV and dK and waited for first; the
+    # last step, which has no next one, is peeled off the loop (an if / else in the loop between the two
+    # orders was miscompiled for sm_90a: the else arm's dQ product read its 16-key steps' wgmma descriptors
+    # from uniform registers that only the other arm had set, the previous step's dS buffer). With one dO
+    # stage (dv = 256) a step's dO comes only once the step before has read its own in dV, and Sᵀ alone
+    # ahead of the products spilled (19 STL at d = 256 causal): each step computes its own scores first
     if DO_STAGES > 1:
+        pt = s_zero
+        dst = s_zero
         if n_steps > 0:
             st = _issue_scores(0, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
             dpt = _issue_dp(0, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
             pt, dst, sink_acc = _probs_ds(st, dpt, 0, sink_acc, rows, band, diag_r, diag_l, scales, sink,
                                           STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-    for c in range(n_steps):
-        if DO_STAGES == 1:
-            st = _issue_scores(c, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
-            dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
-            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
-                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-        off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
-        coord = (desc_b, q_start + m0, off_h)
-        _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
-        if DO_STAGES > 1 and c + 1 < n_steps:
+        for c in range(n_steps - 1):
+            off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
+            _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
             st = _issue_scores(c + 1, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
             dpt = _issue_dp(c + 1, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
             dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
@@ -343,14 +338,29 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
             st, dpt = warpgroup_mma_wait(3, deps=(st, dpt))
             pt, dst, sink_acc = _probs_ds(st, dpt, c + 1, sink_acc, rows, band, diag_r, diag_l, scales, sink,
                                           STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-            # (each branch waits for its own products: no wgmma result in flight crosses the branches' join)
-            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty,
-                                   sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
-        else:
+            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
+                                   q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
+        if n_steps > 0:
+            c = n_steps - 1
+            off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
+            _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
             dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
                                       K0, KW, V0, VW, Q0, q_zero)
-            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty,
-                                   sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
+            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
+                                   q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
+    else:
+        for c in range(n_steps):
+            st = _issue_scores(c, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
+            dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
+                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
+            off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
+            _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
+            dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
+                                      K0, KW, V0, VW, Q0, q_zero)
+            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
+                                   q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     # K and V are no longer read once both warpgroups are done: their tiles stage dK and dV
