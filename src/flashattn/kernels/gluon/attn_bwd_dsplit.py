@@ -12,9 +12,6 @@ warpgroups see all of them, and they split each step's work two ways:
     K0 / KW, V0 / VW, Q0 / QW): at d = dv = 256, 128 of each; at d 192 / dv 128, dK 128 + dV 64 + dQ 64
     against 64 + 64 + 128 (the second warpgroup's second dQ unit, issued after dK and dV, then staged, is
     what it does beyond the first's).
-With two dO stages (dv = 128) the steps overlap: step c + 1's Sᵀ and dPᵀ are issued ahead of step c's
-products, and its Pᵀ and dSᵀ are computed while those run; with one (dv = 256) each step computes its own
-scores first.
 Per thread: dK and dV 64 registers each at d = 256, dQ 64 while it is in flight, Sᵀ and dPᵀ 16 each.
 dQ leaves as attn_bwd.py's does, by TMA reduce-adds into a float32 buffer, one 64-column unit at a time
 through a staging tile; dK and dV, staged in K's and V's tiles once no one reads those, by TMA stores.
@@ -312,55 +309,21 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     rows = (stats_rows, gl.maximum(n_m, 1), head0, m_first, off_b)
     band = (offs_k, key0, key_tail, seqlen_q, seqlen_k, diag)
     sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
-    # With two dO stages each step's Pᵀ and dSᵀ are computed while the step before it has its products in
-    # flight: step c + 1's Sᵀ and dPᵀ are issued ahead of step c's dQ, dV and dK and waited for first; the
-    # last step, which has no next one, is peeled off the loop (an if / else in the loop between the two
-    # orders was miscompiled for sm_90a: the else arm's dQ product read its 16-key steps' wgmma descriptors
-    # from uniform registers that only the other arm had set, the previous step's dS buffer). With one dO
-    # stage (dv = 256) a step's dO comes only once the step before has read its own in dV, and Sᵀ alone
-    # ahead of the products spilled (19 STL at d = 256 causal): each step computes its own scores first
-    if DO_STAGES > 1:
-        pt = s_zero
-        dst = s_zero
-        if n_steps > 0:
-            st = _issue_scores(0, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
-            dpt = _issue_dp(0, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
-            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst, sink_acc = _probs_ds(st, dpt, 0, sink_acc, rows, band, diag_r, diag_l, scales, sink,
-                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-        for c in range(n_steps - 1):
-            off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
-            _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
-            st = _issue_scores(c + 1, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
-            dpt = _issue_dp(c + 1, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
-            dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
-                                      K0, KW, V0, VW, Q0, q_zero)
-            st, dpt = warpgroup_mma_wait(3, deps=(st, dpt))
-            pt, dst, sink_acc = _probs_ds(st, dpt, c + 1, sink_acc, rows, band, diag_r, diag_l, scales, sink,
-                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
-                                   q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
-        if n_steps > 0:
-            c = n_steps - 1
-            off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
-            _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
-            dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
-                                      K0, KW, V0, VW, Q0, q_zero)
-            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
-                                   q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
-    else:
-        for c in range(n_steps):
-            st = _issue_scores(c, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
-            dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
-            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
-                                          STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-            off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
-            _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
-            dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
-                                      K0, KW, V0, VW, Q0, q_zero)
-            dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
-                                   q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
+    # Each step in order: its scores, Pᵀ and dSᵀ, the hand-off, its products. Issuing step c + 1's Sᵀ and
+    # dPᵀ ahead of step c's products (its Pᵀ and dSᵀ computed under them) ran the d 192 / dv 128 backward
+    # 30% slower on the H100 (tuning-log v59)
+    for c in range(n_steps):
+        st = _issue_scores(c, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
+        dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
+                                      STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
+        off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
+        _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
+        dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
+                                  K0, KW, V0, VW, Q0, q_zero)
+        dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
+                               q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     # K and V are no longer read once both warpgroups are done: their tiles stage dK and dV
