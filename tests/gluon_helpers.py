@@ -27,11 +27,14 @@ def vary_routes(monkeypatch, forward=None, backward=None) -> None:
                 real(spec), **fields))
 
 
-def takes_gluon_backward(d: int, dv: int | None = None) -> bool:
+def takes_gluon_backward(d: int, dv: int | None = None, deterministic: bool = False) -> bool:
     """Whether a 16-bit call at head dims (d, dv) runs a Gluon backward (written out, not asked of routes):
     attn_bwd.py at d 33..128 (tiles 64 or 128 wide) beside dv <= d, attn_bwd_dsplit.py at Q/K widths 192
-    and 256 (d 129..256) beside dv padded to 128, and 256 (d 129..256) beside dv padded to 256."""
+    and 256 (d 129..256) beside dv padded to 128, and 256 (d 129..256) beside dv padded to 256; a
+    deterministic call only at d = dv = 64 or 128 (attn_bwd.py's fixed-order variant)."""
     dv = dv or d
+    if deterministic:
+        return d in (64, 128) and dv == d
     if d <= 128:
         return 32 < d and dv <= d
     dv_width = 128 if 64 < dv <= 128 else 256 if 128 < dv <= 256 else dv
@@ -89,9 +92,9 @@ def check_varlen(fwd_calls, bwd_calls, lens_q, lens_k, h, hk, d, dtype=torch.bfl
     sequence against the oracle (forward, LSE, gradients, the sink's summed over the sequences); the Gluon
     forward must have run (fwd_calls), and the Gluon backward (bwd_calls) exactly where it takes the head
     dims, else the Triton one reading the Gluon forward's LSE."""
-    # the wide heads' kernel has no deterministic variant; gluon_backward: the caller's expectation instead
+    # gluon_backward: the caller's expectation instead
     if gluon_backward is None:
-        gluon_backward = takes_gluon_backward(d, dv) and not (d > 128 and options.get("deterministic", False))
+        gluon_backward = takes_gluon_backward(d, dv, options.get("deterministic", False))
     cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
                                  device="cuda")
     q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, requires_grad=True)

@@ -140,6 +140,17 @@ def test_dv_below_d_takes_the_gluon_forward(d, dv, block_n, d_qk):
             assert bwd.do_stages == (2 if dv <= 128 else 1)
 
 
+@pytest.mark.parametrize("d, dv", [(96, 96), (40, 40), (128, 96), (80, 64)])
+def test_a_deterministic_backward_at_padded_head_dims_keeps_triton(d, dv):
+    # the fixed-order dQ variant runs its GPU tests at d = dv = 64 and 128 only; the default order takes the
+    # padded head dims
+    spec = _spec(headdim=d, headdim_v=dv, window=CAUSAL)
+    assert isinstance(routes.backward_route(spec), routes.GluonBackward)
+    fixed = dataclasses.replace(spec, deterministic=True)
+    assert isinstance(routes.backward_route(fixed), routes.TritonBackward)
+    assert isinstance(routes.backward_route(_spec(deterministic=True)), routes.GluonBackward)
+
+
 def test_wide_backward_shared_memory():
     # what the kernel allocates (sm90_compile_check builds each pair within the limit): 225 KiB at dv = 256
     # on one dO stage, where a second would need 257

@@ -302,10 +302,13 @@ def _wide_backward(spec: Spec) -> bool:
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
-    # d padded to 64 or 128 beside dv <= d (attn_bwd.py: every tile as wide as d's), or the wide pairs
+    # d padded to 64 or 128 beside dv <= d (attn_bwd.py: every tile as wide as d's; its deterministic
+    # variant only at d = dv = 64 or 128, the head dims its GPU tests run), or the wide pairs
     # (attn_bwd_dsplit.py, not deterministic); other head dims keep the Triton backward, and so does a
     # deterministic call with a learnable sink, whose gradient the Gluon programs add in no fixed order
-    shapes = ((block_d(spec.headdim) in GLUON_BWD_HEADDIMS and spec.headdim_v <= spec.headdim)
+    exact = spec.headdim in GLUON_BWD_HEADDIMS and spec.headdim_v == spec.headdim
+    padded = block_d(spec.headdim) in GLUON_BWD_HEADDIMS and spec.headdim_v <= spec.headdim
+    shapes = ((padded and (exact or not spec.deterministic))
               or (_wide_backward(spec) and not spec.deterministic))
     return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
