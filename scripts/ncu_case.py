@@ -1,9 +1,10 @@
 """One forward or backward call of the plain training shape, for Nsight Compute's stall and pipe sections.
 
     ncu --kernel-name regex:attn_bwd_ws --launch-skip 2 --launch-count 1 --section WarpStateStats ... \
-        python scripts/ncu_case.py D N [causal] [fwd] [cudnn] [triton]
+        python scripts/ncu_case.py D N [causal] [fwd] [cudnn] [triton] [dv=DV]
 
-b x N = 16K tokens, h = 2048 / d, bf16 (the train suite's grid). Warm-up calls come first, so the launch that
+b x N = 16K tokens, h = 2048 / d, bf16 (the train suite's grid); dv=DV gives V another head dim (192 with
+dv=128: the DeepSeek prefill shape). Warm-up calls come first, so the launch that
 is profiled is compiled and cached (skip 2 launches of the kernel); `triton` runs the Triton kernels' routes
 instead of the default ones; `cudnn` profiles SDPA's cuDNN backend on the same tensors instead (its kernels'
 names contain "sdpa").
@@ -20,9 +21,10 @@ from flashattn import flash_attn_func
 d, n = int(sys.argv[1]), int(sys.argv[2])
 causal = "causal" in sys.argv[3:]
 forward_only = "fwd" in sys.argv[3:]
+dv = next((int(a[3:]) for a in sys.argv[3:] if a.startswith("dv=")), d)
 shape = (16384 // n, n, 2048 // d, d)
-q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=not forward_only)
-           for _ in range(3))
+q, k, v = (torch.randn(*shape[:3], dim, device="cuda", dtype=torch.bfloat16, requires_grad=not forward_only)
+           for dim in (d, d, dv))
 
 
 def cudnn(q, k, v, causal):
@@ -47,5 +49,5 @@ else:
     for _ in range(3):
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 torch.cuda.synchronize()
-print("profiled", shape, "causal" if causal else "full", "forward" if forward_only else "backward",
-      flush=True)
+print("profiled", shape, f"dv {dv}", "causal" if causal else "full",
+      "forward" if forward_only else "backward", flush=True)

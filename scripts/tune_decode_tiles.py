@@ -87,11 +87,11 @@ def decode_inputs(b, kv_len, page, h, hk, d, device, dtype, fp8=False):
 
 def heuristic_splits(b, h, hk, d, kv_len, paged, element_size, device):
     """The launcher's split count for this call under the tile override in force."""
-    from flashattn.backends.triton import routes
+    from flashattn.backends.triton import decode_routes
     from flashattn.backends.triton.merge import sm_count
 
-    spec = routes.DecodeSpec(b, h, hk, 1, d, element_size, paged, kv_len, sms=sm_count(device))
-    return routes.decode_route(spec).num_splits
+    spec = decode_routes.DecodeSpec(b, h, hk, 1, d, element_size, paged, kv_len, sms=sm_count(device))
+    return decode_routes.decode_route(spec).num_splits
 
 
 def merge_ab(b, kv_len, page, h, hk, d, device, dtype, timer) -> dict:

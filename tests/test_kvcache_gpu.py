@@ -68,7 +68,7 @@ def test_decode_bf16_vs_oracle(b, kv_len, page):
 
 @pytest.mark.parametrize("page", [64, 256])
 def test_paged_equals_contiguous(page, monkeypatch):
-    # at batch 16 a paged cache takes 64-key tiles by default (routes.decode_tiles_for); the contiguous
+    # at batch 16 a paged cache takes 64-key tiles by default (decode_routes.decode_tiles_for); the contiguous
     # cache's tile here, so that both run the same arithmetic (the default paged tile is checked against the
     # oracle)
     use_tiles(monkeypatch, "decode_paged=64,128,4,5")

@@ -138,7 +138,9 @@ def test_ws_backward_hand_count_causal():
 
 def test_ws_backward_follows_the_launcher():
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 128, causal=True)) == (64, 128)
-    assert ws_backward_tiles(AttnShape(2, 4, 1024, 96)) is None  # d = 64 and 128 only
+    # d 33..128 on tiles of d's padded width (96: 128's); d <= 32 stays on the Triton backward
+    assert ws_backward_tiles(AttnShape(2, 4, 1024, 96)) == ws_backward_tiles(AttnShape(2, 4, 1024, 128))
+    assert ws_backward_tiles(AttnShape(2, 4, 1024, 24)) is None
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, window=(128, 0))) == (64, 128)  # a band: 64-row steps
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, density=0.5)) is None  # block-sparse: its own kernel
     # the 128K-token memory case: its 1 GiB float32 dQ buffer passes the cap, so the Triton backward runs
@@ -449,7 +451,7 @@ def test_decode_model_follows_the_launcher():
     """Without num_splits the model takes the launcher's tiles and split rule (one wave of programs on 132
     SMs when there are few, else about two; a split at least one key tile): 16 splits for one sequence of 16K
     keys over 8 KV heads, 3 for 16 sequences, and the chunk of a split a whole number of key tiles."""
-    from flashattn.backends.triton.routes import num_splits_heuristic
+    from flashattn.backends.triton.decode_routes import num_splits_heuristic
     from flashattn.iomodel import default_num_splits
     from flashattn.iomodel.tiled import decode_tiles
 

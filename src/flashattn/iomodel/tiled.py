@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashattn.backends.triton import routes
+from flashattn.backends.triton import decode_routes, routes
 from flashattn.backends.triton.configs import decode_programs_per_sm, tile_config
 from flashattn.backends.triton.host import block_d
 from flashattn.iomodel.estimate import H200, AttnShape, IOEstimate, Machine, combine
@@ -277,21 +277,21 @@ def forward_backward_io(shape: AttnShape, *, machine: Machine = H200, ctas_per_s
 def decode_tiles(headdim: int, dtype_bytes: int, paged: bool = False, rows: int = 1, kv_programs: int = 1,
                  machine: Machine = H200) -> tuple[int, int]:
     """(block_m cap, block_n) of the split-KV kernel on a GPU for `rows` packed query rows in each of
-    `kv_programs` (batch, kv head) pairs, from the launcher's own route (routes.decode_tiles_for)."""
-    spec = routes.DecodeSpec(kv_programs, rows, 1, 1, headdim, dtype_bytes, paged, 1, sms=machine.sms)
-    cfg = routes.decode_tiles_for(spec)
+    `kv_programs` (batch, kv head) pairs, from the launcher's own route (decode_routes.decode_tiles_for)."""
+    spec = decode_routes.DecodeSpec(kv_programs, rows, 1, 1, headdim, dtype_bytes, paged, 1, sms=machine.sms)
+    cfg = decode_routes.decode_tiles_for(spec)
     return cfg.block_m, cfg.block_n
 
 
 def default_num_splits(batch: int, nheads_k: int, keys: int, machine: Machine = H200, *, rows: int = 1,
                        block_m: int = 64, block_n: int = 128, headdim: int = 128, dtype_bytes: int = 2
                        ) -> int:
-    """The split count the launcher picks (routes.num_splits_heuristic) for `rows` packed query rows (GQA
-    group x seqlen_q) per (batch, kv head) and a cache of `keys` keys of `dtype_bytes` at `headdim`."""
-    m_blocks = cdiv(rows, routes.query_block(rows, block_m))
+    """The split count the launcher picks (decode_routes.num_splits_heuristic) for `rows` packed query rows
+    (GQA group x seqlen_q) per (batch, kv head) and a cache of `keys` keys of `dtype_bytes` at `headdim`."""
+    m_blocks = cdiv(rows, decode_routes.query_block(rows, block_m))
     per_sm = decode_programs_per_sm(block_d(headdim), dtype_bytes)
-    return routes.num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1, machine.sms,
-                                       per_sm)
+    return decode_routes.num_splits_heuristic(batch * nheads_k * m_blocks, cdiv(keys, block_n) + 1,
+                                              machine.sms, per_sm)
 
 
 def decode_io(shape: AttnShape, *, num_splits: int | None = None, block_n: int | None = None,

@@ -1,6 +1,7 @@
-"""Decode's routing on the CPU (backends/triton/routes.py, decode.py): the split count for the programs an SM
-runs, the merge's packed rows and its loads per round, the key tiles for the program count, and a tile
-override's precedence. The kernels' results for these routes: tests/test_kvcache.py and the GPU tests."""
+"""Decode's routing on the CPU (backends/triton/decode_routes.py, decode.py): the split count for the
+programs an SM runs, the merge's packed rows and its loads per round, the key tiles for the program count,
+and a tile override's precedence. The kernels' results for these routes: tests/test_kvcache.py and the
+GPU tests."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from utils import use_tiles
     ],
 )
 def test_num_splits_heuristic(programs, n_tiles, splits):
-    from flashattn.backends.triton.routes import num_splits_heuristic
+    from flashattn.backends.triton.decode_routes import num_splits_heuristic
 
     assert num_splits_heuristic(programs, n_tiles, 132) == splits
 
@@ -35,19 +36,20 @@ def test_num_splits_heuristic(programs, n_tiles, splits):
     ],
 )
 def test_num_splits_plan_for_two_programs_an_sm(programs, splits):
-    from flashattn.backends.triton.routes import num_splits_heuristic
+    from flashattn.backends.triton.decode_routes import num_splits_heuristic
 
     assert num_splits_heuristic(programs, 513, 132, per_sm=2) == splits
 
 
 @pytest.mark.parametrize("group, sq, merge_rows", [(4, 1, 4), (1, 1, 1), (8, 3, 32), (4, 3, 16), (16, 8, 64)])
 def test_the_merge_takes_the_packed_rows(monkeypatch, group, sq, merge_rows):
-    from flashattn.backends.triton import routes
+    from flashattn.backends.triton import decode_routes
 
     use_tiles(monkeypatch, None)
     # the packed rows' next power of two, within the query block (block_m: at least 16, the rows' power of
     # two up to the tile's cap of 64)
-    route = routes.decode_route(routes.DecodeSpec(1, 8 * group, 8, sq, 128, 2, False, 65536, sms=132))
+    spec = decode_routes.DecodeSpec(1, 8 * group, 8, sq, 128, 2, False, 65536, sms=132)
+    route = decode_routes.decode_route(spec)
     assert route.merge_rows == merge_rows and route.merge_rows <= route.block_m
 
 
@@ -61,28 +63,29 @@ def test_the_merge_loads_at_most_the_splits_power_of_two(merge_rows, splits, chu
 
 
 def test_an_fp8_cache_at_d128_plans_two_programs_an_sm(monkeypatch):
-    from flashattn.backends.triton import routes
+    from flashattn.backends.triton import decode_routes
 
     use_tiles(monkeypatch, None)
     for paged in (False, True):
         # b16 and b1 x 8 KV heads, 64K keys: the H200 sweep's best split counts, 2 and about 32
         for batch, splits in ((16, 2), (1, 33)):
-            spec = routes.DecodeSpec(batch, 32, 8, 1, 128, 1, paged, 65536, sms=132)
-            assert routes.decode_route(spec).num_splits == splits
+            spec = decode_routes.DecodeSpec(batch, 32, 8, 1, 128, 1, paged, 65536, sms=132)
+            assert decode_routes.decode_route(spec).num_splits == splits
         # a 16-bit cache keeps one program an SM: 3 and 16 splits
         for batch, splits in ((16, 3), (1, 16)):
-            spec = routes.DecodeSpec(batch, 32, 8, 1, 128, 2, paged, 65536, sms=132)
-            assert routes.decode_route(spec).num_splits == splits
+            spec = decode_routes.DecodeSpec(batch, 32, 8, 1, 128, 2, paged, 65536, sms=132)
+            assert decode_routes.decode_route(spec).num_splits == splits
     # unmeasured head dims keep one
-    assert routes.decode_route(routes.DecodeSpec(16, 32, 8, 1, 64, 1, False, 65536, sms=132)).num_splits == 3
+    spec = decode_routes.DecodeSpec(16, 32, 8, 1, 64, 1, False, 65536, sms=132)
+    assert decode_routes.decode_route(spec).num_splits == 3
 
 
 def _decode_tiles(d, element_size, paged, kv_programs):
-    from flashattn.backends.triton import routes
+    from flashattn.backends.triton import decode_routes
 
     # one query row per program (GQA group 1, seqlen_q 1), kv_programs (batch, kv head) pairs on an H200
-    spec = routes.DecodeSpec(kv_programs, 1, 1, 1, d, element_size, paged, 4096, sms=132)
-    return routes.decode_tiles_for(spec)
+    spec = decode_routes.DecodeSpec(kv_programs, 1, 1, 1, d, element_size, paged, 4096, sms=132)
+    return decode_routes.decode_tiles_for(spec)
 
 
 @pytest.mark.parametrize(

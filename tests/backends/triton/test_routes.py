@@ -17,7 +17,7 @@ import torch
 from utils import INTERPRET, LaunchRecorder, use_tiles
 
 from flashattn import flash_attn_func
-from flashattn.backends.triton import attention, configs, routes, tma
+from flashattn.backends.triton import attention, configs, decode_routes, routes, tma
 from flashattn.backends.triton.configs import TileConfig, tile_config
 from flashattn.errors import FlashAttnError
 from flashattn.iomodel import AttnShape, backward_io, forward_io
@@ -494,14 +494,14 @@ def test_specs_from_tensors(monkeypatch):
 
 
 def test_decode_routes():
-    spec = routes.DecodeSpec(batch=1, nheads=32, nheads_k=8, seqlen_q=1, headdim=128, element_size=2,
+    spec = decode_routes.DecodeSpec(batch=1, nheads=32, nheads_k=8, seqlen_q=1, headdim=128, element_size=2,
                              paged=False, capacity=65536)
-    route = routes.decode_route(spec)
+    route = decode_routes.decode_route(spec)
     # batch 1 fills one wave with splits: floor(SMs / programs)
     assert route.num_splits == spec.sms // 8 and route.block_m == 16
     many = dataclasses.replace(spec, batch=64)
-    assert routes.decode_route(many).num_splits == 1  # 512 programs already fill two waves
-    assert routes.decode_route(dataclasses.replace(spec, num_splits=3)).num_splits == 3
+    assert decode_routes.decode_route(many).num_splits == 1  # 512 programs already fill two waves
+    assert decode_routes.decode_route(dataclasses.replace(spec, num_splits=3)).num_splits == 3
     # a window shortens the key span a split may cover
-    narrow = routes.decode_route(dataclasses.replace(spec, window=(127, 0)))
+    narrow = decode_routes.decode_route(dataclasses.replace(spec, window=(127, 0)))
     assert narrow.num_splits <= -(-(128 + 16) // narrow.tiles.block_n) + 1

@@ -23,14 +23,14 @@ allocated in a CUDA graph's pool that outlives the graph's own bookkeeping.
 An FP8 cache (e4m3 k_cache/v_cache with float32 descales k_descale/v_descale, (1,) or (b, h_k)) is the
 kernel's FP8_CACHE variant; its tiles are routed for the cache's element size.
 
-The tiles and split count are the route's (routes.decode_route); backends/torch/decode.py is the same
+The tiles and split count are the route's (decode_routes.decode_route); backends/torch/decode.py is the same
 computation in plain torch.
 """
 
 import torch
 
 from flashattn import config
-from flashattn.backends.triton import host, routes, tma
+from flashattn.backends.triton import decode_routes, host, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.merge import sm_count
 from flashattn.errors import FlashAttnError
@@ -88,12 +88,12 @@ def _descale_strides(descale) -> tuple[int, int]:
 
 def decode_spec(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, element_size: int,
                 paged: bool, capacity: int, window: tuple[int, int], num_splits: int,
-                device: torch.device) -> routes.DecodeSpec:
-    return routes.DecodeSpec(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, capacity,
+                device: torch.device) -> decode_routes.DecodeSpec:
+    return decode_routes.DecodeSpec(batch, nheads, nheads_k, seqlen_q, headdim, element_size, paged, capacity,
                              window, num_splits, tma.device_facts(device)[0], sm_count(device))
 
 
-def workspace_size(route: routes.DecodeRoute, batch: int, nheads_k: int, rows: int,
+def workspace_size(route: decode_routes.DecodeRoute, batch: int, nheads_k: int, rows: int,
                    headdim: int) -> tuple[int, int]:
     """(fp32 partials, counters) a launch of this route needs: per split and row of programs, a
     (BLOCK_M, BLOCK_D) output and BLOCK_M LSEs; a counter per row of programs (batch, kv head, query
@@ -147,7 +147,7 @@ class DecodeLaunch:
 def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, alibi_slopes, key_mask, k_descale, v_descale, *, softmax_scale: float,
             causal: bool = False, window_size=(-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
-            num_splits: int = 0, route: routes.DecodeRoute | None = None) -> DecodeLaunch:
+            num_splits: int = 0, route: decode_routes.DecodeRoute | None = None) -> DecodeLaunch:
     """The DecodeLaunch of calls like this one (the tensors give shapes, strides and dtypes; their values are
     not read). route: a plan's route instead of the default one for the cache's capacity."""
     b, sq, h, d = q.shape
@@ -164,7 +164,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if route is None:
         spec = decode_spec(b, h, hk, sq, d, kv_element_size(q.dtype, k_cache.dtype), paged, capacity, window,
                            num_splits, q.device)
-        route = routes.decode_route(spec)
+        route = decode_routes.decode_route(spec)
     cfg, block_m, splits = route.tiles, route.block_m, route.num_splits
     group = h // hk
     rows = sq * group
@@ -176,7 +176,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     floats, counters = workspace_size(route, b, hk, rows, d)
     s_new = 0 if k is None else k.shape[1]
     rotate = rotary_cos is not None
-    left, right = (routes.UNBOUNDED if w < 0 else w for w in window)
+    left, right = (decode_routes.UNBOUNDED if w < 0 else w for w in window)
     zeros3 = (0, 0, 0)
     consts = (
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -250,13 +250,13 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
 def plan_route(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, dtype: torch.dtype,
                cache_dtype: torch.dtype, paged: bool, max_seqlen_k: int, window: tuple[int, int],
                num_splits: int, device: torch.device,
-               workspace: Workspace | None = None) -> tuple[routes.DecodeRoute, Workspace | None]:
+               workspace: Workspace | None = None) -> tuple[decode_routes.DecodeRoute, Workspace | None]:
     """A plan's route for sequences of at most max_seqlen_k keys (q in dtype, caches in cache_dtype), and a
     workspace of its own: `workspace` where it is large enough (a replan), else a new one (None when the
     route does not split)."""
     spec = decode_spec(batch, nheads, nheads_k, seqlen_q, headdim, kv_element_size(dtype, cache_dtype), paged,
                        max_seqlen_k, window, num_splits, device)
-    route = routes.decode_route(spec)
+    route = decode_routes.decode_route(spec)
     floats, counters = workspace_size(route, batch, nheads_k, spec.rows, headdim)
     if not counters:
         return route, None

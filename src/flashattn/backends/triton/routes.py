@@ -9,19 +9,19 @@ state but the expert tile overrides (`flashattn.config`), which the tile table a
 
 Routes of the dense and varlen attention:
   forward:  `GluonForward` (the warp-specialised Hopper kernel, kernels/gluon/attn_fwd.py) for 16-bit calls
-            with TMA-ready tensors on sm90+, d (padded) and dv of 64, 128 or 256 with dv <= d (192 / 128
-            included), padded or varlen, with any window (causal included), softcap, ALiBi or sink, and no
-            dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every feature). FP8 inference calls
-            take the Gluon forward's FP8 variant in the padded layout with a 16-bit output where the H200
-            measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
-  backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d = dv =
-            64 or 128 unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic too, in its
-            fixed-order variant, but not with a learnable sink), and at d 129..256 beside dv 128 or 256
-            on the wide heads' kernel (kernels/gluon/attn_bwd_dsplit.py, `GluonBackward.d_qk`; not
-            deterministic), else `TritonBackward` (two programs: dK/dV and dQ).
+            with TMA-ready tensors on sm90+, d 33..256 and dv padded to the kernel's widths (dv's no wider
+            than d's; 192 / 128 included), padded or varlen, with any window (causal included), softcap,
+            ALiBi or sink, and no dropout; else `TritonForward` (kernels/triton/attn_fwd.py, every
+            feature). FP8 inference calls take the Gluon forward's FP8 variant in the padded layout with a
+            16-bit output where the H200 measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
+  backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d 33..128
+            beside dv <= d unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic, in its
+            fixed-order variant, at d = dv = 64 or 128 and not with a learnable sink), and at d 129..256
+            beside dv padded to 128 or 256 on the wide heads' kernel (kernels/gluon/attn_bwd_dsplit.py,
+            `GluonBackward.d_qk`; not deterministic), else `TritonBackward` (two programs: dK/dV and dQ).
 Block-sparse calls (BlockMask): `DenseBandRoute` when the mask is exactly a band (its rule, see SparseSpec),
 which then takes the routes above with the band as the window; else `SparseRoute`
-(kernels/triton/attn_sparse.py). Decode (flash_attn_with_kvcache, DecodePlan): `DecodeRoute`.
+(kernels/triton/attn_sparse.py). Decode (flash_attn_with_kvcache, DecodePlan): decode_routes.py.
 This module imports neither torch nor Triton.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flashattn.backends.triton.configs import TileConfig, decode_programs_per_sm, decode_tiles, tile_config
+from flashattn.backends.triton.configs import TileConfig, tile_config
 from flashattn.backends.triton.host import block_d
 from flashattn.errors import FlashAttnError
 
@@ -436,114 +436,6 @@ def triton_backward_route(spec: Spec) -> TritonBackward:
 def backward_route(spec: Spec) -> TritonBackward | GluonBackward:
     """The backward's default route (spec.aligned covers dout as well)."""
     return gluon_backward_route(spec) if takes_gluon_backward(spec) else triton_backward_route(spec)
-
-
-# -- KV-cache attention (flash_attn_with_kvcache): the split-KV decode kernel
-
-MAX_SPLITS = 128
-UNBOUNDED = 1 << 30  # a window side of -1 as the decode kernel takes it: no branch, no int32 overflow
-
-
-@dataclass(frozen=True)
-class DecodeSpec:
-    """A KV-cache call as routing sees it. capacity: the longest key range a sequence may have (the cache
-    capacity, seqlen_cache or max_pages · page_size; a DecodePlan's max_seqlen_k); window: (left, right)
-    after causal folding, -1 = unbounded; num_splits: the caller's request (0: the heuristic); sms: the
-    GPU's multiprocessors."""
-
-    batch: int
-    nheads: int
-    nheads_k: int
-    seqlen_q: int
-    headdim: int
-    element_size: int
-    paged: bool
-    capacity: int
-    window: tuple[int, int] = (-1, -1)
-    num_splits: int = 0
-    cuda: bool = True
-    sms: int = 132
-
-    @property
-    def rows(self) -> int:
-        """Packed query rows per (batch, kv head) program: the GQA group times seqlen_q."""
-        return self.seqlen_q * (self.nheads // self.nheads_k)
-
-
-@dataclass(frozen=True)
-class DecodeRoute:
-    """kernels/triton/decode.py: one program per (batch, kv head, split, query block); with num_splits > 1
-    the last program of each (batch, kv head, query block) to finish merges the splits' partial results, in
-    the same launch."""
-
-    tiles: TileConfig
-    block_m: int  # packed query rows per program (a power of two, at least 16)
-    num_splits: int
-    # rows the in-kernel merge takes at a time (a power of two, at most block_m): the packed rows' next power
-    # of two, so that a decode step's few rows (a GQA group) merge more splits a round trip
-    merge_rows: int
-    kernel = "triton"
-
-
-def query_block(rows: int, cap: int) -> int:
-    """BLOCK_M of the split kernel for `rows` packed query rows: their next power of two, at least 16 (the
-    smallest tl.dot), at most the config's cap."""
-    return min(max(16, 1 << max(rows - 1, 0).bit_length()), max(16, cap))
-
-
-def one_wave(programs: int, sms: int) -> bool:
-    """Few enough programs that splitting the keys fills one wave of the GPU with 2 or more splits each."""
-    return sms // max(programs, 1) >= 2
-
-
-def num_splits_heuristic(programs: int, n_tiles: int, sms: int, per_sm: int = 1) -> int:
-    """Splits of the key range, from the programs there are without splitting.
-
-    programs: (batch, kv head, query block) programs without splitting; n_tiles: key tiles of the longest
-    sequence (a split gets at least one); per_sm: programs an SM runs at once
-    (configs.decode_programs_per_sm), so a wave is sms · per_sm programs. When one_wave: floor(wave /
-    programs) splits (the H200 sweep found one wave of longer splits 5-21% faster than two waves at batch 1:
-    fewer partial results to combine, no second-wave tail). Otherwise about two waves, ceil(2·wave /
-    programs), and none from 2·wave programs on. Always within [1, min(n_tiles, 128)].
-    """
-    wave = sms * per_sm
-    if programs >= 2 * wave:
-        return 1
-    splits = wave // programs if one_wave(programs, wave) else -(-2 * wave // programs)
-    return max(1, min(splits, n_tiles, MAX_SPLITS))
-
-
-def decode_tiles_for(spec: DecodeSpec) -> TileConfig:
-    """The split kernel's tiles: a paged cache read by more programs (before splitting) than one wave allows
-    takes narrower key tiles."""
-    bd = block_d(spec.headdim)
-    tiles = decode_tiles(bd, spec.element_size, spec.paged, spec.cuda)
-    # the block_m cap does not depend on the program count: it sets the query blocks that are counted
-    programs = spec.batch * spec.nheads_k * -(-spec.rows // query_block(spec.rows, tiles.block_m))
-    if spec.paged and not one_wave(programs, spec.sms):
-        tiles = decode_tiles(bd, spec.element_size, spec.paged, spec.cuda, many_programs=True)
-    return tiles
-
-
-def decode_route(spec: DecodeSpec) -> DecodeRoute:
-    tiles = decode_tiles_for(spec)
-    group = spec.nheads // spec.nheads_k
-    block_m = query_block(spec.rows, tiles.block_m)
-    m_blocks = -(-spec.rows // block_m)
-    span = spec.capacity
-    left, right = spec.window
-    if spec.window != (-1, -1):
-        left = UNBOUNDED if left < 0 else left
-        right = UNBOUNDED if right < 0 else right
-        # a query block spans at most this many query positions, each seeing left + right + 1 keys
-        span = min(span, left + right + min(spec.seqlen_q, -(-block_m // group) + 1))
-    n_tiles = max(1, -(-span // tiles.block_n) + 1)  # + 1: the span need not start on a tile
-    splits = spec.num_splits
-    if splits <= 0:
-        per_sm = decode_programs_per_sm(block_d(spec.headdim), spec.element_size)
-        splits = num_splits_heuristic(spec.batch * spec.nheads_k * m_blocks, n_tiles, spec.sms, per_sm)
-    merge_rows = min(block_m, 1 << max(spec.rows - 1, 0).bit_length())
-    return DecodeRoute(tiles, block_m, max(1, min(splits, n_tiles)), merge_rows)
 
 
 # -- block-sparse attention (BlockMask)
