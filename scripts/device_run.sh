@@ -48,6 +48,10 @@
 #                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
 #                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache, contiguous and paged 64): sections and
 #                 pipe metrics, ncu-*.txt
+#   profile-training
+#                 Nsight Compute on one training backward (scripts/ncu_case.py; PROFILE_CASE, default the wide
+#                 heads' "192 8192 causal dv=128") for ours and for cuDNN's kernel on the same tensors:
+#                 sections with source counters and the pipes, ncu-train-{ours,cudnn}.txt
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py), and the
 #                 autograd engine's share, device threads on and off (scripts/autograd_host.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
@@ -195,6 +199,20 @@ CASES
         grep -E "^ +(Duration|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|Achieved Occupancy|sm__)" \
           "$RES/ncu-$name.txt" "$RES/ncu-pipes-$name.txt" | sed 's/^[^:]*://' | head -12
       done <<< "$cases" ;;
+    profile-training)
+      case_args=${PROFILE_CASE:-192 8192 causal dv=128}
+      export PYTHONPATH=$PWD/src  # ncu's child process
+      for who in ours cudnn; do
+        extra=; regex="attn_bwd_(ws|dsplit)_kernel"
+        [ $who = cudnn ] && extra=cudnn && regex=sdpa
+        timeout 200 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
+          --print-details all --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section InstructionStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+          --section SourceCounters python3 scripts/ncu_case.py $case_args $extra > "$RES/ncu-train-$who.txt" 2>&1
+        echo "-- $who: $case_args"
+        grep -E "^ +(Duration|Compute \(SM\) Throughput|L2 Cache Throughput|Issue Slots Busy|Stall Long)" \
+          "$RES/ncu-train-$who.txt" | head -8
+      done ;;
     host-time)
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call"
       timeout 60 python3 scripts/autograd_host.py "$RES/autograd_host.json" 2>&1 | grep "us/call" ;;
