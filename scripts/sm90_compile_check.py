@@ -238,12 +238,13 @@ def dense_cases():
         q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, dv)
         yield f"dense gluon bwd d={d} dv={dv} h8/{hk} group_split={n} causal={causal}", partial(
             _routes, q, k, v, routes.gluon_forward_route, split(n), causal=causal)
-    # head dims below their tiles' width on explicit Gluon routes (the default routes send them to the Triton
-    # kernels until a GPU run has checked them): TMA reads zeros past d and dv and clips the stores there
+    # head dims below their tiles' width (the default routes take them; named here so that every padded
+    # shape builds whatever the routes' predicates): TMA reads zeros past d and dv and clips the stores there
     if not QUICK:
         gluon_routes = (routes.gluon_forward_route, routes.gluon_backward_route)
         for d, dv, hk, causal in ((96, 96, 2, True), (40, 40, 2, False), (80, 80, 1, True),
-                                  (128, 96, 2, False), (72, 64, 2, True), (200, 96, 2, True)):
+                                  (128, 96, 2, False), (72, 64, 2, True), (200, 96, 2, True),
+                                  (160, 160, 2, True), (192, 192, 2, False)):
             q, k, v = _t(1, 1100, 8, d), _t(1, 1100, hk, d), _t(1, 1100, hk, dv)
             yield f"dense gluon padded d={d} dv={dv} h8/{hk} causal={causal}", partial(
                 _routes, q, k, v, *gluon_routes, causal=causal)
