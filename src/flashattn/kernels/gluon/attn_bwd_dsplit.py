@@ -310,8 +310,8 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     band = (offs_k, key0, key_tail, seqlen_q, seqlen_k, diag)
     sink_acc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, s_layout))
     # Each step in order: its scores, Pᵀ and dSᵀ, the hand-off, its products. Issuing step c + 1's Sᵀ and
-    # dPᵀ ahead of step c's products (its Pᵀ and dSᵀ computed under them) ran the d 192 / dv 128 backward
-    # 30% slower on the H100 (tuning-log v59)
+    # dPᵀ ahead of step c's products (its Pᵀ and dSᵀ computed under them) made the d 192 / dv 128 backward
+    # take 30% longer on the H100 (tuning-log v59)
     for c in range(n_steps):
         st = _issue_scores(c, q_smem, k_smem, q_ready, STAGES, D_QK, WG, s_zero)
         dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
