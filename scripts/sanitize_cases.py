@@ -1,7 +1,8 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_padded] [fp8] [softcap_wide]
+        [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_padded] [fp8]
+        [softcap_wide]
 
 (default: the first four).
 
@@ -15,7 +16,8 @@ variants (windows, softcap, ALiBi, sinks, the forward's varlen layout) forward a
 shapes. ws_deterministic runs the backward's fixed-order dQ variant (deterministic=True). ws_chunked runs the
 forward's 192-wide heads (Q and K in three 64-wide chunks, one Q buffer or two) and one Q buffer at d = 256,
 persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs the wide heads' backward
-(d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward.
+(d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward;
+ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, its explicit route).
 ws_padded runs both Gluon kernels on head dims below their tiles' widths.
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
@@ -253,20 +255,21 @@ def ws_chunked():
             assert all(torch.isfinite(out).all() for out in outs)
 
 
-def ws_wide_bwd():
-    # the wide heads' backward (attn_bwd_dsplit.py) alone, after the Triton forward's route: each (width, dv)
-    # pair's column units, d below the width (padding columns), GQA with and without the group split, a
-    # window with softcap, ALiBi and a sink, and varlen with empty sequences, sequences ending inside a key
+def _wide_backward_cases(backward, pairs, varlen_pairs):
+    # a wide-head backward (`backward`: its route function) alone, after the Triton forward's route: each
+    # (d, dv) pair's column units, d below the width (padding columns), GQA with and without the group split,
+    # a window with softcap, ALiBi and a sink, and varlen with empty sequences, sequences ending inside a key
     # tile (masked dK / dV stores beside the next sequence's TMA stores) and programs past the key-tile list
     from dataclasses import replace
 
     from flashattn.backends.triton import attention, routes
 
     default = routes.forward_route, routes.backward_route
-    routes.forward_route = routes.triton_forward_route
+    routes.forward_route, routes.backward_route = routes.triton_forward_route, backward
     attention._forward_cache.clear()
+    attention._backward_cache.clear()
     h = 4
-    for d, dv in ((256, 256), (192, 128), (160, 128), (256, 128)):
+    for d, dv in pairs:
         for (b, sq, sk), options in (((1, 200, 137), dict(causal=True)), ((2, 67, 130), {}),
                                      ((1, 257, 300), dict(window_size=(64, 20), softcap=5.0, alibi=True,
                                                           sink=True))):
@@ -279,22 +282,40 @@ def ws_wide_bwd():
                 options["learnable_sink"] = torch.randn(h, device="cuda", requires_grad=True)
                 inputs.append(options["learnable_sink"])
             _grad_check(flash_attn_func(q, k, v, **options), *inputs)
-    routes.backward_route = lambda spec: replace(default[1](spec), group_split=2)
+    routes.backward_route = lambda spec: replace(backward(spec), group_split=2)
     attention._backward_cache.clear()
     q, k, v = _qkv((1, 150, 8, 192), (1, 190, 2, 192), (1, 190, 2, 128))
     _grad_check(flash_attn_func(q, k, v, causal=True), q, k, v)
-    routes.backward_route = default[1]
+    routes.backward_route = backward
     attention._backward_cache.clear()
     lens_q, lens_k = [0, 77, 1, 130, 64, 0, 191, 1], [5, 77, 0, 200, 64, 3, 150, 129]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for ls in (lens_q, lens_k))
-    for d, dv in ((256, 256), (160, 128)):
+    for d, dv in varlen_pairs:
         q, k, v = _qkv((sum(lens_q), h, d), (sum(lens_k), 2, d), (sum(lens_k), 2, dv))
         sink = torch.randn(h, device="cuda", requires_grad=True)
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                      window_size=(50, -1), softcap=4.0, learnable_sink=sink)
         _grad_check(out, q, k, v, sink)
-    routes.forward_route = default[0]
+    routes.forward_route, routes.backward_route = default
+    attention._forward_cache.clear()
+    attention._backward_cache.clear()
+
+
+def ws_wide_bwd():
+    # attn_bwd_dsplit.py (the default route of these head dims)
+    from flashattn.backends.triton import routes
+
+    _wide_backward_cases(routes.backward_route, ((256, 256), (192, 128), (160, 128), (256, 128)),
+                         ((256, 256), (160, 128)))
+
+
+def ws_keys():
+    # attn_bwd_keys.py (128 keys a program) on its explicit route
+    from flashattn.backends.triton import routes
+
+    _wide_backward_cases(routes.wide_keys_backward_route, ((192, 128), (160, 104), (192, 64)),
+                         ((192, 128), (160, 104)))
 
 
 def ws_padded():

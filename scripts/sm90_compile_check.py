@@ -253,6 +253,15 @@ def dense_cases():
             yield f"varlen gluon bwd padded d={d} dv={dv} causal", partial(
                 _varlen_backward, q, k, v, torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), 130,
                 routes.gluon_backward_route, causal=True)
+        # the 128-key wide-head backward (attn_bwd_keys.py) on its explicit route
+        for d, dv, causal in ((192, 128, True), (160, 104, False), (192, 64, True)):
+            q, k, v = _t(1, 1100, 8, d), _t(1, 1100, 2, d), _t(1, 1100, 2, dv)
+            yield f"dense gluon bwd 128 keys d={d} dv={dv} causal={causal}", partial(
+                _routes, q, k, v, routes.gluon_forward_route, routes.wide_keys_backward_route, causal=causal)
+        q, k, v = _t(208, 4, 192), _t(208, 2, 192), _t(208, 2, 128)
+        yield "varlen gluon bwd 128 keys d=192 dv=128 causal", partial(
+            _varlen_backward, q, k, v, torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), 130,
+            routes.wide_keys_backward_route, causal=True)
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)
     yield "varlen gluon bwd d=128 h8/1 group_split=8 causal", partial(

@@ -151,6 +151,21 @@ def test_a_deterministic_backward_at_padded_head_dims_keeps_triton(d, dv):
     assert isinstance(routes.backward_route(_spec(deterministic=True)), routes.GluonBackward)
 
 
+@pytest.mark.parametrize("d, dv", [(192, 128), (160, 104), (136, 64)])
+def test_the_128_key_wide_backward_route(d, dv):
+    # attn_bwd_keys.py on its explicit route: 32-row steps, 128 keys, Q/K 192 wide beside dv up to 128
+    route = routes.wide_keys_backward_route(_spec(headdim=d, headdim_v=dv, window=CAUSAL))
+    assert route.wide_keys and route.d_qk == 192
+    assert (route.tiles.block_m, route.tiles.block_n) == (32, 128)
+
+
+@pytest.mark.parametrize("kw", [dict(headdim=256, headdim_v=128), dict(headdim=192, headdim_v=192),
+                                dict(headdim=128), dict(headdim=192, deterministic=True)], ids=str)
+def test_the_128_key_wide_backward_route_refuses_other_calls(kw):
+    with pytest.raises(FlashAttnError, match="128-key wide-head backward"):
+        routes.wide_keys_backward_route(_spec(**{"headdim_v": 128, **kw}))
+
+
 def test_wide_backward_shared_memory():
     # what the kernel allocates (sm90_compile_check builds each pair within the limit): 225 KiB at dv = 256
     # on one dO stage, where a second would need 257

@@ -324,8 +324,9 @@ def _stats_layout():
 
 def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, stats,
                       softmax_scale: float) -> Prepared:
-    """The backward's launch: attn_bwd.py's, or attn_bwd_dsplit.py's where route.d_qk is set; both take the
-    same runtime arguments, a program per key tile, kv head and part of the GQA group."""
+    """The backward's launch: attn_bwd.py's, attn_bwd_dsplit.py's where route.d_qk is set, or
+    attn_bwd_keys.py's where route.wide_keys is; all take the same runtime arguments, a program per key tile,
+    kv head and part of the GQA group."""
     tiles = route.tiles
     m, n = tiles.block_m, tiles.block_n
     n_tiles = host.cdiv(pb.seqlen_k, n) * pb.batch
@@ -337,7 +338,18 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
     causal, left, right = band_args(pb)
     common = dict(GROUP=pb.flags["GROUP"], BLOCK_M=m, BLOCK_N=n, STAGES=tiles.num_stages, CAUSAL=causal,
                   SPLIT=route.group_split, num_warps=4, maxnreg=route.maxnreg)
-    if route.d_qk:
+    if route.wide_keys:
+        from flashattn.kernels.gluon.attn_bwd_keys import attn_bwd_keys_kernel as kernel
+
+        # Q, K and dK through 256-wide tiles, dO, V and dV through dv's padded width (<= 128), each
+        # warpgroup's keys a tile of n / 2 rows, dQ's reduce-adds 64 columns at a time
+        dv_w = host.block_d(pb.dv)
+        specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, dv_w),
+                 _descriptor_spec(k, n // 2, 256), _descriptor_spec(v, n // 2, dv_w),
+                 _descriptor_spec(dk, n // 2, 256), _descriptor_spec(dv, n // 2, dv_w),
+                 _descriptor_spec(dq_acc, m, 64, "float32"), stats_spec)
+        kwargs = common
+    elif route.d_qk:
         from flashattn.kernels.gluon.attn_bwd_dsplit import attn_bwd_dsplit_kernel as kernel
 
         # Q, K and dK through 256-wide tiles, dO, V and dV through dv's padded width, dQ's reduce-adds 64

@@ -205,6 +205,10 @@ class GluonBackward:
     # counts the Q stages there); 0: attn_bwd.py's
     d_qk: int = 0
     do_stages: int = 0
+    # attn_bwd_keys.py's kernel (d_qk 192 beside dv up to 128): 128 keys a program, each warpgroup 64 of them
+    # and all their columns, 32-row steps (tiles 32 x 128), dQ transposed; on explicit routes
+    # (`wide_keys_backward_route`) until a GPU run has checked and timed it
+    wide_keys: bool = False
     kernel = "gluon"
 
 
@@ -422,6 +426,17 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
     return GluonBackward(tiles, _kv_group(spec), defer_dq=width == 64 and tiles.block_m == 64,
                          maxnreg=tiles.maxnreg or MAXNREG_TWO, group_split=group_split(spec),
                          deterministic=spec.deterministic)
+
+
+def wide_keys_backward_route(spec: Spec) -> GluonBackward:
+    """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128 (not deterministic): 32-row
+    steps over two (Q, dO) stages, 128 keys a program."""
+    if gluon_head_dim(spec) != 192 or block_d(spec.headdim_v) > 128 or spec.deterministic:
+        raise FlashAttnError(f"the 128-key wide-head backward takes d 129..192 beside dv <= 128 and no "
+                             f"deterministic order, not d {spec.headdim}, dv {spec.headdim_v}, "
+                             f"deterministic={spec.deterministic}")
+    return GluonBackward(TileConfig(32, 128, 4, 2), _kv_group(spec), maxnreg=MAXNREG_TWO,
+                         group_split=group_split(spec), d_qk=192, wide_keys=True)
 
 
 def triton_backward_route(spec: Spec) -> TritonBackward:

@@ -163,6 +163,17 @@ def _replace(route_fn: Callable, kind: type | None = None, **fields) -> Callable
     return make
 
 
+def _keys_backward(spec):
+    """The default backward route, or attn_bwd_keys.py's (128 keys a program) where the default is the wide
+    heads' kernel at Q/K width 192 beside dv up to 128."""
+    from flashattn.backends.triton import routes as r
+
+    route = r.backward_route(spec)
+    if isinstance(route, r.GluonBackward) and route.d_qk == 192:
+        return r.wide_keys_backward_route(spec)
+    return route
+
+
 def _group_split(n: int) -> Callable:
     """The default backward route, its Gluon one with the GQA group split into gcd(n, group) parts."""
     import math
@@ -205,8 +216,11 @@ def _providers() -> list[Provider]:
                  "through the launchers (A/B timing)"),
         Provider("flashattn-gluon", routed(r.gluon_forward_route, r.gluon_backward_route),
                  "this project's Gluon kernels forward and backward on every call, head dims padded to their "
-                 "tiles' widths (A/B timing: the default routes send a head dim that is not a tile width to "
-                 "the Triton kernels)"),
+                 "tiles' widths (A/B timing: the default routes keep some calls on the Triton kernels, a "
+                 "deterministic backward at padded head dims among them)"),
+        Provider("flashattn-bwd-keys128", routed(r.forward_route, _keys_backward),
+                 "this project's default routes with the d_qk 129..192 / dv <= 128 backward on 128 keys a "
+                 "program (attn_bwd_keys.py) instead of 64 (plain attention; A/B timing)"),
         Provider("flashattn-triton-bwd", _setup_triton_backward,
                  "this project's public call (every option) with the Triton backward (A/B timing)"),
         Provider("flashattn-ptr", routed(_replace(r.triton_forward_route, tma=False),

@@ -1,0 +1,296 @@
+"""The Gluon backward for d_qk 129..192 beside d_v up to 128 on 128 keys a program (the DeepSeek prefill
+shape's), attn_bwd.py's partition over 32-row steps.
+
+attn_bwd_dsplit.py serves these head dims on 64 keys a program (its warpgroups split each step's columns):
+every query tile's dQ is reduce-added once per 64 keys. Here, as in attn_bwd.py, each consumer warpgroup owns
+64 of the program's 128 keys and every column of their dK and dV: dK as a 128- and a 64-column accumulator
+(96 registers a thread) and dV (64). What makes that fit is the step: 32 query rows, so that Sᵀ and dPᵀ
+(64 keys × 32 rows, a wgmma N of 32) take 16 registers each. Per step each warpgroup
+  - computes Sᵀ = K Qᵀ over the 192 columns (a 128- and a 64-column product) and dPᵀ = V dOᵀ, recomputes
+    Pᵀ and dSᵀ, and adds dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ from registers (wgmma K = 32);
+  - writes dS (rows: queries) for its 64 keys into the step's buffer, and once the other warpgroup's half is
+    there (an mbarrier), computes dQ transposed, dQᵀ = Kᵀ dSᵀ over all 128 keys, for its 64-column units
+    (the first warpgroup units 0 and 1, the second unit 2: M = 64 columns, N = 32 rows, 16 registers a
+    unit), each reduce-added into the float32 buffer through a staging tile, transposed back.
+Q and K go through 256-wide tiles (TMA reads zeros past d), of which the products take the first 192
+columns; dO and V through 128. The options are attn_bwd.py's compile-time variants (scores.py's band,
+softcap, ALiBi; the sink's gradient; varlen; the GQA group split), not DETERMINISTIC. The loader is
+attn_bwd.py's. Which calls come here is the routes' choice (routes.GluonBackward.wide_keys).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from flashattn.kernels.gluon.attn_bwd import HALF_N, _loader, dtanh, sink_step
+from flashattn.kernels.gluon.bwd_dq import reduce_add
+from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_tile, program_sequence
+from flashattn.kernels.gluon.schedule import store_rows
+from flashattn.kernels.gluon.scores import transposed_probs
+
+UNIT = gl.constexpr(64)  # dQ's columns per transposed product and reduce-add
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale, in_flight):
+    """dQᵀ's columns [COL0, COL0 + 64) over both halves' keys of the step whose dS sits in buffer b,
+    reduce-added (transposed back) at coord; returns in_flight, the step's dK and dV, done."""
+    dqt = warpgroup_mma(k_halves[0].slice(COL0, UNIT, dim=1).permute((1, 0)),
+                        ds_smem.index(2 * b).permute((1, 0)), dq_zero, use_acc=False, is_async=True)
+    dqt = warpgroup_mma(k_halves[1].slice(COL0, UNIT, dim=1).permute((1, 0)),
+                        ds_smem.index(2 * b + 1).permute((1, 0)), dqt, is_async=True)
+    dka, dkb, dv = in_flight
+    dqt, dka, dkb, dv = warpgroup_mma_wait(0, deps=(dqt, dka, dkb, dv))
+    tma.store_wait(0)  # the previous reduce-add has read the staging tile
+    dq_buf.reshape([dqt.shape[1], UNIT]).store(gl.permute(dqt * sm_scale, (1, 0)))
+    fence_async_shared()
+    reduce_add(dq_desc, [coord[0], coord[1], coord[2], COL0], dq_buf)
+    return dka, dkb, dv
+
+
+@gluon.jit
+def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+    (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
+     scales, problem, kv_rows, kv_acc, sink, widths) = args
+    d_qk, d_v = widths
+    SINK, DSINK = sink
+    kv_bar, ready, empty, ds_ready, done, seq_ready = bars
+    qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
+    left = problem[5]
+    right = problem[6]
+    varlen: gl.constexpr = problem[7] is not None
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
+        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT)
+    HEADS: gl.constexpr = GROUP // SPLIT
+    head0 = off_hk * GROUP + part * HEADS
+    desc_b = 0 if varlen else off_b
+    dtype: gl.constexpr = q_smem.dtype
+    HEAD_DIM: gl.constexpr = q_smem.shape[-1]
+    DV: gl.constexpr = do_smem.shape[-1]
+    # this warpgroup's dQ units: columns [U0 · 64, (U0 + NU) · 64)
+    U0: gl.constexpr = 0 if WG == 0 else 2
+    NU: gl.constexpr = 2 if WG == 0 else 1
+    # Sᵀ, dPᵀ: (keys, query rows); dK: (keys, 128) and (keys, 64); dV: (keys, dv); dQᵀ: (64 columns, rows)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    ka_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 128, 16])
+    kb_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 64, 16])
+    v_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DV, 16])
+    a_ka: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ka_layout, k_width=2)
+    a_kb: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kb_layout, k_width=2)
+    a_v: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
+    diag = seqlen_k - seqlen_q
+    diag_r = None  # the band's edges (scores.py), None where unbounded; CAUSAL's right edge is the diagonal
+    if CAUSAL:
+        diag_r = diag
+    elif right is not None:
+        diag_r = diag + right
+    diag_l = None
+    if left is not None:
+        diag_l = diag - left
+    key0 = start_n + WG * HALF_N
+    offs_k = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    key_tail = key0 + HALF_N > seqlen_k
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([UNIT, BLOCK_M], gl.float32, s_layout)
+    dka = warpgroup_mma_init(gl.zeros([HALF_N, 128], gl.float32, ka_layout))
+    dkb = warpgroup_mma_init(gl.zeros([HALF_N, 64], gl.float32, kb_layout))
+    dv = warpgroup_mma_init(gl.zeros([HALF_N, DV], gl.float32, v_layout))
+    k = k_smem.index(WG).reshape([HALF_N, HEAD_DIM])
+    v = v_smem.index(WG).reshape([HALF_N, DV])
+    k_halves = (k_smem.index(0).reshape([HALF_N, HEAD_DIM]), k_smem.index(1).reshape([HALF_N, HEAD_DIM]))
+    dq_buf = dq_smem.index(WG)
+    mbarrier.wait(kv_bar, 0)
+    # the stats tiles as rows: 2s is stage s's LSE (base 2), 2s + 1 its D (attn_bwd.py's reinterpretation)
+    stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
+    n_steps = HEADS * n_m
+    steps_per_head = gl.maximum(n_m, 1)
+    for c in range(n_steps):
+        g = c // steps_per_head
+        off_h = head0 + g
+        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        s = c % STAGES
+        b = c % 2
+        offs_q = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        slope = None
+        if ALIBI is not None:
+            slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        q = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(s).reshape([BLOCK_M, DV])
+        # K and V through views indexed by c >> 30 (0, which the compiler cannot know): left loop-invariant,
+        # their wgmma descriptors were hoisted out of the loop and spilled (attn_bwd_dsplit.py)
+        kc = k_smem.index(WG + (c >> 30)).reshape([HALF_N, HEAD_DIM])
+        vc = v_smem.index(WG + (c >> 30)).reshape([HALF_N, DV])
+        st = warpgroup_mma(kc.slice(0, 128, dim=1), q.slice(0, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        st = warpgroup_mma(kc.slice(128, 64, dim=1), q.slice(128, 64, dim=1).permute((1, 0)), st,
+                           is_async=True)
+        dpt = warpgroup_mma(vc, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse = stats_rows.index(2 * s).load(row_layout)
+        inside = None
+        if varlen:
+            # rows past the sequence's end count as rows that saw no key, and D 0 (attn_bwd.py)
+            inside = offs_q < seqlen_q
+            lse = gl.where(inside, lse, float("inf"))
+        st = warpgroup_mma_wait(1, deps=(st,))
+        pt, lse = transposed_probs(st, lse, offs_k, offs_q, key0, m0, key_tail, seqlen_k, qk_scale, cap_in,
+                                   cap_out, slope, diag, diag_r, diag_l, CAUSAL)
+        dpt = warpgroup_mma_wait(0, deps=(dpt,))
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_v), do, dv, is_async=True)
+        if SINK is not None:
+            sink_acc = sink_step(sink_acc, pt, dpt, stats_rows.index(2 * s).load(row_layout), inside, SINK,
+                                 DSINK, off_h, c % steps_per_head == steps_per_head - 1, s_layout)
+        delta = stats_rows.index(2 * s + 1).load(row_layout)
+        if varlen:
+            delta = gl.where(inside, delta, 0.0)
+        dst = pt * (dpt - delta[None, :])
+        if cap_in is not None:
+            dst = dst * dtanh(pt, stats_rows.index(2 * s).load(row_layout), cap_out, slope, offs_q, offs_k,
+                              diag)
+        dst = dst.to(dtype)
+        dka = warpgroup_mma(gl.convert_layout(dst, a_ka), q.slice(0, 128, dim=1), dka, is_async=True)
+        dkb = warpgroup_mma(gl.convert_layout(dst, a_kb), q.slice(128, 64, dim=1), dkb, is_async=True)
+        # dS (rows: queries) for this warpgroup's keys, then dQᵀ over both halves once the other's is there.
+        # Two buffers: a warpgroup writes step c + 2's only after the other arrived at step c + 1's barrier,
+        # which it does once its step-c dQ products (the readers of buffer c % 2) are done
+        ds_smem.index(2 * b + WG).store(gl.permute(dst, (1, 0)))
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(b), count=1)
+        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
+        coord = (desc_b, q_start + m0, off_h)
+        dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale,
+                                (dka, dkb, dv))
+        if NU == 2:
+            dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord,
+                                    sm_scale, (dka, dkb, dv))
+        # this step's Q and dO have no reader left in this warpgroup
+        mbarrier.arrive(empty.index(s), count=1)
+        dka = warpgroup_mma_init(dka)
+        dkb = warpgroup_mma_init(dkb)
+        dv = warpgroup_mma_init(dv)
+    dka, dkb, dv = warpgroup_mma_wait(0, deps=(dka, dkb, dv))
+
+    # K and V are no longer read once both warpgroups are done (the other's dQ reads this one's K): their
+    # tiles stage dK and dV
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(done, 0)
+    if SPLIT > 1:
+        if start_n < seqlen_k:  # past the varlen list: nothing
+            DK_ACC, DV_ACC = kv_acc
+            key_row0 = off_b.to(gl.int64) * seqlen_k
+            if varlen:
+                key_row0 = k_start.to(gl.int64)
+            first = (key_row0, key0, seqlen_k, off_hk, problem[0])
+            add_key_tile(DK_ACC, dka * sm_scale, first, d_qk, 0, ka_layout)
+            add_key_tile(DK_ACC, dkb * sm_scale, first, d_qk, 128, kb_layout)
+            add_key_tile(DV_ACC, dv, first, d_v, 0, v_layout)
+    else:
+        k.slice(0, 128, dim=1).store((dka * sm_scale).to(dtype))
+        k.slice(128, 64, dim=1).store((dkb * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        if varlen:
+            DK, DV_, stride_km, stride_kh, stride_vm, stride_vh = kv_rows
+            if start_n < seqlen_k:  # a tile of the list
+                if key0 + HALF_N > seqlen_k:
+                    # the sequence ends inside this warpgroup's keys, and a TMA store would write the next
+                    # sequence's: the keys inside by masked stores, no column past the head dims
+                    n = seqlen_k - key0
+                    store_rows(k, DK, k_start + key0, n, off_hk, stride_km, stride_kh, d_qk)
+                    store_rows(v, DV_, k_start + key0, n, off_hk, stride_vm, stride_vh, d_v)
+                else:
+                    fence_async_shared()
+                    key = k_start + key0
+                    tma.async_copy_shared_to_global(dk_desc, [0, key, off_hk, 0], k_smem.index(WG))
+                    tma.async_copy_shared_to_global(dv_desc, [0, key, off_hk, 0], v_smem.index(WG))
+        else:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
+            tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, 0)
+
+
+@gluon.jit
+def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, 1)
+
+
+@gluon.jit
+def attn_bwd_keys_kernel(
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
+    qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, d_qk, d_v, ALIBI, stride_alibi_b,
+    CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, stride_vm, stride_vh, DK_ACC, DV_ACC, SINK,
+    DSINK, LOCK, stride_lock_b, stride_lock_h,
+    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1,
+):
+    # attn_bwd.py's arguments; Q's, K's and dK's descriptors 256 wide, dO's, V's and dV's DV (<= 128) wide,
+    # dQ's 64. LOCK: None
+    gl.static_assert(LOCK is None)
+    gl.static_assert(BLOCK_N == 2 * HALF_N)
+    gl.static_assert(q_desc.block_type.shape[3] == 256 and do_desc.block_type.shape[3] <= 128)
+    gl.static_assert(GROUP % SPLIT == 0)
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    # dS (queries, keys): two steps x two warpgroups' keys; dQ staging: one per warpgroup
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF_N], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    seq_smem = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if CU_Q is not None:
+        mbarrier.init(seq_ready.index(0), count=1)
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+    bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
+    problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
+    args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
+            seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
+            (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
+            (d_qk, d_v))
+    loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK)
+    # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's
+    gl.warp_specialize([
+        (_consumer0, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+    ], [4, 1], [240, 24])
