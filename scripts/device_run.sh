@@ -203,7 +203,7 @@ CASES
       case_args=${PROFILE_CASE:-192 8192 causal dv=128}
       export PYTHONPATH=$PWD/src  # ncu's child process
       for who in ours cudnn; do
-        extra=; regex="attn_bwd_(ws|dsplit)_kernel"
+        extra=; regex="attn_bwd_(ws|dsplit|keys)_kernel"
         [ $who = cudnn ] && extra=cudnn && regex=sdpa
         timeout 200 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
           --print-details all --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
