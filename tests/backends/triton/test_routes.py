@@ -160,7 +160,10 @@ def test_the_128_key_wide_backward_route(d, dv):
 
 
 @pytest.mark.parametrize("kw", [dict(headdim=256, headdim_v=128), dict(headdim=192, headdim_v=192),
-                                dict(headdim=128), dict(headdim=192, deterministic=True)], ids=str)
+                                dict(headdim=128), dict(headdim=192, deterministic=True),
+                                dict(headdim=192, headdim_v=32), dict(headdim=192, dropout=True),
+                                dict(headdim=192, dtype="float32"), dict(headdim=192, aligned=False)],
+                         ids=str)
 def test_the_128_key_wide_backward_route_refuses_other_calls(kw):
     with pytest.raises(FlashAttnError, match="128-key wide-head backward"):
         routes.wide_keys_backward_route(_spec(**{"headdim_v": 128, **kw}))

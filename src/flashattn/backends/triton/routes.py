@@ -431,9 +431,13 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
 def wide_keys_backward_route(spec: Spec) -> GluonBackward:
     """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128 (not deterministic): 32-row
     steps over two (Q, dO) stages, 128 keys a program."""
-    if gluon_head_dim(spec) != 192 or block_d(spec.headdim_v) > 128 or spec.deterministic:
-        raise FlashAttnError(f"the 128-key wide-head backward takes d 129..192 beside dv <= 128 and no "
-                             f"deterministic order, not d {spec.headdim}, dv {spec.headdim_v}, "
+    # the Gluon backward's calls (takes_gluon_forward: 16-bit, sm90+, TMA-ready, no dropout; the dQ buffer
+    # cap) at Q/K width 192 beside dv 33..128 (its tests' and compile checks' range)
+    if not (takes_gluon_forward(spec) and gluon_head_dim(spec) == 192 and 64 <= block_d(spec.headdim_v) <= 128
+            and not spec.deterministic and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP):
+        raise FlashAttnError(f"the 128-key wide-head backward takes 16-bit, TMA-ready calls at d 129..192 "
+                             f"beside dv 33..128, no dropout and no deterministic order, not d "
+                             f"{spec.headdim}, dv {spec.headdim_v}, {spec.dtype}, dropout={spec.dropout}, "
                              f"deterministic={spec.deterministic}")
     return GluonBackward(TileConfig(32, 128, 4, 2), _kv_group(spec), maxnreg=MAXNREG_TWO,
                          group_split=group_split(spec), d_qk=192, wide_keys=True)
