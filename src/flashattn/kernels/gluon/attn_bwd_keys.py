@@ -31,8 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashattn.kernels.gluon.attn_bwd import HALF_N, _loader, dtanh, sink_step
 from flashattn.kernels.gluon.bwd_dq import reduce_add
-from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_tile, program_sequence
-from flashattn.kernels.gluon.schedule import store_rows
+from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_tile, program_sequence, store_key_tiles
 from flashattn.kernels.gluon.scores import transposed_probs
 
 UNIT = gl.constexpr(64)  # dQ's columns per transposed product and reduce-add
@@ -204,24 +203,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         k.slice(0, 128, dim=1).store((dka * sm_scale).to(dtype))
         k.slice(128, 64, dim=1).store((dkb * sm_scale).to(dtype))
         v.store(dv.to(dtype))
-        if varlen:
-            DK, DV_, stride_km, stride_kh, stride_vm, stride_vh = kv_rows
-            if start_n < seqlen_k:  # a tile of the list
-                if key0 + HALF_N > seqlen_k:
-                    # the sequence ends inside this warpgroup's keys, and a TMA store would write the next
-                    # sequence's: the keys inside by masked stores, no column past the head dims
-                    n = seqlen_k - key0
-                    store_rows(k, DK, k_start + key0, n, off_hk, stride_km, stride_kh, d_qk)
-                    store_rows(v, DV_, k_start + key0, n, off_hk, stride_vm, stride_vh, d_v)
-                else:
-                    fence_async_shared()
-                    key = k_start + key0
-                    tma.async_copy_shared_to_global(dk_desc, [0, key, off_hk, 0], k_smem.index(WG))
-                    tma.async_copy_shared_to_global(dv_desc, [0, key, off_hk, 0], v_smem.index(WG))
-        else:
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(WG))
-            tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(WG))
+        store_key_tiles(k_smem.index(WG), v_smem.index(WG), dk_desc, dv_desc, kv_rows,
+                        (off_b, k_start, key0, seqlen_k, start_n, off_hk), widths, varlen)
     tma.store_wait(0)
 
 

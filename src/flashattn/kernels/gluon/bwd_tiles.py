@@ -8,8 +8,9 @@ through shared memory (`program_sequence` reads it), as in the forward (schedule
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from flashattn.kernels.gluon.schedule import next_tile, sequence_of_tile
+from flashattn.kernels.gluon.schedule import next_tile, sequence_of_tile, store_rows
 from flashattn.kernels.triton.common import seq_bounds  # scalar arithmetic: Gluon calls triton.jit helpers
 
 
@@ -108,3 +109,34 @@ def add_key_tile(ACC, x, tile, d, col0: gl.constexpr, layout: gl.constexpr):
     offs = first + (rows.to(gl.int64) * (nheads_k * d))[:, None] + cols[None, :]
     inside = (rows < seqlen_k)[:, None] & (cols < d)[None, :]
     gl.atomic_add(ACC + offs, x, mask=inside, sem="relaxed")
+
+
+@gluon.jit
+def store_key_tiles(k_tile, v_tile, dk_desc, dv_desc, kv_rows, key_place, widths, VARLEN: gl.constexpr):
+    """A warpgroup's staged dK and dV (k_tile, v_tile: its keys' TMA tiles of K and V in shared memory,
+    (1, keys, 1, columns) as the descriptors' blocks) to global memory by TMA, or, where a packed sequence
+    ends inside its keys (a TMA store would write the next sequence's), by masked stores of the keys inside,
+    no column past the head dims. key_place: (batch, the sequence's first key row in the packed tensors, the
+    tiles' first key, seqlen_k, the program's key tile start, kv head); widths: (d_qk, d_v); kv_rows: dk, dv
+    and their row and head strides (varlen)."""
+    off_b, k_start, key0, seqlen_k, start_n, off_hk = key_place
+    d_qk, d_v = widths
+    if VARLEN:
+        DK, DV, stride_km, stride_kh, stride_vm, stride_vh = kv_rows
+        KEYS: gl.constexpr = k_tile.shape[1]
+        if start_n < seqlen_k:  # a tile of the list
+            if key0 + KEYS > seqlen_k:
+                n = seqlen_k - key0
+                store_rows(k_tile.reshape([KEYS, k_tile.shape[3]]), DK, k_start + key0, n, off_hk, stride_km,
+                           stride_kh, d_qk)
+                store_rows(v_tile.reshape([KEYS, v_tile.shape[3]]), DV, k_start + key0, n, off_hk, stride_vm,
+                           stride_vh, d_v)
+            else:
+                fence_async_shared()
+                key = k_start + key0
+                tma.async_copy_shared_to_global(dk_desc, [0, key, off_hk, 0], k_tile)
+                tma.async_copy_shared_to_global(dv_desc, [0, key, off_hk, 0], v_tile)
+    else:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_tile)
+        tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_tile)
