@@ -25,7 +25,8 @@
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list (the forward's
-#                 key-step A/B adds flashattn-fwd-k32,flashattn-fwd-k64,flashattn-fwd-k64s3,flashattn-fwd-k128)
+#                 key-step A/B adds flashattn-fwd-k32,flashattn-fwd-k64,flashattn-fwd-k64s3,flashattn-fwd-k128);
+#                 WORKLOADS_ARGS: bench options after the stage's (e.g. "--modes bwd --causal yes")
 #   decode        the decode suite (eager and CUDA graph, contiguous and paged) beside SDPA (and FA4)
 #   fp8           the fp8 suite (the FP8 forward, Triton and Gluon variants, beside our bf16 and SDPA-cuDNN;
 #                 quantising's cost; the accuracy study) and the decode suite's FP8-cache rows beside the
@@ -140,7 +141,7 @@ for stage in "$@"; do
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
     workloads)
       bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd \
-        --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ;;
+        --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ${WORKLOADS_ARGS:-} ;;
     ab-workloads)
       PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src bench "${WORKLOADS_S:-300}" ab-workloads --suite workloads \
         --modes fwd,bwd --providers "flashattn,flashattn-baseline$FA4" ;;
