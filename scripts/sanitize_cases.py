@@ -303,15 +303,15 @@ def _wide_backward_cases(backward, pairs, varlen_pairs):
 
 
 def ws_wide_bwd():
-    # attn_bwd_dsplit.py (the default route of these head dims)
+    # attn_bwd_dsplit.py (the default route at width 256, an explicit one at 192)
     from flashattn.backends.triton import routes
 
-    _wide_backward_cases(routes.backward_route, ((256, 256), (192, 128), (160, 128), (256, 128)),
+    _wide_backward_cases(routes.dsplit_backward_route, ((256, 256), (192, 128), (160, 128), (256, 128)),
                          ((256, 256), (160, 128)))
 
 
 def ws_keys():
-    # attn_bwd_keys.py (128 keys a program) on its explicit route
+    # attn_bwd_keys.py (128 keys a program; the default route at width 192)
     from flashattn.backends.triton import routes
 
     _wide_backward_cases(routes.wide_keys_backward_route, ((192, 128), (160, 104), (192, 64)),

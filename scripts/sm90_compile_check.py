@@ -214,16 +214,16 @@ def dense_cases():
                 args = (flash_attn_func, q, k, v)
             yield f"{'varlen' if varlen else 'dense'} gluon d=256 {name}", partial(
                 _on_gluon, _fwd_bwd, *args, **opts)
-    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward is the wide heads' Gluon
-    # one at dv = 128, else the Triton one); d in 129..192 as three 64-wide chunks, on one Q buffer beside
-    # the 128-key ring; one Q buffer at d = 256 too (64-key steps)
+    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (at d > 128 the backward is a wide
+    # heads' Gluon one: attn_bwd_keys.py at width 192, attn_bwd_dsplit.py at 256); d in 129..192 as three
+    # 64-wide chunks, on one Q buffer beside the 128-key ring; one Q buffer at d = 256 too (64-key steps)
     cases = ((192, 128, None),) if QUICK else (
         (192, 128, None), (160, 128, None), (192, 64, None), (192, 128, "fwd_ws=128,64,4,3"), (128, 64, None),
         (96, 64, None), (40, 64, None), (256, 256, "fwd_ws=128,64,4,2"))
     for d, dv, tiles in cases:
         q = _t(1, 1100, 4, d, grad=True)
         k, v = _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
-        launchers = ("forward", "backward") if d > 128 and dv >= 128 else ("forward",)
+        launchers = ("forward", "backward") if d > 128 else ("forward",)
         call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=launchers, causal=True,
                        softcap=20.0)
         yield f"dense gluon d={d} dv={dv} {tiles or 'table tiles'} causal softcap", (
@@ -253,7 +253,8 @@ def dense_cases():
             yield f"varlen gluon bwd padded d={d} dv={dv} causal", partial(
                 _varlen_backward, q, k, v, torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), 130,
                 routes.gluon_backward_route, causal=True)
-        # the 128-key wide-head backward (attn_bwd_keys.py) on its explicit route
+        # the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192), and at width 192 the
+        # 64-key one (attn_bwd_dsplit.py) on its explicit route (A/B timing)
         for d, dv, causal in ((192, 128, True), (160, 104, False), (192, 64, True)):
             q, k, v = _t(1, 1100, 8, d), _t(1, 1100, 2, d), _t(1, 1100, 2, dv)
             yield f"dense gluon bwd 128 keys d={d} dv={dv} causal={causal}", partial(
@@ -262,6 +263,10 @@ def dense_cases():
         yield "varlen gluon bwd 128 keys d=192 dv=128 causal", partial(
             _varlen_backward, q, k, v, torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), 130,
             routes.wide_keys_backward_route, causal=True)
+        for d, causal in ((192, True), (160, False)):
+            q, k, v = _t(1, 1100, 8, d), _t(1, 1100, 2, d), _t(1, 1100, 2, 128)
+            yield f"dense gluon bwd d-split d={d} dv=128 causal={causal}", partial(
+                _routes, q, k, v, routes.gluon_forward_route, routes.dsplit_backward_route, causal=causal)
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)
     yield "varlen gluon bwd d=128 h8/1 group_split=8 causal", partial(

@@ -29,14 +29,16 @@ def vary_routes(monkeypatch, forward=None, backward=None) -> None:
 
 def takes_gluon_backward(d: int, dv: int | None = None, deterministic: bool = False) -> bool:
     """Whether a 16-bit call at head dims (d, dv) runs a Gluon backward (written out, not asked of routes):
-    attn_bwd.py at d 33..128 (tiles 64 or 128 wide) beside dv <= d, attn_bwd_dsplit.py at Q/K widths 192
-    and 256 (d 129..256) beside dv padded to 128, and 256 (d 129..256) beside dv padded to 256; a
+    attn_bwd.py at d 33..128 (tiles 64 or 128 wide) beside dv <= d, attn_bwd_keys.py at d 129..192 beside
+    dv 33..128, attn_bwd_dsplit.py at Q/K width 256 (d 129..256) beside dv padded to 128 or 256; a
     deterministic call only at d = dv = 64 or 128 (attn_bwd.py's fixed-order variant)."""
     dv = dv or d
     if deterministic:
         return d in (64, 128) and dv == d
     if d <= 128:
         return 32 < d and dv <= d
+    if d <= 192 and 32 < dv <= 128:
+        return True
     dv_width = 128 if 64 < dv <= 128 else 256 if 128 < dv <= 256 else dv
     width = 192 if d <= 192 and dv_width <= 128 else 256  # O is staged in Q's buffer
     return (width, dv_width) in ((192, 128), (256, 128), (256, 256))

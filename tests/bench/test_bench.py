@@ -402,16 +402,19 @@ def test_forward_key_providers_take_the_q_buffers_that_fit():
     assert isinstance(_forward_keys(64, 2)(dataclasses.replace(spec, dropout=True)), routes.TritonForward)
 
 
-def test_the_keys128_provider_takes_the_128_key_backward_where_the_default_is_the_192_wide_one():
+def test_the_dsplit_provider_takes_the_64_key_backward_where_the_default_is_the_128_key_one():
     from flashattn.backends.triton import routes
-    from flashattn.bench.providers.ours import _keys_backward
+    from flashattn.bench.providers.ours import _dsplit_backward
 
     spec = routes.Spec(batch=2, nheads=16, nheads_k=16, seqlen_q=8192, seqlen_k=8192, headdim=192,
                        headdim_v=128, window=(-1, 0))
-    assert _keys_backward(spec).wide_keys
-    for other in (dict(headdim=256), dict(headdim=128), dict(headdim_v=256)):
-        route = _keys_backward(dataclasses.replace(spec, **other))
-        assert not getattr(route, "wide_keys", False)
+    assert routes.backward_route(spec).wide_keys
+    route = _dsplit_backward(spec)
+    assert (route.wide_keys, route.d_qk) == (False, 192)
+    # elsewhere the default: d = 256 on the d-split kernel already, dv 64 beside 192 (not its pair), d 128
+    for other in (dict(headdim=256), dict(headdim_v=64), dict(headdim=128)):
+        spec_o = dataclasses.replace(spec, **other)
+        assert _dsplit_backward(spec_o) == routes.backward_route(spec_o)
 
 
 def test_host_time_is_a_gpu_only_field():
@@ -422,7 +425,7 @@ def test_host_time_is_a_gpu_only_field():
 
 @pytest.mark.parametrize("name", ["flashattn-triton", "flashattn-triton-bwd", "flashattn-ptr",
                                   "flashattn-headmajor", "flashattn-ws-tiles", "flashattn-bwd-split4",
-                                  "flashattn-fwd-k64", "flashattn-bwd-keys128"])
+                                  "flashattn-fwd-k64", "flashattn-bwd-dsplit"])
 def test_route_providers_compute_the_same_attention(name):
     # the A/B providers time the library on other routes: same function, checked like any provider
     from flashattn.bench import providers

@@ -1,7 +1,6 @@
 """The 128-key wide-head Gluon backward (kernels/gluon/attn_bwd_keys.py) on a Hopper GPU (``pytest -m gpu``).
 
-d_qk 129..192 beside dv up to 128, on its explicit route (`routes.wide_keys_backward_route`; the default
-route takes attn_bwd_dsplit.py until this kernel is measured ahead): each warpgroup owns 64 of a program's
+d_qk 129..192 beside dv 33..128, the default route of these head dims: each warpgroup owns 64 of a program's
 128 keys and every column of their dK (a 128- and a 64-column accumulator) and dV, over 32-row steps, and
 computes its dQ units transposed. Each case asserts that the route ran and checks the forward, the LSE and
 the gradients against the oracle; odd lengths put sequence ends inside the 32-row steps and both key halves.
@@ -11,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import check_features, check_varlen, options_for, qkv_dv
+from gluon_helpers import check_features, check_varlen, options_for, qkv_dv, vary_routes
 
-from flashattn.backends.triton import attention, routes
+from flashattn.backends.triton import attention
 
 pytestmark = pytest.mark.gpu
 
@@ -22,8 +21,8 @@ PAIRS = [(192, 128), (160, 128), (192, 64), (136, 96)]
 
 @pytest.fixture
 def keys_route(monkeypatch):
+    # the default routes, no signature cached by an earlier test's forced route
     monkeypatch.setattr(attention, "_backward_cache", {})
-    monkeypatch.setattr(routes, "backward_route", routes.wide_keys_backward_route)
 
 
 def _check(fwd_calls, bwd_calls, q, k, v, **options):
@@ -55,10 +54,7 @@ def test_keys_backward_window_edges(keys_route, ws_calls, ws_bwd_calls, window):
 
 @pytest.mark.parametrize("h, hk, split", [(8, 1, 4), (8, 2, 2), (8, 2, 1)], ids=["mqa-4", "gqa4-2", "gqa4-1"])
 def test_keys_backward_gqa_and_group_split(keys_route, ws_calls, ws_bwd_calls, monkeypatch, h, hk, split):
-    import dataclasses
-
-    monkeypatch.setattr(routes, "backward_route", lambda spec: dataclasses.replace(
-        routes.wide_keys_backward_route(spec), group_split=split))
+    vary_routes(monkeypatch, backward=dict(group_split=split))
     torch.manual_seed(0)
     _check(ws_calls, ws_bwd_calls, *qkv_dv(2, 300, 1100, h, hk, 192, 128), causal=True)
     _check(ws_calls, ws_bwd_calls, *qkv_dv(1, 1023, 113, h, hk, 160, 128))

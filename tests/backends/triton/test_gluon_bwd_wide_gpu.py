@@ -2,9 +2,10 @@
 
 Its column units differ per (width, dv) pair: 128 + 128 + 128 per warpgroup at d = dv = 256, 128 + 64 + 64
 against 64 + 64 + 128 at d 192 / dv 128, and 128 + 64 + 128 at d 256 / dv 128; d below the width (160,
-224) leaves padding columns that must neither enter a product nor be stored. Each case asserts the route
-(the kernel and its width) and checks the gradients against the oracle; the options and the varlen layout
-are also covered by test_gluon_features_gpu.py, whose d >= 129 cases now take this kernel.
+224) leaves padding columns that must neither enter a product nor be stored. Every case runs its explicit
+route (`routes.dsplit_backward_route`: the default at width 256; at 192 the default is attn_bwd_keys.py,
+and this kernel an A/B alternative), asserts it and checks the gradients against the oracle; the options
+and the varlen layout are also covered by test_gluon_features_gpu.py, whose d 193..256 cases take it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 
 from flashattn import flash_attn_func
+from flashattn.backends.triton import attention, routes
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def dsplit_route(monkeypatch):
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    monkeypatch.setattr(routes, "backward_route", routes.dsplit_backward_route)
 
 # (d, dv, the kernel's column width)
 PAIRS = [(256, 256, 256), (192, 128, 192), (160, 128, 192), (256, 128, 256), (224, 256, 256)]
@@ -25,13 +33,13 @@ PAIRS = [(256, 256, 256), (192, 128, 192), (160, 128, 192), (256, 128, 256), (22
 
 def _check(fwd_calls, bwd_calls, width, q, k, v, **options):
     check_features(fwd_calls, bwd_calls, q, k, v, **options)
-    assert all(r.d_qk == width for r in bwd_calls.routes)
+    assert all(r.d_qk == width and not r.wide_keys for r in bwd_calls.routes)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (63, 65), (113, 1023), (1023, 113), (2049, 1537)])
 @pytest.mark.parametrize("d, dv, width", PAIRS, ids=str)
-def test_wide_backward_seqlens(ws_calls, ws_bwd_calls, d, dv, width, sq, sk, causal):
+def test_wide_backward_seqlens(dsplit_route, ws_calls, ws_bwd_calls, d, dv, width, sq, sk, causal):
     torch.manual_seed(0)
     _check(ws_calls, ws_bwd_calls, width, *qkv_dv(2, sq, sk, 4, 2, d, dv), causal=causal)
 
@@ -40,13 +48,13 @@ def test_wide_backward_seqlens(ws_calls, ws_bwd_calls, d, dv, width, sq, sk, cau
                                       "window+softcap+alibi+sink"])
 @pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (192, 128, 192)], ids=str)
 @pytest.mark.parametrize("sq, sk", [(113, 1023), (1023, 113), (1023, 1023)])
-def test_wide_backward_options(ws_calls, ws_bwd_calls, d, dv, width, features, sq, sk):
+def test_wide_backward_options(dsplit_route, ws_calls, ws_bwd_calls, d, dv, width, features, sq, sk):
     torch.manual_seed(0)
     _check(ws_calls, ws_bwd_calls, width, *qkv_dv(2, sq, sk, 4, 2, d, dv), **options_for(2, 4, features))
 
 
 @pytest.mark.parametrize("window", [(63, 0), (64, 0), (0, 63), (31, 32), (64, 64)], ids=str)
-def test_wide_backward_window_edges_at_step_boundaries(ws_calls, ws_bwd_calls, window):
+def test_wide_backward_window_edges_at_step_boundaries(dsplit_route, ws_calls, ws_bwd_calls, window):
     # 64-key tiles, 64-row steps and 32-row halves: edges on and beside each
     torch.manual_seed(0)
     _check(ws_calls, ws_bwd_calls, 256, *qkv_dv(1, 700, 700, 4, 2, 256, 256), window_size=window)
@@ -54,7 +62,8 @@ def test_wide_backward_window_edges_at_step_boundaries(ws_calls, ws_bwd_calls, w
 
 @pytest.mark.parametrize("h, hk, split", [(8, 1, 4), (8, 2, 2), (8, 2, 1)], ids=["mqa-4", "gqa4-2", "gqa4-1"])
 @pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (192, 128, 192), (160, 128, 192)], ids=str)
-def test_wide_backward_gqa_and_group_split(ws_calls, ws_bwd_calls, monkeypatch, h, hk, split, d, dv, width):
+def test_wide_backward_gqa_and_group_split(dsplit_route, ws_calls, ws_bwd_calls, monkeypatch, h, hk, split, d,
+                                           dv, width):
     # the parts add their columns of dK and dV into float32 buffers shaped like k and v
     _vary_routes(monkeypatch, backward=dict(group_split=split))
     torch.manual_seed(0)
@@ -64,15 +73,16 @@ def test_wide_backward_gqa_and_group_split(ws_calls, ws_bwd_calls, monkeypatch, 
 
 @pytest.mark.parametrize("d, dv", [(256, 256), (192, 128), (160, 128)], ids=str)
 @pytest.mark.parametrize("features", ["causal", "swa+softcap+sink"])
-def test_wide_backward_varlen(ws_calls, ws_bwd_calls, d, dv, features):
+def test_wide_backward_varlen(dsplit_route, ws_calls, ws_bwd_calls, d, dv, features):
     # empty documents, one-row ones, a sequence ending inside a key tile (its last keys by masked stores)
     torch.manual_seed(0)
     options = dict(causal=True) if features == "causal" else options_for(1, 4, features)
     check_varlen(ws_calls, ws_bwd_calls, [0, 65, 1, 300, 129, 0], [7, 65, 2, 200, 300, 0], 4, 2, d, dv=dv,
                  **options)
+    assert all(r.d_qk and not r.wide_keys for r in ws_bwd_calls.routes)
 
 
-def test_wide_backward_fp16_long(ws_calls, ws_bwd_calls):
+def test_wide_backward_fp16_long(dsplit_route, ws_calls, ws_bwd_calls):
     torch.manual_seed(0)
     _check(ws_calls, ws_bwd_calls, 256, *qkv_dv(1, 4097, 4097, 4, 1, 256, 256, torch.float16), causal=True)
 

@@ -120,22 +120,26 @@ def test_d256_takes_the_gluon_forward_and_the_wide_gluon_backward(kw):
 
 
 @pytest.mark.parametrize("d, dv, block_n, d_qk", [
-    (192, 128, 128, 192), (160, 128, 128, 192), (128, 64, 128, 0), (256, 128, 64, 256), (224, 128, 64, 256),
-    (96, 64, 128, 0), (40, 64, 128, None), (192, 64, 128, None), (200, 96, 64, 256), (160, 104, 128, 192),
-    (256, 200, 64, 256), (160, 160, 64, 256)])
+    (192, 128, 128, "keys"), (160, 128, 128, "keys"), (128, 64, 128, 0), (256, 128, 64, 256),
+    (224, 128, 64, 256), (96, 64, 128, 0), (40, 64, 128, None), (192, 64, 128, "keys"), (200, 96, 64, 256),
+    (160, 104, 128, "keys"), (136, 40, 128, "keys"), (256, 200, 64, 256),
+    (160, 160, 64, 256)])
 def test_dv_below_d_takes_the_gluon_forward(d, dv, block_n, d_qk):
     # Q and K padded to the tile width, V and O to theirs (no wider: O is staged in Q's buffer); the tiles are
-    # the padded d's. The backward: the wide heads' Gluon kernel at its (width, padded dv) pairs, two dO
-    # stages beside dv's 128 (d_qk 192 / 256), attn_bwd.py at d padded to 64 or 128 beside dv <= d (d_qk 0),
-    # else the Triton one (None)
+    # the padded d's. The backward: at width 192 beside dv 33..128 attn_bwd_keys.py ("keys": 128 keys, 32-row
+    # steps), at width 256 the d-split kernel at its (width, padded dv) pairs, two dO stages beside dv's 128
+    # (d_qk 256), attn_bwd.py at d padded to 64 or 128 beside dv <= d (d_qk 0), else the Triton one (None)
     spec = _spec(headdim=d, headdim_v=dv, window=CAUSAL)
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward) and route.tiles.block_n == block_n
     bwd = routes.backward_route(spec)
     if d_qk is None:
         assert isinstance(bwd, routes.TritonBackward)
+    elif d_qk == "keys":
+        assert isinstance(bwd, routes.GluonBackward) and bwd.wide_keys and bwd.d_qk == 192
+        assert (bwd.tiles.block_m, bwd.tiles.block_n) == (32, 128)
     else:
-        assert isinstance(bwd, routes.GluonBackward) and bwd.d_qk == d_qk
+        assert isinstance(bwd, routes.GluonBackward) and bwd.d_qk == d_qk and not bwd.wide_keys
         if d_qk:
             assert bwd.do_stages == (2 if dv <= 128 else 1)
 
@@ -153,10 +157,19 @@ def test_a_deterministic_backward_at_padded_head_dims_keeps_triton(d, dv):
 
 @pytest.mark.parametrize("d, dv", [(192, 128), (160, 104), (136, 64)])
 def test_the_128_key_wide_backward_route(d, dv):
-    # attn_bwd_keys.py on its explicit route: 32-row steps, 128 keys, Q/K 192 wide beside dv up to 128
-    route = routes.wide_keys_backward_route(_spec(headdim=d, headdim_v=dv, window=CAUSAL))
+    # attn_bwd_keys.py: 32-row steps, 128 keys, Q/K 192 wide beside dv up to 128; the default route there,
+    # the d-split kernel an explicit one beside dv padded to 128
+    spec = _spec(headdim=d, headdim_v=dv, window=CAUSAL)
+    route = routes.wide_keys_backward_route(spec)
     assert route.wide_keys and route.d_qk == 192
     assert (route.tiles.block_m, route.tiles.block_n) == (32, 128)
+    assert routes.backward_route(spec) == route
+    if dv > 64:
+        dsplit = routes.dsplit_backward_route(spec)
+        assert (dsplit.wide_keys, dsplit.d_qk, dsplit.tiles.block_n) == (False, 192, 64)
+    else:
+        with pytest.raises(FlashAttnError, match="wide-head Gluon backward takes"):
+            routes.dsplit_backward_route(spec)
 
 
 @pytest.mark.parametrize("kw", [dict(headdim=256, headdim_v=128), dict(headdim=192, headdim_v=192),

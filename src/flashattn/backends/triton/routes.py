@@ -16,9 +16,11 @@ Routes of the dense and varlen attention:
             16-bit output where the H200 measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d 33..128
             beside dv <= d unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic, in its
-            fixed-order variant, at d = dv = 64 or 128 and not with a learnable sink), and at d 129..256
-            beside dv padded to 128 or 256 on the wide heads' kernel (kernels/gluon/attn_bwd_dsplit.py,
-            `GluonBackward.d_qk`; not deterministic), else `TritonBackward` (two programs: dK/dV and dQ).
+            fixed-order variant, at d = dv = 64 or 128 and not with a learnable sink), at d 129..192 beside
+            dv 33..128 on 128 keys a program (kernels/gluon/attn_bwd_keys.py, `GluonBackward.wide_keys`),
+            and at d 193..256 beside dv padded to 128 or 256 on the wide heads' kernel
+            (kernels/gluon/attn_bwd_dsplit.py, `GluonBackward.d_qk`); neither deterministic. Else
+            `TritonBackward` (two programs: dK/dV and dQ).
 Block-sparse calls (BlockMask): `DenseBandRoute` when the mask is exactly a band (its rule, see SparseSpec),
 which then takes the routes above with the band as the window; else `SparseRoute`
 (kernels/triton/attn_sparse.py). Decode (flash_attn_with_kvcache, DecodePlan): decode_routes.py.
@@ -53,7 +55,9 @@ GLUON_HEADDIMS_V = (64, 128, 256)  # its V and O widths: O is a register tile (a
 # shared memory a block may take on the H200 (227 KiB), less room for the mbarriers and work-item slots
 SMEM_BYTES = 227 * 1024 - 1024
 GLUON_BWD_HEADDIMS = (64, 128)  # attn_bwd.py's d = dv
-# attn_bwd_dsplit.py's (Q/K column units, dv): d 129..256 in 64-column units, dv 128 or 256
+# attn_bwd_dsplit.py's (Q/K column units, dv): d 129..256 in 64-column units, dv 128 or 256; the default
+# route gives width 192 to attn_bwd_keys.py (1.29x at d 192 / dv 128 on an H100), so dsplit's 192 serves the
+# explicit route (`dsplit_backward_route`) of A/B timing
 GLUON_BWD_WIDE = ((192, 128), (256, 128), (256, 256))
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -206,8 +210,7 @@ class GluonBackward:
     d_qk: int = 0
     do_stages: int = 0
     # attn_bwd_keys.py's kernel (d_qk 192 beside dv up to 128): 128 keys a program, each warpgroup 64 of them
-    # and all their columns, 32-row steps (tiles 32 x 128), dQ transposed; on explicit routes
-    # (`wide_keys_backward_route`) until a GPU run has checked and timed it
+    # and all their columns, 32-row steps (tiles 32 x 128), dQ transposed
     wide_keys: bool = False
     kernel = "gluon"
 
@@ -300,20 +303,27 @@ def dq_buffer_bytes(spec: Spec) -> int:
 
 
 def _wide_backward(spec: Spec) -> bool:
-    """A call for attn_bwd_dsplit.py's kernel: Q/K 129..256 columns wide beside V's 128 or 256 (dv padded to
-    a power of two, as its tiles are)."""
+    """A call that attn_bwd_dsplit.py's kernel can run: Q/K 129..256 columns wide beside V's 128 or 256 (dv
+    padded to a power of two, as its tiles are)."""
     return (gluon_head_dim(spec), block_d(spec.headdim_v)) in GLUON_BWD_WIDE
+
+
+def _keys_backward(spec: Spec) -> bool:
+    """A call for attn_bwd_keys.py's kernel: Q/K 192 wide (d 129..192) beside dv 33..128 (its tiles 64 or 128
+    wide; the range its GPU tests and compile checks run)."""
+    return gluon_head_dim(spec) == 192 and 64 <= block_d(spec.headdim_v) <= 128
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
     # d padded to 64 or 128 beside dv <= d (attn_bwd.py: every tile as wide as d's; its deterministic
     # variant only at d = dv = 64 or 128, the head dims its GPU tests run), or the wide pairs
-    # (attn_bwd_dsplit.py, not deterministic); other head dims keep the Triton backward, and so does a
+    # (attn_bwd_keys.py at width 192, attn_bwd_dsplit.py at 256; not deterministic); other head dims keep
+    # the Triton backward, and so does a
     # deterministic call with a learnable sink, whose gradient the Gluon programs add in no fixed order
     exact = spec.headdim in GLUON_BWD_HEADDIMS and spec.headdim_v == spec.headdim
     padded = block_d(spec.headdim) in GLUON_BWD_HEADDIMS and spec.headdim_v <= spec.headdim
     shapes = ((padded and (exact or not spec.deterministic))
-              or (_wide_backward(spec) and not spec.deterministic))
+              or ((_keys_backward(spec) or _wide_backward(spec)) and not spec.deterministic))
     return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 
@@ -405,17 +415,10 @@ def group_split(spec: Spec) -> int:
 
 def gluon_backward_route(spec: Spec) -> GluonBackward:
     """The Gluon backward's route for a spec it takes (takes_gluon_backward)."""
+    if _keys_backward(spec):
+        return wide_keys_backward_route(spec)
     if _wide_backward(spec):
-        tiles = tile_config("bwd_ws", 256, spec.cuda)
-        # two dO stages where they fit beside two Q stages (dv = 128), else one (dv = 256, as FA3)
-        do_stages = 2 if _dsplit_smem(spec, tiles, 2) <= SMEM_BYTES else 1
-        if tiles.block_m != 64 or tiles.block_n != 64 or _dsplit_smem(spec, tiles, do_stages) > SMEM_BYTES:
-            raise FlashAttnError(
-                f"tile override bwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} "
-                f"is not a config of the wide-head Gluon backward, which takes 64 query rows, 64 keys and "
-                f"the Q stages that fit {SMEM_BYTES // 1024} KiB of shared memory")
-        return GluonBackward(tiles, _kv_group(spec), maxnreg=tiles.maxnreg or MAXNREG_TWO,
-                             group_split=group_split(spec), d_qk=gluon_head_dim(spec), do_stages=do_stages)
+        return dsplit_backward_route(spec)
     # the causal rows (at d = 64, 64-row steps) under any mask, and where a softcap or ALiBi holds more per
     # step: 128-row steps spilled 0.4-1.1 KB with either. The tiles are those of the head dims' padded width
     # (the kernel's tiles are that wide: TMA reads zeros past d)
@@ -428,13 +431,35 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
                          deterministic=spec.deterministic)
 
 
+def dsplit_backward_route(spec: Spec) -> GluonBackward:
+    """attn_bwd_dsplit.py's route (a program per 64 keys, the gradients split by columns) for a spec at Q/K
+    width 192 or 256 beside dv padded to 128 or 256 (GLUON_BWD_WIDE; not deterministic): the default at
+    width 256, an explicit route at 192."""
+    if not (takes_gluon_forward(spec) and _wide_backward(spec) and not spec.deterministic
+            and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP):
+        raise FlashAttnError(f"the wide-head Gluon backward takes 16-bit, TMA-ready calls at d 129..256 "
+                             f"beside dv padded to 128 or 256 (192-wide Q/K beside 128 only), no dropout and "
+                             f"no deterministic order, not d {spec.headdim}, dv {spec.headdim_v}, "
+                             f"{spec.dtype}, dropout={spec.dropout}, deterministic={spec.deterministic}")
+    tiles = tile_config("bwd_ws", 256, spec.cuda)
+    # two dO stages where they fit beside two Q stages (dv = 128), else one (dv = 256, as FA3)
+    do_stages = 2 if _dsplit_smem(spec, tiles, 2) <= SMEM_BYTES else 1
+    if tiles.block_m != 64 or tiles.block_n != 64 or _dsplit_smem(spec, tiles, do_stages) > SMEM_BYTES:
+        raise FlashAttnError(
+            f"tile override bwd_ws={tiles.block_m},{tiles.block_n},{tiles.num_warps},{tiles.num_stages} "
+            f"is not a config of the wide-head Gluon backward, which takes 64 query rows, 64 keys and "
+            f"the Q stages that fit {SMEM_BYTES // 1024} KiB of shared memory")
+    return GluonBackward(tiles, _kv_group(spec), maxnreg=tiles.maxnreg or MAXNREG_TWO,
+                         group_split=group_split(spec), d_qk=gluon_head_dim(spec), do_stages=do_stages)
+
+
 def wide_keys_backward_route(spec: Spec) -> GluonBackward:
     """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128 (not deterministic): 32-row
     steps over two (Q, dO) stages, 128 keys a program."""
     # the Gluon backward's calls (takes_gluon_forward: 16-bit, sm90+, TMA-ready, no dropout; the dQ buffer
-    # cap) at Q/K width 192 beside dv 33..128 (its tests' and compile checks' range)
-    if not (takes_gluon_forward(spec) and gluon_head_dim(spec) == 192 and 64 <= block_d(spec.headdim_v) <= 128
-            and not spec.deterministic and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP):
+    # cap) at Q/K width 192 beside dv 33..128
+    if not (takes_gluon_forward(spec) and _keys_backward(spec) and not spec.deterministic
+            and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP):
         raise FlashAttnError(f"the 128-key wide-head backward takes 16-bit, TMA-ready calls at d 129..192 "
                              f"beside dv 33..128, no dropout and no deterministic order, not d "
                              f"{spec.headdim}, dv {spec.headdim_v}, {spec.dtype}, dropout={spec.dropout}, "

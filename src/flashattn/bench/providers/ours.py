@@ -163,14 +163,15 @@ def _replace(route_fn: Callable, kind: type | None = None, **fields) -> Callable
     return make
 
 
-def _keys_backward(spec):
-    """The default backward route, or attn_bwd_keys.py's (128 keys a program) where the default is the wide
-    heads' kernel at Q/K width 192 beside dv up to 128."""
+def _dsplit_backward(spec):
+    """The default backward route, or attn_bwd_dsplit.py's (64 keys a program, the gradients split by
+    columns) where the default is attn_bwd_keys.py at dv 128 (its pairs, GLUON_BWD_WIDE)."""
     from flashattn.backends.triton import routes as r
+    from flashattn.backends.triton.host import block_d
 
     route = r.backward_route(spec)
-    if isinstance(route, r.GluonBackward) and route.d_qk == 192:
-        return r.wide_keys_backward_route(spec)
+    if isinstance(route, r.GluonBackward) and route.wide_keys and block_d(spec.headdim_v) == 128:
+        return r.dsplit_backward_route(spec)
     return route
 
 
@@ -218,9 +219,10 @@ def _providers() -> list[Provider]:
                  "this project's Gluon kernels forward and backward on every call, head dims padded to their "
                  "tiles' widths (A/B timing: the default routes keep some calls on the Triton kernels, a "
                  "deterministic backward at padded head dims among them)"),
-        Provider("flashattn-bwd-keys128", routed(r.forward_route, _keys_backward),
-                 "this project's default routes with the d_qk 129..192 / dv <= 128 backward on 128 keys a "
-                 "program (attn_bwd_keys.py) instead of 64 (plain attention; A/B timing)"),
+        Provider("flashattn-bwd-dsplit", routed(r.forward_route, _dsplit_backward),
+                 "this project's default routes with the d_qk 129..192 / dv 65..128 backward on 64 keys a "
+                 "program, the gradients split by columns (attn_bwd_dsplit.py), instead of 128 "
+                 "(attn_bwd_keys.py; plain attention; A/B timing)"),
         Provider("flashattn-triton-bwd", _setup_triton_backward,
                  "this project's public call (every option) with the Triton backward (A/B timing)"),
         Provider("flashattn-ptr", routed(_replace(r.triton_forward_route, tma=False),
