@@ -75,3 +75,11 @@ def test_keys_backward_fp16_long(keys_route, ws_calls, ws_bwd_calls):
     torch.manual_seed(0)
     _check(ws_calls, ws_bwd_calls, *qkv_dv(1, 4097, 4097, 4, 1, 192, 128, torch.float16), causal=True)
 
+
+
+def test_keys_backward_dv_widths_in_turn(keys_route, ws_calls, ws_bwd_calls):
+    # the kernel takes dv's tile width from its descriptors alone: calls alike in every other argument's
+    # specialisation must not share a launch plan (launch._spec keys descriptors on their block shapes)
+    for dv in (64, 128, 64):
+        torch.manual_seed(0)
+        _check(ws_calls, ws_bwd_calls, *qkv_dv(2, 113, 1023, 4, 2, 192, dv), causal=True)

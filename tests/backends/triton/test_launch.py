@@ -45,6 +45,24 @@ def test_spec_never_merges_what_triton_tells_apart():
     assert launch_mod._spec(t) != launch_mod._spec(t[1:]) != launch_mod._spec(t.float())
 
 
+def test_spec_tells_descriptors_apart_by_block_shape_and_layout():
+    # a kernel may take a tile's width from its descriptor alone (the wide-head backwards take dv's): a plan
+    # compiled for dv's 64-wide tiles must not run a call with 128-wide ones
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    base = torch.empty(2, 64, 2, 128, dtype=torch.bfloat16)
+
+    def desc(cols, swizzle=128):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
+        return TensorDescriptor(base, list(base.shape), list(base.stride()), [1, 64, 1, cols], layout)
+
+    specs = [launch_mod._spec(d) for d in (desc(64), desc(128), desc(64, swizzle=64))]
+    assert len(set(specs)) == 3
+    assert launch_mod._spec(desc(128)) == specs[1]
+    assert _native(desc(64)) != _native(desc(128))  # as Triton compiles them apart
+
+
 class _Compiled:
     function, packed_metadata = "fn", "meta"
 

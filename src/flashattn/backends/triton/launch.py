@@ -9,8 +9,8 @@ Triton 3.6 specialises on, so a plan is reused only where the JIT would pick the
   - a tensor (pointer): its dtype and whether its address is 16-byte aligned;
   - a float or bool: its type alone (not specialised);
   - None: a constant (a feature compiled out), so never the plan of a call that passed a value there;
-  - a Gluon tensor descriptor: its dtype, block shape and layout, which the call's constexprs fix (the
-    launchers build them from the config), and its dtype is in the key;
+  - a Gluon tensor descriptor: its dtype, block shape and layout (a kernel may take a tile's width from
+    its descriptor alone, as the wide-head backwards take dv's);
 and on every keyword (constexprs and options such as num_warps). The first call of a signature goes through
 the JIT (compiling if needed) and returns the compiled kernel, which the plan keeps. Under TRITON_INTERPRET=1,
 without CUDA, with a launch hook installed (profilers), or on a Triton other than the tested release
@@ -53,8 +53,8 @@ def _spec(x):
         return 1 if x == 1 else (x % 16 == 0, _I32[0] <= x < _I32[1], x < _I64_END)
     if isinstance(x, torch.Tensor):
         return x.dtype, x.data_ptr() % 16 == 0
-    base = getattr(x, "base", None)  # a tensor descriptor: its type comes from the constexprs and the dtype
-    return None if base is None else base.dtype
+    base = getattr(x, "base", None)  # a tensor descriptor: its type is its dtype, block shape and layout
+    return None if base is None else (base.dtype, tuple(x.block_shape), x.layout)
 
 
 def direct(t: torch.Tensor) -> bool:
