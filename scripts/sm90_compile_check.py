@@ -214,16 +214,16 @@ def dense_cases():
                 args = (flash_attn_func, q, k, v)
             yield f"{'varlen' if varlen else 'dense'} gluon d=256 {name}", partial(
                 _on_gluon, _fwd_bwd, *args, **opts)
-    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (at d > 128 the backward is a wide
-    # heads' Gluon one: attn_bwd_keys.py at width 192, attn_bwd_dsplit.py at 256); d in 129..192 as three
-    # 64-wide chunks, on one Q buffer beside the 128-key ring; one Q buffer at d = 256 too (64-key steps)
+    # dv < d: Q and K padded to the tile width, O staged in Q's buffer (the backward attn_bwd.py's at
+    # d <= 128, attn_bwd_keys.py's at width 192, attn_bwd_dsplit.py's at 256); d in 129..192 as three 64-wide
+    # chunks, on one Q buffer beside the 128-key ring; one Q buffer at d = 256 too (64-key steps)
     cases = ((192, 128, None),) if QUICK else (
         (192, 128, None), (160, 128, None), (192, 64, None), (192, 128, "fwd_ws=128,64,4,3"), (128, 64, None),
         (96, 64, None), (40, 64, None), (256, 256, "fwd_ws=128,64,4,2"))
     for d, dv, tiles in cases:
         q = _t(1, 1100, 4, d, grad=True)
         k, v = _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
-        launchers = ("forward", "backward") if d > 128 else ("forward",)
+        launchers = ("forward", "backward") if dv <= d else ("forward",)  # the Gluon backward: dv <= d
         call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, launchers=launchers, causal=True,
                        softcap=20.0)
         yield f"dense gluon d={d} dv={dv} {tiles or 'table tiles'} causal softcap", (
@@ -267,6 +267,13 @@ def dense_cases():
             q, k, v = _t(1, 1100, 8, d), _t(1, 1100, 2, d), _t(1, 1100, 2, 128)
             yield f"dense gluon bwd d-split d={d} dv=128 causal={causal}", partial(
                 _routes, q, k, v, routes.gluon_forward_route, routes.dsplit_backward_route, causal=causal)
+        # the 128-key backward with two dQ staging tiles per warpgroup (an A/B variant)
+        for dv in (128, 64):
+            q, k, v = _t(1, 1100, 8, 192), _t(1, 1100, 2, 192), _t(1, 1100, 2, dv)
+            yield f"dense gluon bwd 128 keys dq_tiles=2 d=192 dv={dv} causal", partial(
+                _routes, q, k, v, routes.gluon_forward_route,
+                lambda spec: dataclasses.replace(routes.wide_keys_backward_route(spec), dq_tiles=2),
+                causal=True)
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)
     yield "varlen gluon bwd d=128 h8/1 group_split=8 causal", partial(

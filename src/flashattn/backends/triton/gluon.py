@@ -348,7 +348,7 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
                  _descriptor_spec(k, n // 2, 256), _descriptor_spec(v, n // 2, dv_w),
                  _descriptor_spec(dk, n // 2, 256), _descriptor_spec(dv, n // 2, dv_w),
                  _descriptor_spec(dq_acc, m, 64, "float32"), stats_spec)
-        kwargs = common
+        kwargs = dict(common, DQ_TILES=route.dq_tiles)
     elif route.d_qk:
         from flashattn.kernels.gluon.attn_bwd_dsplit import attn_bwd_dsplit_kernel as kernel
 

@@ -212,6 +212,9 @@ class GluonBackward:
     # attn_bwd_keys.py's kernel (d_qk 192 beside dv up to 128): 128 keys a program, each warpgroup 64 of them
     # and all their columns, 32-row steps (tiles 32 x 128), dQ transposed
     wide_keys: bool = False
+    # attn_bwd_keys.py's dQ staging tiles per warpgroup (1 or 2: with 2 a unit's store does not wait for the
+    # warpgroup's previous reduce-add to have read its tile)
+    dq_tiles: int = 1
     kernel = "gluon"
 
 

@@ -11,7 +11,9 @@ every query tile's dQ is reduce-added once per 64 keys. Here, as in attn_bwd.py,
   - writes dS (rows: queries) for its 64 keys into the step's buffer, and once the other warpgroup's half is
     there (an mbarrier), computes dQ transposed, dQᵀ = Kᵀ dSᵀ over all 128 keys, for its 64-column units
     (the first warpgroup units 0 and 1, the second unit 2: M = 64 columns, N = 32 rows, 16 registers a
-    unit), each reduce-added into the float32 buffer through a staging tile, transposed back.
+    unit), each reduce-added into the float32 buffer through a staging tile, transposed back. DQ_TILES
+    staging tiles per warpgroup, used in turn: with 2 a unit's store waits only for the reduce-add before
+    the latest to have read its tile (the first warpgroup's second unit no longer waits on its first).
 Q and K go through 256-wide tiles (TMA reads zeros past d), of which the products take the first 192
 columns; dO and V through 128. The options are attn_bwd.py's compile-time variants (scores.py's band,
 softcap, ALiBi; the sink's gradient; varlen; the GQA group split), not DETERMINISTIC. The loader is
@@ -39,16 +41,20 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale, in_flight):
+def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale, in_flight,
+             DQ_TILES: gl.constexpr):
     """dQᵀ's columns [COL0, COL0 + 64) over both halves' keys of the step whose dS sits in buffer b,
-    reduce-added (transposed back) at coord; returns in_flight, the step's dK and dV, done."""
+    reduce-added (transposed back) at coord through dq_buf, one of the warpgroup's DQ_TILES staging tiles,
+    used in turn; returns in_flight, the step's dK and dV, done."""
     dqt = warpgroup_mma(k_halves[0].slice(COL0, UNIT, dim=1).permute((1, 0)),
                         ds_smem.index(2 * b).permute((1, 0)), dq_zero, use_acc=False, is_async=True)
     dqt = warpgroup_mma(k_halves[1].slice(COL0, UNIT, dim=1).permute((1, 0)),
                         ds_smem.index(2 * b + 1).permute((1, 0)), dqt, is_async=True)
     dka, dkb, dv = in_flight
     dqt, dka, dkb, dv = warpgroup_mma_wait(0, deps=(dqt, dka, dkb, dv))
-    tma.store_wait(0)  # the previous reduce-add has read the staging tile
+    # the reduce-adds complete in order and this warpgroup takes its tiles in turn: once all but the latest
+    # DQ_TILES - 1 have read theirs, the one that last used dq_buf has
+    tma.store_wait(DQ_TILES - 1)
     dq_buf.reshape([dqt.shape[1], UNIT]).store(gl.permute(dqt * sm_scale, (1, 0)))
     fence_async_shared()
     reduce_add(dq_desc, [coord[0], coord[1], coord[2], COL0], dq_buf)
@@ -75,6 +81,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     dtype: gl.constexpr = q_smem.dtype
     HEAD_DIM: gl.constexpr = q_smem.shape[-1]
     DV: gl.constexpr = do_smem.shape[-1]
+    DQ_TILES: gl.constexpr = dq_smem.shape[0] // 2  # staging tiles per warpgroup
     # this warpgroup's dQ units: columns [U0 · 64, (U0 + NU) · 64)
     U0: gl.constexpr = 0 if WG == 0 else 2
     NU: gl.constexpr = 2 if WG == 0 else 1
@@ -111,7 +118,6 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     k = k_smem.index(WG).reshape([HALF_N, HEAD_DIM])
     v = v_smem.index(WG).reshape([HALF_N, DV])
     k_halves = (k_smem.index(0).reshape([HALF_N, HEAD_DIM]), k_smem.index(1).reshape([HALF_N, HEAD_DIM]))
-    dq_buf = dq_smem.index(WG)
     mbarrier.wait(kv_bar, 0)
     # the stats tiles as rows: 2s is stage s's LSE (base 2), 2s + 1 its D (attn_bwd.py's reinterpretation)
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M],
@@ -173,11 +179,14 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.arrive(ds_ready.index(b), count=1)
         mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
         coord = (desc_b, q_start + m0, off_h)
-        dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale,
-                                (dka, dkb, dv))
+        # this warpgroup's staging tiles in turn, by the count of its units so far
+        dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero,
+                                dq_smem.index(DQ_TILES * WG + c * NU % DQ_TILES), dq_desc, coord, sm_scale,
+                                (dka, dkb, dv), DQ_TILES)
         if NU == 2:
-            dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord,
-                                    sm_scale, (dka, dkb, dv))
+            dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero,
+                                    dq_smem.index(DQ_TILES * WG + (c * NU + 1) % DQ_TILES), dq_desc, coord,
+                                    sm_scale, (dka, dkb, dv), DQ_TILES)
         # this step's Q and dO have no reader left in this warpgroup
         mbarrier.arrive(empty.index(s), count=1)
         dka = warpgroup_mma_init(dka)
@@ -227,7 +236,7 @@ def attn_bwd_keys_kernel(
     CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, stride_vm, stride_vh, DK_ACC, DV_ACC, SINK,
     DSINK, LOCK, stride_lock_b, stride_lock_h,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1,
+    CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1, DQ_TILES: gl.constexpr = 1,
 ):
     # attn_bwd.py's arguments; Q's, K's and dK's descriptors 256 wide, dO's, V's and dV's DV (<= 128) wide,
     # dQ's 64. LOCK: None
@@ -241,10 +250,10 @@ def attn_bwd_keys_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    # dS (queries, keys): two steps x two warpgroups' keys; dQ staging: one per warpgroup
+    # dS (queries, keys): two steps x two warpgroups' keys; dQ staging: DQ_TILES per warpgroup
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF_N], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_TILES] + dq_desc.block_type.shape, dq_desc.layout)
     stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
                                            stats_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
