@@ -1,7 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_keys_dq2] [ws_padded]
+        [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_keys_dq] [ws_padded]
         [fp8] [softcap_wide]
 
 (default: the first four).
@@ -18,7 +18,7 @@ forward's 192-wide heads (Q and K in three 64-wide chunks, one Q buffer or two) 
 persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs the wide heads' backward
 (d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward;
 ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192),
-ws_keys_dq2 on its variant with two dQ staging tiles per warpgroup.
+ws_keys_dq on its dQ variants (two staging tiles per warpgroup; dQ split by rows).
 ws_padded runs both Gluon kernels on head dims below their tiles' widths.
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
@@ -319,14 +319,17 @@ def ws_keys():
                          ((192, 128), (160, 104)))
 
 
-def ws_keys_dq2():
-    # attn_bwd_keys.py with two dQ staging tiles per warpgroup (an A/B variant)
+def ws_keys_dq():
+    # attn_bwd_keys.py's dQ variants (A/B): two staging tiles per warpgroup, and dQ split by rows
     from dataclasses import replace
 
     from flashattn.backends.triton import routes
 
-    _wide_backward_cases(lambda spec: replace(routes.wide_keys_backward_route(spec), dq_tiles=2),
-                         ((192, 128), (192, 64)), ((192, 128),))
+    def variant(fields):
+        return lambda spec: replace(routes.wide_keys_backward_route(spec), **fields)
+
+    for fields in (dict(dq_tiles=2), dict(dq_rows=True, dq_tiles=3)):
+        _wide_backward_cases(variant(fields), ((192, 128), (192, 64)), ((192, 128),))
 
 
 def ws_padded():

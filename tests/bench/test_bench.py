@@ -417,16 +417,17 @@ def test_the_dsplit_provider_takes_the_64_key_backward_where_the_default_is_the_
         assert _dsplit_backward(spec_o) == routes.backward_route(spec_o)
 
 
-def test_the_keys_dq2_provider_changes_only_the_128_key_backward():
+@pytest.mark.parametrize("fields", [dict(dq_tiles=2), dict(dq_rows=True, dq_tiles=3)], ids=str)
+def test_the_keys_dq_providers_change_only_the_128_key_backward(fields):
     from flashattn.backends.triton import routes
-    from flashattn.bench.providers.ours import _keys_dq2
+    from flashattn.bench.providers.ours import _keys_dq
 
     spec = routes.Spec(batch=2, nheads=16, nheads_k=16, seqlen_q=8192, seqlen_k=8192, headdim=192,
                        headdim_v=128, window=(-1, 0))
-    assert _keys_dq2(spec) == dataclasses.replace(routes.backward_route(spec), dq_tiles=2)
+    assert _keys_dq(**fields)(spec) == dataclasses.replace(routes.backward_route(spec), **fields)
     for other in (dict(headdim=256), dict(headdim=128)):
         spec_o = dataclasses.replace(spec, **other)
-        assert _keys_dq2(spec_o) == routes.backward_route(spec_o)
+        assert _keys_dq(**fields)(spec_o) == routes.backward_route(spec_o)
 
 
 def test_host_time_is_a_gpu_only_field():
@@ -437,7 +438,8 @@ def test_host_time_is_a_gpu_only_field():
 
 @pytest.mark.parametrize("name", ["flashattn-triton", "flashattn-triton-bwd", "flashattn-ptr",
                                   "flashattn-headmajor", "flashattn-ws-tiles", "flashattn-bwd-split4",
-                                  "flashattn-fwd-k64", "flashattn-bwd-dsplit", "flashattn-bwd-keys-dq2"])
+                                  "flashattn-fwd-k64", "flashattn-bwd-dsplit", "flashattn-bwd-keys-dq2",
+                                  "flashattn-bwd-keys-rows"])
 def test_route_providers_compute_the_same_attention(name):
     # the A/B providers time the library on other routes: same function, checked like any provider
     from flashattn.bench import providers

@@ -213,8 +213,11 @@ class GluonBackward:
     # and all their columns, 32-row steps (tiles 32 x 128), dQ transposed
     wide_keys: bool = False
     # attn_bwd_keys.py's dQ staging tiles per warpgroup (1 or 2: with 2 a unit's store does not wait for the
-    # warpgroup's previous reduce-add to have read its tile)
+    # warpgroup's previous reduce-add to have read its tile; 3 with dq_rows)
     dq_tiles: int = 1
+    # attn_bwd_keys.py's dQ split between the warpgroups by rows (each half the step's rows, all three
+    # 64-column units: equal work) instead of by columns (units 2 + 1)
+    dq_rows: bool = False
     kernel = "gluon"
 
 

@@ -175,14 +175,18 @@ def _dsplit_backward(spec):
     return route
 
 
-def _keys_dq2(spec):
-    """The default backward route, with two dQ staging tiles per warpgroup where it is attn_bwd_keys.py's."""
-    from flashattn.backends.triton import routes as r
+def _keys_dq(**fields) -> Callable:
+    """The default backward route, with fields replaced where it is attn_bwd_keys.py's."""
 
-    route = r.backward_route(spec)
-    if isinstance(route, r.GluonBackward) and route.wide_keys:
-        return dataclasses.replace(route, dq_tiles=2)
-    return route
+    def make(spec):
+        from flashattn.backends.triton import routes as r
+
+        route = r.backward_route(spec)
+        if isinstance(route, r.GluonBackward) and route.wide_keys:
+            return dataclasses.replace(route, **fields)
+        return route
+
+    return make
 
 
 def _group_split(n: int) -> Callable:
@@ -229,9 +233,12 @@ def _providers() -> list[Provider]:
                  "this project's Gluon kernels forward and backward on every call, head dims padded to their "
                  "tiles' widths (A/B timing: the default routes keep some calls on the Triton kernels, a "
                  "deterministic backward at padded head dims among them)"),
-        Provider("flashattn-bwd-keys-dq2", routed(r.forward_route, _keys_dq2),
+        Provider("flashattn-bwd-keys-dq2", routed(r.forward_route, _keys_dq(dq_tiles=2)),
                  "this project's default routes with two dQ staging tiles per warpgroup in the 128-key "
                  "backward (attn_bwd_keys.py; other routes as they are; A/B timing)"),
+        Provider("flashattn-bwd-keys-rows", routed(r.forward_route, _keys_dq(dq_rows=True, dq_tiles=3)),
+                 "this project's default routes with the 128-key backward's dQ split between its warpgroups "
+                 "by rows, not columns (attn_bwd_keys.py; other routes as they are; A/B timing)"),
         Provider("flashattn-bwd-dsplit", routed(r.forward_route, _dsplit_backward),
                  "this project's default routes with the d_qk 129..192 / dv 65..128 backward on 64 keys a "
                  "program, the gradients split by columns (attn_bwd_dsplit.py), instead of 128 "

@@ -41,23 +41,58 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
+def _stage(dqt, dq_buf, dq_desc, coord, sm_scale, PENDING: gl.constexpr):
+    """Scale dQᵀ's unit (64 columns x its rows), and reduce-add it, transposed back, at coord through dq_buf.
+    The reduce-adds complete in order and a warpgroup takes its staging tiles in turn: once all but the
+    latest PENDING have read theirs, the one that last used dq_buf has."""
+    tma.store_wait(PENDING)
+    dq_buf.reshape([dqt.shape[1], UNIT]).store(gl.permute(dqt * sm_scale, (1, 0)))
+    fence_async_shared()
+    reduce_add(dq_desc, coord, dq_buf)
+
+
+@gluon.jit
 def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale, in_flight,
              DQ_TILES: gl.constexpr):
-    """dQᵀ's columns [COL0, COL0 + 64) over both halves' keys of the step whose dS sits in buffer b,
-    reduce-added (transposed back) at coord through dq_buf, one of the warpgroup's DQ_TILES staging tiles,
-    used in turn; returns in_flight, the step's dK and dV, done."""
+    """dQᵀ's columns [COL0, COL0 + 64) for the step's rows over both halves' keys, its dS in buffer b,
+    reduce-added at coord through dq_buf, one of the warpgroup's DQ_TILES staging tiles, used in turn;
+    returns in_flight, the step's dK and dV, done."""
     dqt = warpgroup_mma(k_halves[0].slice(COL0, UNIT, dim=1).permute((1, 0)),
                         ds_smem.index(2 * b).permute((1, 0)), dq_zero, use_acc=False, is_async=True)
     dqt = warpgroup_mma(k_halves[1].slice(COL0, UNIT, dim=1).permute((1, 0)),
                         ds_smem.index(2 * b + 1).permute((1, 0)), dqt, is_async=True)
     dka, dkb, dv = in_flight
     dqt, dka, dkb, dv = warpgroup_mma_wait(0, deps=(dqt, dka, dkb, dv))
-    # the reduce-adds complete in order and this warpgroup takes its tiles in turn: once all but the latest
-    # DQ_TILES - 1 have read theirs, the one that last used dq_buf has
-    tma.store_wait(DQ_TILES - 1)
-    dq_buf.reshape([dqt.shape[1], UNIT]).store(gl.permute(dqt * sm_scale, (1, 0)))
-    fence_async_shared()
-    reduce_add(dq_desc, [coord[0], coord[1], coord[2], COL0], dq_buf)
+    _stage(dqt, dq_buf, dq_desc, [coord[0], coord[1], coord[2], COL0], sm_scale, DQ_TILES - 1)
+    return dka, dkb, dv
+
+
+@gluon.jit
+def _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale, in_flight, WG: gl.constexpr):
+    """dQᵀ's three 64-column units for this warpgroup's half of the step's rows (wgmma N = 16), over both
+    halves' keys, each reduce-added through its own staging tile (3 WG + unit): the warpgroups' dQ work is
+    equal. Returns in_flight, the step's dK and dV, done."""
+    R: gl.constexpr = dq_zero.shape[1]
+    b0 = ds_smem.index(2 * b).slice(WG * R, R, dim=0).permute((1, 0))
+    b1 = ds_smem.index(2 * b + 1).slice(WG * R, R, dim=0).permute((1, 0))
+    k0 = k_halves[0]
+    k1 = k_halves[1]
+    row = coord[1] + WG * R
+    # two units in flight at a time (registers): unit u staged while unit u + 1's products run
+    d0 = warpgroup_mma(k0.slice(0, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False, is_async=True)
+    d0 = warpgroup_mma(k1.slice(0, UNIT, dim=1).permute((1, 0)), b1, d0, is_async=True)
+    d1 = warpgroup_mma(k0.slice(UNIT, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False, is_async=True)
+    d1 = warpgroup_mma(k1.slice(UNIT, UNIT, dim=1).permute((1, 0)), b1, d1, is_async=True)
+    dka, dkb, dv = in_flight
+    d0, dka, dkb, dv = warpgroup_mma_wait(2, deps=(d0, dka, dkb, dv))
+    _stage(d0, dq_smem.index(3 * WG), dq_desc, [coord[0], row, coord[2], 0], sm_scale, 2)
+    d2 = warpgroup_mma(k0.slice(2 * UNIT, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False,
+                       is_async=True)
+    d2 = warpgroup_mma(k1.slice(2 * UNIT, UNIT, dim=1).permute((1, 0)), b1, d2, is_async=True)
+    d1 = warpgroup_mma_wait(2, deps=(d1,))
+    _stage(d1, dq_smem.index(3 * WG + 1), dq_desc, [coord[0], row, coord[2], UNIT], sm_scale, 2)
+    d2 = warpgroup_mma_wait(0, deps=(d2,))
+    _stage(d2, dq_smem.index(3 * WG + 2), dq_desc, [coord[0], row, coord[2], 2 * UNIT], sm_scale, 2)
     return dka, dkb, dv
 
 
@@ -82,7 +117,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     HEAD_DIM: gl.constexpr = q_smem.shape[-1]
     DV: gl.constexpr = do_smem.shape[-1]
     DQ_TILES: gl.constexpr = dq_smem.shape[0] // 2  # staging tiles per warpgroup
-    # this warpgroup's dQ units: columns [U0 · 64, (U0 + NU) · 64)
+    # dQ split by rows (dQ's staging tiles half the step's rows): each warpgroup all three units for its
+    # half, three staging tiles; else by columns: this warpgroup's units [U0 · 64, (U0 + NU) · 64)
+    DQ_ROWS: gl.constexpr = dq_smem.shape[2] < BLOCK_M
+    gl.static_assert(not DQ_ROWS or DQ_TILES == 3)
     U0: gl.constexpr = 0 if WG == 0 else 2
     NU: gl.constexpr = 2 if WG == 0 else 1
     # Sᵀ, dPᵀ: (keys, query rows); dK: (keys, 128) and (keys, 64); dV: (keys, dv); dQᵀ: (64 columns, rows)
@@ -111,7 +149,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     offs_k = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     key_tail = key0 + HALF_N > seqlen_k
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-    dq_zero = gl.zeros([UNIT, BLOCK_M], gl.float32, s_layout)
+    dq_rows: gl.constexpr = dq_smem.shape[2]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, dq_rows, 16])
+    dq_zero = gl.zeros([UNIT, dq_rows], gl.float32, dq_layout)
     dka = warpgroup_mma_init(gl.zeros([HALF_N, 128], gl.float32, ka_layout))
     dkb = warpgroup_mma_init(gl.zeros([HALF_N, 64], gl.float32, kb_layout))
     dv = warpgroup_mma_init(gl.zeros([HALF_N, DV], gl.float32, v_layout))
@@ -179,14 +220,18 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.arrive(ds_ready.index(b), count=1)
         mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
         coord = (desc_b, q_start + m0, off_h)
-        # this warpgroup's staging tiles in turn, by the count of its units so far
-        dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero,
-                                dq_smem.index(DQ_TILES * WG + c * NU % DQ_TILES), dq_desc, coord, sm_scale,
-                                (dka, dkb, dv), DQ_TILES)
-        if NU == 2:
-            dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero,
-                                    dq_smem.index(DQ_TILES * WG + (c * NU + 1) % DQ_TILES), dq_desc, coord,
+        if DQ_ROWS:
+            dka, dkb, dv = _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale,
+                                    (dka, dkb, dv), WG)
+        else:
+            # this warpgroup's staging tiles in turn, by the count of its units so far
+            dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero,
+                                    dq_smem.index(DQ_TILES * WG + c * NU % DQ_TILES), dq_desc, coord,
                                     sm_scale, (dka, dkb, dv), DQ_TILES)
+            if NU == 2:
+                dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero,
+                                        dq_smem.index(DQ_TILES * WG + (c * NU + 1) % DQ_TILES), dq_desc,
+                                        coord, sm_scale, (dka, dkb, dv), DQ_TILES)
         # this step's Q and dO have no reader left in this warpgroup
         mbarrier.arrive(empty.index(s), count=1)
         dka = warpgroup_mma_init(dka)
