@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flashattn import config
-from flashattn.backends.triton import gluon, host, routes, tma
+from flashattn.backends.triton import gluon, head_groups, host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.launch import Bound, launch
 from flashattn.errors import FlashAttnError
@@ -278,8 +278,18 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
 
     The Gluon backward adds dQ in a varying order unless `deterministic`, which takes its fixed-order
     variant (routes.GluonBackward.deterministic; with a learnable sink the Triton programs, where every
-    gradient element is written by one program). route: as attention_forward's.
+    gradient element is written by one program). route: as attention_forward's. Without one, a call whose
+    float32 dQ buffer would pass routes.DQ_BUFFER_CAP runs by groups of KV heads (head_groups.py).
     """
+    if route is None:
+        groups = head_groups.head_groups(q, k.shape[-2], dropout_p)
+        if groups > 1:
+            return head_groups.backward_by_head_groups(
+                attention_backward, groups, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                dropout_p=dropout_p, rng_seed=rng_seed, rng_offset=rng_offset, learnable_sink=learnable_sink,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, deterministic=deterministic)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if not lse.is_contiguous():

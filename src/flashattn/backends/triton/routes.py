@@ -15,7 +15,8 @@ Routes of the dense and varlen attention:
             feature). FP8 inference calls take the Gluon forward's FP8 variant in the padded layout with a
             16-bit output where the H200 measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d 33..128
-            beside dv <= d unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (deterministic, in its
+            beside dv <= d unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (attention_backward runs
+            such a call by groups of KV heads under it first: head_groups.py) (deterministic, in its
             fixed-order variant, at d = dv = 64 or 128 and not with a learnable sink), at d 129..192 beside
             dv 33..128 on 128 keys a program (kernels/gluon/attn_bwd_keys.py, `GluonBackward.wide_keys`),
             and at d 193..256 beside dv padded to 128 or 256 on the wide heads' kernel
@@ -40,9 +41,10 @@ HALF_M = 64  # query rows per consumer warpgroup of the Gluon kernels
 # fills the 64K-register file; the partitions then take 240 / 240 / 24
 MAXNREG_TWO = 168
 MAXNREG_THREE = 128  # 16 warps (three consumer warpgroups and the loader's) x 128 fill the register file
-# the Gluon backward's float32 dQ buffer beyond which the Triton backward runs instead: the 128K-token memory
-# target (2.2 GiB beyond the inputs for forward + backward, b=1, h=16, d=128) leaves no room for a 1 GiB
-# buffer
+# the Gluon backward's float32 dQ buffer beyond which a call does not take it: the 128K-token memory target
+# (2.2 GiB beyond the inputs for forward + backward, b=1, h=16, d=128) leaves no room for a 1 GiB buffer.
+# attention_backward runs such a call by groups of KV heads whose buffers fit (head_groups.py); what is left
+# above it (dropout, one KV head's share past the groups' size, an explicit route) takes the Triton backward
 DQ_BUFFER_CAP = 512 << 20
 # the float32 dK and dV buffers of the Gluon backward's GQA group split, beyond which one program walks the
 # whole group instead (they come on top of the dQ buffer)
