@@ -143,10 +143,19 @@ def test_ws_backward_follows_the_launcher():
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 24)) is None
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, window=(128, 0))) == (64, 128)  # a band: 64-row steps
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, density=0.5)) is None  # block-sparse: its own kernel
-    # the 128K-token memory case: its 1 GiB float32 dQ buffer passes the cap, so the Triton backward runs
+    # the 128K-token memory case: its 1 GiB float32 dQ buffer passes the cap (the whole call's route is the
+    # Triton backward), so the launcher runs it by groups of KV heads (routes.backward_head_groups): 16 of one
+    # head, each on the warp-specialised backward with a 64 MiB buffer, its gradients copied into the whole
     big = AttnShape(1, 16, 131072, 128, causal=True)
     assert ws_backward_tiles(big) is None
-    assert [p.name for p in backward_io(big).parts] == ["bwd.preprocess", "bwd.dkdv", "bwd.dq"]
+    est, one = backward_io(big), backward_io(AttnShape(1, 1, 131072, 128, causal=True))
+    assert est.detail["groups"] == 16
+    assert [p.name for p in leaves(est)][:4] == ["bwd.preprocess", "bwd.ws", "bwd.postprocess", "bwd.copy"]
+    assert est.flops == 16 * one.flops and est.flops_convention == 2.5 * forward_io(big).flops_convention
+    grads = 3 * 131072 * 16 * 128 * 2  # dq, dk, dv
+    assert est.peak_extra_bytes == grads + one.peak_extra_bytes < grads + 200 * 2**20
+    triton = backward_io(big, kernel="triton")
+    assert [p.name for p in triton.parts] == ["bwd.preprocess", "bwd.dkdv", "bwd.dq"]
     with pytest.raises(ValueError, match="kernel must be"):
         backward_io(big, kernel="fa3")
 

@@ -16,7 +16,7 @@ tensor cores compute them anyway) with the head dim padded to a power of two, as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashattn.backends.triton import decode_routes, routes
 from flashattn.backends.triton.configs import decode_programs_per_sm, tile_config
@@ -207,6 +207,20 @@ def _ws_backward_io(shape: AttnShape, block_m: int, block_n: int, machine: Machi
     return combine("bwd", [pre, main, post], flops_convention=round(2.5 * shape.convention_flops()))
 
 
+def _grouped_backward_io(shape: AttnShape, groups: int, machine: Machine, ctas_per_sm: int) -> IOEstimate:
+    """A backward whose float32 dQ buffer would pass routes.DQ_BUFFER_CAP, as the launcher runs it: one group
+    of KV heads at a time (routes.backward_head_groups), each group's gradients then copied into the whole
+    ones. Peak: the whole gradients beside one group's peak."""
+    part = replace(shape, nheads=shape.nheads // groups, nheads_k=shape.nheads_k // groups)
+    one = backward_io(part, machine=machine, ctas_per_sm=ctas_per_sm)
+    b, d, e = shape.batch, shape.headdim, shape.dtype_bytes
+    grads = (b * shape.nheads * shape.seqlen_q + 2 * b * shape.nheads_k * shape.seqlen_k) * d * e
+    copy = IOEstimate("bwd.copy", bytes_read=grads // groups, bytes_written=grads // groups, flops=0,
+                      peak_extra_bytes=0)
+    return combine("bwd", [one, copy] * groups, peak_extra_bytes=grads + one.peak_extra_bytes,
+                   flops_convention=round(2.5 * shape.convention_flops()), groups=groups)
+
+
 def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int | None = None,
                 block_m2: int | None = None, block_n2: int | None = None, machine: Machine = H200,
                 ctas_per_sm: int = 1, kernel: str | None = None) -> IOEstimate:
@@ -215,9 +229,13 @@ def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int 
     dQ kernel, no atomics; (block_m1, block_n1) tile the dK/dV kernel, (block_m2, block_n2) the dQ kernel).
     Nothing N x N either way; tiles default as the launcher.
     """
-    ws_tiles = ws_backward_tiles(shape)
     if kernel not in (None, "ws", "triton"):
         raise ValueError(f"kernel must be None, 'ws' or 'triton', got {kernel!r}")
+    groups = 1 if shape.density < 1.0 else routes.backward_head_groups(
+        shape.batch * shape.nheads * shape.seqlen_q * shape.headdim * 4, shape.nheads_k, False)
+    if kernel is None and groups > 1:
+        return _grouped_backward_io(shape, groups, machine, ctas_per_sm)
+    ws_tiles = ws_backward_tiles(shape)
     if kernel == "ws" or (kernel is None and ws_tiles is not None):
         block_m, block_n = ws_tiles or (64, 128)  # "ws" forced where the launcher would not take it
         return _ws_backward_io(shape, block_m1 or block_m, block_n1 or block_n, machine, ctas_per_sm)

@@ -165,7 +165,7 @@ def test_backward_key_tail_with_very_negative_lse(ws_bwd_calls):
 def test_backward_by_kv_head_groups(ws_calls, ws_bwd_calls, monkeypatch, varlen):
     # past routes.DQ_BUFFER_CAP a backward runs one group of KV heads at a time (head_groups.py), each on the
     # Gluon kernel with a buffer of its share: the caps lowered so that these calls split into four groups
-    from flashattn.backends.triton import attention, head_groups
+    from flashattn.backends.triton import attention
 
     torch.manual_seed(0)
     h, hk = 8, 4
@@ -177,12 +177,12 @@ def test_backward_by_kv_head_groups(ws_calls, ws_bwd_calls, monkeypatch, varlen)
         lens = torch.tensor(VARLEN_Q, dtype=torch.int32)
         nbytes = int(lens.sum()) * h * 128 * 4
         monkeypatch.setattr(routes, "DQ_BUFFER_CAP", nbytes // 2)
-        monkeypatch.setattr(head_groups, "GROUP_BYTES", nbytes // 4)
+        monkeypatch.setattr(routes, "DQ_GROUP_BYTES", nbytes // 4)
         check_varlen(ws_calls, ws_bwd_calls, VARLEN_Q, VARLEN_K, h, hk, 128, gluon_backward=True, **options)
     else:
         q, k, v = _qkv(2, 1023, 1100, h, hk, 128)
         monkeypatch.setattr(routes, "DQ_BUFFER_CAP", q.numel() * 4 // 2)
-        monkeypatch.setattr(head_groups, "GROUP_BYTES", q.numel() * 4 // 4)
+        monkeypatch.setattr(routes, "DQ_GROUP_BYTES", q.numel() * 4 // 4)
         check_against_oracle(q, k, v, wrt=(q, k, v, sink), **options)
     # one Gluon backward per group, each over its two query heads
     assert len(ws_bwd_calls) == 4 and all(shape[-2] == 2 for shape in ws_bwd_calls)

@@ -1,7 +1,8 @@
-"""head_groups.py: the backward of calls whose float32 dQ buffer would pass routes.DQ_BUFFER_CAP, run by
-groups of KV heads. The group count is checked on shapes alone; the grouped backward (the Triton kernels
-under TRITON_INTERPRET=1, the caps lowered so that small calls split) must give the whole call's gradients
-bit for bit, every per-head option (ALiBi (h,) and (b, h), a learnable sink) sliced with its heads."""
+"""head_groups.py and routes.backward_head_groups: the backward of calls whose float32 dQ buffer would pass
+routes.DQ_BUFFER_CAP, run by groups of KV heads. The group count is checked on shapes alone; the grouped
+backward (the Triton kernels under TRITON_INTERPRET=1, the caps lowered so that small calls split) must give
+the whole call's gradients bit for bit, every per-head option (ALiBi (h,) and (b, h), a sink) sliced with its
+heads."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from utils import INTERPRET
 
 from flashattn import config as flashattn_config
 from flashattn import flash_attn_func, flash_attn_varlen_func
-from flashattn.backends.triton import attention, head_groups, routes
+from flashattn.backends.triton import attention, routes
 
 MIB = 1 << 20
 
 
 @pytest.mark.parametrize("shape, heads_k, dropout, groups", [
     ((1, 131072, 16, 128), 16, 0.0, 16),  # 1 GiB of buffer: 64 MiB groups, one KV head each
-    ((1, 131072, 16, 128), 8, 0.0, 8),  # GQA 16/8: 128 MiB a KV head's share, over GROUP_BYTES: one each
+    ((1, 131072, 16, 128), 8, 0.0, 8),  # GQA 16/8: 128 MiB a KV head's share, over DQ_GROUP_BYTES: one each
     ((1, 131072, 32, 128), 8, 0.0, 8),  # GQA 32/8: 256 MiB a KV head, under the cap
     ((1, 65536, 16, 128), 16, 0.0, 1),  # 512 MiB: at the cap, one buffer
     ((1, 32768, 16, 128), 16, 0.0, 1),
@@ -29,14 +30,14 @@ MIB = 1 << 20
     ((4, 65536, 16, 64), 16, 0.0, 16),  # batch 4 at d 64: 1 GiB as well
 ])
 def test_head_groups_count(shape, heads_k, dropout, groups):
-    q = torch.empty(shape, device="meta")
-    assert head_groups.head_groups(q, heads_k, dropout) == groups
+    dq_bytes = torch.empty(shape, device="meta").numel() * 4
+    assert routes.backward_head_groups(dq_bytes, heads_k, dropout > 0) == groups
 
 
 def _caps(monkeypatch, nbytes):
     """The dQ buffer cap and the groups' size both nbytes: small calls split."""
     monkeypatch.setattr(routes, "DQ_BUFFER_CAP", nbytes)
-    monkeypatch.setattr(head_groups, "GROUP_BYTES", nbytes)
+    monkeypatch.setattr(routes, "DQ_GROUP_BYTES", nbytes)
 
 
 @pytest.fixture

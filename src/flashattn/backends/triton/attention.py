@@ -282,7 +282,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     float32 dQ buffer would pass routes.DQ_BUFFER_CAP runs by groups of KV heads (head_groups.py).
     """
     if route is None:
-        groups = head_groups.head_groups(q, k.shape[-2], dropout_p)
+        groups = routes.backward_head_groups(q.numel() * 4, k.shape[-2], dropout_p > 0)
         if groups > 1:
             return head_groups.backward_by_head_groups(
                 attention_backward, groups, dout, q, k, v, out, lse, softmax_scale=softmax_scale,

@@ -3,33 +3,13 @@
 The Gluon backward adds dQ into a float32 buffer as large as q (`routes.dq_buffer_bytes`): at 128K tokens
 of 16 heads of 128 that is 1 GiB, which the memory target (2.2 GiB beyond the inputs for forward and
 backward at that size) has no room for, and past the cap the call would take the Triton backward. Above the
-cap, `attention_backward` runs the call one group of KV heads (with their query heads) at a time instead,
-each group's dQ buffer at most `GROUP_BYTES`, on whatever route that part takes, and copies each group's
-gradients into the whole ones. Heads are independent (a KV head's dK and dV sum over its own query heads
-only), so the gradients are the whole call's. Not with dropout: its random stream is indexed by head.
+cap, `attention_backward` runs the call one group of KV heads (with their query heads) at a time instead
+(`routes.backward_head_groups` says how many), each on whatever route that part takes, and copies each
+group's gradients into the whole ones. Heads are independent (a KV head's dK and dV sum over its own query
+heads only), so the gradients are the whole call's. Not with dropout: its random stream is indexed by head.
 """
 
 import torch
-
-from flashattn.backends.triton import routes
-
-# the largest float32 dQ buffer of one group: with the group's dq, dk and dv before their copy into the whole
-# gradients (half as many bytes again at d = dv, 16-bit), 160 MiB beside what the call holds anyway
-GROUP_BYTES = 64 << 20
-
-
-def head_groups(q: torch.Tensor, nheads_k: int, dropout_p: float) -> int:
-    """How many groups of KV heads the backward of a call with q (its dQ buffer q.numel() · 4 bytes) runs in:
-    1 at or under DQ_BUFFER_CAP, with dropout, or where no split of nheads_k brings a group under the cap
-    (MQA: the Triton backward then); else the fewest groups that divide nheads_k with at most GROUP_BYTES of
-    buffer each, or where none does (a wide GQA group's share), one KV head a group."""
-    total = q.numel() * 4
-    if total <= routes.DQ_BUFFER_CAP or dropout_p > 0:
-        return 1
-    fits = [n for n in range(2, nheads_k + 1) if nheads_k % n == 0 and total // n <= routes.DQ_BUFFER_CAP]
-    if not fits:
-        return 1
-    return next((n for n in fits if total // n <= GROUP_BYTES), fits[-1])
 
 
 def backward_by_head_groups(backward, groups: int, dout, q, k, v, out, lse, *, alibi_slopes=None,

@@ -46,6 +46,9 @@ MAXNREG_THREE = 128  # 16 warps (three consumer warpgroups and the loader's) x 1
 # attention_backward runs such a call by groups of KV heads whose buffers fit (head_groups.py); what is left
 # above it (dropout, one KV head's share past the groups' size, an explicit route) takes the Triton backward
 DQ_BUFFER_CAP = 512 << 20
+# the largest float32 dQ buffer of one such group: with the group's dq, dk and dv before their copy into the
+# whole gradients (half as many bytes again at d = dv, 16-bit), 160 MiB beside what the call holds anyway
+DQ_GROUP_BYTES = 64 << 20
 # the float32 dK and dV buffers of the Gluon backward's GQA group split, beyond which one program walks the
 # whole group instead (they come on top of the dQ buffer)
 SPLIT_BUFFER_CAP = 256 << 20
@@ -320,6 +323,20 @@ def _keys_backward(spec: Spec) -> bool:
     """A call for attn_bwd_keys.py's kernel: Q/K 192 wide (d 129..192) beside dv 33..128 (its tiles 64 or 128
     wide; the range its GPU tests and compile checks run)."""
     return gluon_head_dim(spec) == 192 and 64 <= block_d(spec.headdim_v) <= 128
+
+
+def backward_head_groups(dq_bytes: int, nheads_k: int, dropout: bool) -> int:
+    """How many groups of KV heads the backward of a call with a float32 dQ buffer of dq_bytes (4 per element
+    of q) runs in (backends/triton/head_groups.py): 1 at or under DQ_BUFFER_CAP, with dropout (its random
+    stream is indexed by head), or where no split of nheads_k brings a group under the cap (MQA: the Triton
+    backward then); else the fewest groups that divide nheads_k with at most DQ_GROUP_BYTES of buffer each,
+    or where none does (a wide GQA group's share), one KV head a group."""
+    if dq_bytes <= DQ_BUFFER_CAP or dropout:
+        return 1
+    fits = [n for n in range(2, nheads_k + 1) if nheads_k % n == 0 and dq_bytes // n <= DQ_BUFFER_CAP]
+    if not fits:
+        return 1
+    return next((n for n in fits if dq_bytes // n <= DQ_GROUP_BYTES), fits[-1])
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
