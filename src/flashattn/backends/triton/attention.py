@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flashattn import config
-from flashattn.backends.triton import gluon, head_groups, host, routes, tma
+from flashattn.backends.triton import decode, decode_routes, gluon, head_groups, host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.launch import Bound, launch
 from flashattn.errors import FlashAttnError
@@ -177,7 +177,8 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       route=None, descales=None, out_dtype=None):
     """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key).
-    route: routes.GluonForward / routes.TritonForward to run instead of the default one.
+    route: routes.GluonForward / routes.TritonForward / decode_routes.SplitForward to run instead of the
+    default one.
     descales, out_dtype: FP8 calls only (attention_forward_fp8)."""
     key = None
     if descales is None and route is None and _cacheable(q, (q, k, v), cu_seqlens_q, softmax_scale,
@@ -199,6 +200,13 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
                   out_dtype=out_dtype if descales is not None else None)
     if route is None:
         route = routes.forward_route(pb.spec)
+    if isinstance(route, decode_routes.SplitForward):
+        decode_routes.split_forward_route(pb.spec)  # refuses a call it does not take
+        # the decode kernel over k and v as full caches of seqlen_k keys (its lse: (b, h, sq), +inf where a
+        # row sees no key, as here)
+        return decode.kvcache_forward(q, k, v, cache_len=pb.seqlen_k, softmax_scale=softmax_scale,
+                                      causal=causal, window_size=window_size, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, num_splits=route.num_splits)
     out_shape = (*q.shape[:-1], pb.dv)
     out = torch.empty(out_shape, dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)

@@ -1,5 +1,6 @@
 """How the split-KV decode kernel runs a KV-cache call (flash_attn_with_kvcache, DecodePlan): a pure function
-from the call's `DecodeSpec` to a `DecodeRoute`, as routes.py is for the dense and varlen calls.
+from the call's `DecodeSpec` to a `DecodeRoute`, as routes.py is for the dense and varlen calls; and
+`SplitForward`, the same kernel as a route of a dense forward of few query rows (routes.Spec).
 This module imports neither torch nor Triton.
 """
 
@@ -9,9 +10,12 @@ from dataclasses import dataclass
 
 from flashattn.backends.triton.configs import TileConfig, decode_programs_per_sm, decode_tiles
 from flashattn.backends.triton.host import block_d
+from flashattn.errors import FlashAttnError
 
 MAX_SPLITS = 128
 UNBOUNDED = 1 << 30  # a window side of -1 as the decode kernel takes it: no branch, no int32 overflow
+# the most query rows a split-KV forward (SplitForward) takes: its programs pack a GQA group's rows of them
+SPLIT_FORWARD_Q = 64
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,35 @@ def decode_route(spec: DecodeSpec) -> DecodeRoute:
         splits = num_splits_heuristic(spec.batch * spec.nheads_k * m_blocks, n_tiles, spec.sms, per_sm)
     merge_rows = min(block_m, 1 << max(spec.rows - 1, 0).bit_length())
     return DecodeRoute(tiles, block_m, max(1, min(splits, n_tiles)), merge_rows)
+
+
+@dataclass(frozen=True)
+class SplitForward:
+    """kernels/triton/decode.py (flash_attn_with_kvcache's kernel) for a forward of few query rows: one
+    program per (batch, KV head, split of the keys, block of packed query rows), a GQA group's rows packed
+    into its query blocks (FA3's pack_gqa: K and V read once per KV head, not once per query head), the
+    splits merged in the same launch. num_splits 0: decode routing's heuristic. On an explicit route
+    (`split_forward_route`) until timed against the Gluon forward."""
+
+    num_splits: int = 0
+    kernel = "triton"
+
+
+def takes_split_forward(spec) -> bool:
+    """A call (routes.Spec) the split-KV forward computes as the dense kernels do: the padded layout, at most
+    SPLIT_FORWARD_Q query rows and no more than keys (every row then sees a key under any mask), d = dv up to
+    256, 16-bit or float32, and no dropout, learnable sink or FP8 (options the decode kernel lacks)."""
+    return (not spec.varlen and not spec.dropout and not spec.sink and not spec.out_dtype
+            and spec.dtype in ("float16", "bfloat16", "float32") and spec.headdim == spec.headdim_v <= 256
+            and spec.seqlen_q <= min(SPLIT_FORWARD_Q, spec.seqlen_k))
+
+
+def split_forward_route(spec) -> SplitForward:
+    """The split-KV forward's route for a spec it takes (takes_split_forward)."""
+    if not takes_split_forward(spec):
+        raise FlashAttnError(f"the split-KV forward takes the padded layout at seqlen_q <= "
+                             f"{SPLIT_FORWARD_Q} and <= seqlen_k, d = dv <= 256, 16-bit or float32, no "
+                             f"dropout, sink or FP8; not seqlen_q {spec.seqlen_q}, seqlen_k {spec.seqlen_k}, "
+                             f"d {spec.headdim}, dv {spec.headdim_v}, {spec.dtype}, varlen={spec.varlen}, "
+                             f"dropout={spec.dropout}, sink={spec.sink}")
+    return SplitForward()

@@ -175,6 +175,14 @@ def _dsplit_backward(spec):
     return route
 
 
+def _split_forward(spec):
+    """The split-KV forward's route where it takes the call, else the default forward route."""
+    from flashattn.backends.triton import decode_routes
+    from flashattn.backends.triton import routes as r
+
+    return decode_routes.SplitForward() if decode_routes.takes_split_forward(spec) else r.forward_route(spec)
+
+
 def _keys_dq(**fields) -> Callable:
     """The default backward route, with fields replaced where it is attn_bwd_keys.py's."""
 
@@ -233,6 +241,10 @@ def _providers() -> list[Provider]:
                  "this project's Gluon kernels forward and backward on every call, head dims padded to their "
                  "tiles' widths (A/B timing: the default routes keep some calls on the Triton kernels, a "
                  "deterministic backward at padded head dims among them)"),
+        Provider("flashattn-short-split", routed(_split_forward, r.backward_route),
+                 "this project's default routes with forwards of at most 64 query rows (no more than keys) "
+                 "on the split-KV decode kernel, a GQA group's rows packed (decode_routes.SplitForward; "
+                 "A/B timing)"),
         Provider("flashattn-bwd-keys-dq2", routed(r.forward_route, _keys_dq(dq_tiles=2)),
                  "this project's default routes with two dQ staging tiles per warpgroup in the 128-key "
                  "backward (attn_bwd_keys.py; other routes as they are; A/B timing)"),

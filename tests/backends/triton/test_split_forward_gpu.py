@@ -1,0 +1,47 @@
+"""The split-KV forward (decode_routes.SplitForward) on a Hopper GPU (``pytest -m gpu``): forwards of few
+query rows on the decode kernel, a GQA group's rows packed, on its explicit route; forward, LSE and the
+default backward's gradients against the fp64 oracle, asserting that the decode kernel ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gluon_helpers import qkv
+from test_interface import check_against_oracle
+
+from flashattn import config as flashattn_config
+from flashattn.backends.triton import attention, decode, decode_routes, routes
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def split_calls(monkeypatch):
+    """The split-KV route wherever it takes the call; the decode launcher's calls (q's shape)."""
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    real = routes.forward_route
+    monkeypatch.setattr(routes, "forward_route", lambda spec: decode_routes.SplitForward()
+                        if decode_routes.takes_split_forward(spec) else real(spec))
+    calls = []
+    launcher = decode.kvcache_forward
+
+    def record(q, *args, **kwargs):
+        calls.append(q.shape)
+        return launcher(q, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "kvcache_forward", record)
+    return calls
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (1, 4097), (7, 1023), (16, 16), (64, 1100), (33, 65)], ids=str)
+@pytest.mark.parametrize("h, hk, d", [(32, 8, 128), (8, 1, 64), (4, 4, 256), (8, 2, 96)], ids=str)
+@pytest.mark.parametrize("options", ["causal", "full", "window+softcap+alibi"])
+def test_split_forward(split_calls, sq, sk, h, hk, d, options):
+    torch.manual_seed(0)
+    q, k, v = qkv(2, sq, sk, h, hk, d)
+    kwargs = {"causal": dict(causal=True), "full": {},
+              "window+softcap+alibi": dict(causal=True, window_size=(100, -1), softcap=30.0,
+                                           alibi_slopes=torch.rand(2, h, device="cuda"))}[options]
+    check_against_oracle(q, k, v, **kwargs)
+    assert split_calls == [q.shape]
