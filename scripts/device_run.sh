@@ -22,6 +22,8 @@
 #   padded-heads  head dims below the Gluon kernels' tile widths (d 40, 80, 96, dv < d): their forced-route
 #                 GPU tests, memcheck on ws_padded, and the train suite at d 80 and 96 on the default routes
 #                 (Triton) beside the forced Gluon ones (flashattn-gluon) and cuDNN (PADDED_S: the bench's limit)
+#   short         the short suite (1-64 query rows against 4K / 32K keys) on the default routes beside the
+#                 split-KV forward (flashattn-short-split), cuDNN (and FA4)
 #   long-backward the memory suite at 32K-128K (b1 h16 d128 causal, forward + backward: peak memory beyond the
 #                 inputs and TFLOP/s) beside the Triton backward and cuDNN: past the dQ buffer's cap the
 #                 backward runs by groups of KV heads (backends/triton/head_groups.py)
@@ -142,6 +144,8 @@ for stage in "$@"; do
     train-table)
       bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
+    short)
+      bench "${SHORT_S:-240}" short --suite short --providers "flashattn,flashattn-short-split,sdpa-cudnn$FA4" ;;
     long-backward)
       bench "${LONG_S:-300}" long --suite memory --seqlens 32768,65536,131072 \
         --providers "flashattn,flashattn-triton-bwd,sdpa-cudnn" ;;
