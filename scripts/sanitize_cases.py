@@ -191,6 +191,17 @@ def ws_deterministic():
         q, k, v = _qkv((sum(lens), 4, 128), (sum(lens), 2, 128), (sum(lens), 2, 128))
         _grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
                                            deterministic=True), q, k, v)
+    # the fixed-order variant at padded head dims, on its explicit route (the default keeps Triton there)
+    from flashattn.backends.triton import attention, routes
+
+    default = routes.backward_route
+    routes.backward_route = routes.gluon_backward_route
+    attention._backward_cache.clear()
+    for d, dv, opts in ((96, 96, dict(causal=True)), (128, 96, dict(window_size=(50, 20)))):
+        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))
+        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
+    routes.backward_route = default
+    attention._backward_cache.clear()
 
 
 def ws_features():

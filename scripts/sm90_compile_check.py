@@ -324,6 +324,15 @@ def dense_cases():
         q, k, v = _t(1, 1100, 4, d, grad=True), _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, d, grad=True)
         yield f"dense gluon deterministic d={d} {opts}", partial(
             _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, deterministic=True, **opts)
+    if not QUICK:
+        # the fixed-order variant at padded head dims, on its explicit route (the default keeps Triton there)
+        def fixed_order(spec):
+            return dataclasses.replace(routes.gluon_backward_route(spec), deterministic=True)
+
+        for d, dv, causal in ((96, 96, True), (80, 80, False), (128, 96, True)):
+            q, k, v = _t(1, 1100, 4, d), _t(1, 1100, 2, d), _t(1, 1100, 2, dv)
+            yield f"dense gluon deterministic padded d={d} dv={dv} causal={causal}", partial(
+                _routes, q, k, v, routes.gluon_forward_route, fixed_order, causal=causal)
     q, k, v = _t(208, 4, 128, grad=True), _t(208, 2, 128, grad=True), _t(208, 2, 128, grad=True)
     yield "varlen gluon deterministic d=128 causal", partial(
         _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,

@@ -115,6 +115,32 @@ def test_backward_deterministic(ws_bwd_calls, name, sq, sk, d):
             assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
 
 
+@pytest.mark.parametrize("d, dv", [(96, 96), (80, 80), (40, 40), (128, 96), (72, 64)], ids=str)
+@pytest.mark.parametrize("name", ["causal", "full", "window"])
+def test_backward_deterministic_padded_head_dims(ws_bwd_calls, monkeypatch, name, d, dv):
+    # the fixed-order variant at head dims below its tiles' widths, on its explicit route (the default sends
+    # these calls to the Triton backward until this runs): against the oracle, and bitwise the same twice
+    from gluon_helpers import qkv_dv
+
+    from flashattn.backends.triton import attention
+
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    monkeypatch.setattr(routes, "backward_route", routes.gluon_backward_route)
+    torch.manual_seed(0)
+    options = DETERMINISTIC[name]
+    q, k, v = qkv_dv(2, 1023, 700, 4, 2, d, dv)
+    causal = options.get("causal", False)
+    window = options.get("window_size", (-1, -1))
+    check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
+        q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
+    assert ws_bwd_calls and all(r.deterministic for r in ws_bwd_calls.routes)
+    dout = torch.randn(2, 1023, 4, dv, device="cuda", dtype=q.dtype)
+    first = _grads(q, k, v, dout, deterministic=True, **options)
+    again = _grads(q, k, v, dout, deterministic=True, **options)
+    for name_, a, b in zip("qkv", first, again, strict=True):
+        assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_deterministic_varlen(ws_calls, ws_bwd_calls, causal):
     # empty sequences, one-row ones, several key tiles; bitwise the same twice
