@@ -209,9 +209,11 @@ def _ws_backward_io(shape: AttnShape, block_m: int, block_n: int, machine: Machi
 
 def _grouped_backward_io(shape: AttnShape, groups: int, machine: Machine, ctas_per_sm: int) -> IOEstimate:
     """A backward whose float32 dQ buffer would pass routes.DQ_BUFFER_CAP, as the launcher runs it: one group
-    of KV heads at a time (routes.backward_head_groups), each group's gradients then copied into the whole
-    ones. Peak: the whole gradients beside one group's peak."""
-    part = replace(shape, nheads=shape.nheads // groups, nheads_k=shape.nheads_k // groups)
+    of query heads at a time (routes.backward_head_groups) with its KV heads (or one KV head, parts of its
+    query heads each), each group's gradients then copied into the whole ones (parts summed in float32,
+    not modelled: a KV head's K/V-sized traffic). Peak: the whole gradients beside one group's peak."""
+    nheads = shape.nheads // groups
+    part = replace(shape, nheads=nheads, nheads_k=max(nheads // shape.group, 1))
     one = backward_io(part, machine=machine, ctas_per_sm=ctas_per_sm)
     b, d, e = shape.batch, shape.headdim, shape.dtype_bytes
     grads = (b * shape.nheads * shape.seqlen_q + 2 * b * shape.nheads_k * shape.seqlen_k) * d * e
@@ -232,7 +234,7 @@ def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int 
     if kernel not in (None, "ws", "triton"):
         raise ValueError(f"kernel must be None, 'ws' or 'triton', got {kernel!r}")
     groups = 1 if shape.density < 1.0 else routes.backward_head_groups(
-        shape.batch * shape.nheads * shape.seqlen_q * shape.headdim * 4, shape.nheads_k, False)
+        shape.batch * shape.nheads * shape.seqlen_q * shape.headdim * 4, shape.nheads, shape.nheads_k, False)
     if kernel is None and groups > 1:
         return _grouped_backward_io(shape, groups, machine, ctas_per_sm)
     ws_tiles = ws_backward_tiles(shape)

@@ -187,14 +187,16 @@ def test_backward_key_tail_with_very_negative_lse(ws_bwd_calls):
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("hk", [4, 1], ids=["kv-groups", "mqa-parts"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-def test_backward_by_kv_head_groups(ws_calls, ws_bwd_calls, monkeypatch, varlen):
-    # past routes.DQ_BUFFER_CAP a backward runs one group of KV heads at a time (head_groups.py), each on the
-    # Gluon kernel with a buffer of its share: the caps lowered so that these calls split into four groups
+def test_backward_by_kv_head_groups(ws_calls, ws_bwd_calls, monkeypatch, varlen, hk):
+    # past routes.DQ_BUFFER_CAP a backward runs one group of heads at a time (head_groups.py), each on the
+    # Gluon kernel with a buffer of its share: the caps lowered so that these calls split into four groups,
+    # of a KV head and its two query heads, or (MQA) of two of the one KV head's query heads
     from flashattn.backends.triton import attention
 
     torch.manual_seed(0)
-    h, hk = 8, 4
+    h = 8
     sink = torch.randn(h, device="cuda", requires_grad=True)
     options = dict(causal=True, window_size=(300, -1), learnable_sink=sink,
                    alibi_slopes=torch.rand(h, device="cuda"))
@@ -202,12 +204,12 @@ def test_backward_by_kv_head_groups(ws_calls, ws_bwd_calls, monkeypatch, varlen)
     if varlen:
         lens = torch.tensor(VARLEN_Q, dtype=torch.int32)
         nbytes = int(lens.sum()) * h * 128 * 4
-        monkeypatch.setattr(routes, "DQ_BUFFER_CAP", nbytes // 2)
+        monkeypatch.setattr(routes, "DQ_BUFFER_CAP", nbytes // 4)
         monkeypatch.setattr(routes, "DQ_GROUP_BYTES", nbytes // 4)
         check_varlen(ws_calls, ws_bwd_calls, VARLEN_Q, VARLEN_K, h, hk, 128, gluon_backward=True, **options)
     else:
         q, k, v = _qkv(2, 1023, 1100, h, hk, 128)
-        monkeypatch.setattr(routes, "DQ_BUFFER_CAP", q.numel() * 4 // 2)
+        monkeypatch.setattr(routes, "DQ_BUFFER_CAP", q.numel() * 4 // 4)
         monkeypatch.setattr(routes, "DQ_GROUP_BYTES", q.numel() * 4 // 4)
         check_against_oracle(q, k, v, wrt=(q, k, v, sink), **options)
     # one Gluon backward per group, each over its two query heads

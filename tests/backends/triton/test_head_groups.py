@@ -1,8 +1,8 @@
 """head_groups.py and routes.backward_head_groups: the backward of calls whose float32 dQ buffer would pass
-routes.DQ_BUFFER_CAP, run by groups of KV heads. The group count is checked on shapes alone; the grouped
+routes.DQ_BUFFER_CAP, run by groups of heads. The group count is checked on shapes alone; the grouped
 backward (the Triton kernels under TRITON_INTERPRET=1, the caps lowered so that small calls split) must give
-the whole call's gradients bit for bit, every per-head option (ALiBi (h,) and (b, h), a sink) sliced with its
-heads."""
+the whole call's gradients bit for bit in groups of whole KV heads, every per-head option (ALiBi (h,) and
+(b, h), a sink) sliced with its heads, and match the oracle where a KV head's query heads go in parts."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ MIB = 1 << 20
     ((1, 65536, 16, 128), 16, 0.0, 1),  # 512 MiB: at the cap, one buffer
     ((1, 32768, 16, 128), 16, 0.0, 1),
     ((1, 131072, 16, 128), 16, 0.1, 1),  # dropout's stream is indexed by head
-    ((1, 131072, 16, 128), 1, 0.0, 1),  # MQA: the one KV head's share cannot be split
-    ((1, 262144, 32, 128), 2, 0.0, 1),  # 2 GiB a KV head: no split fits the cap
+    ((1, 131072, 16, 128), 1, 0.0, 16),  # MQA: the one KV head's query heads in 16 parts of 64 MiB
+    ((1, 262144, 32, 128), 2, 0.0, 32),  # 2 GiB a KV head: its 16 query heads in parts, 128 MiB each
+    ((1, 2097152, 1, 128), 1, 0.0, 1),  # one head of 1 GiB: nothing to split
     ((131072, 16, 128), 4, 0.0, 4),  # varlen layout: 1 GiB over 4 KV heads
     ((4, 65536, 16, 64), 16, 0.0, 16),  # batch 4 at d 64: 1 GiB as well
 ])
 def test_head_groups_count(shape, heads_k, dropout, groups):
     dq_bytes = torch.empty(shape, device="meta").numel() * 4
-    assert routes.backward_head_groups(dq_bytes, heads_k, dropout > 0) == groups
+    assert routes.backward_head_groups(dq_bytes, shape[-2], heads_k, dropout > 0) == groups
 
 
 def _caps(monkeypatch, nbytes):
@@ -103,3 +104,22 @@ def test_grouped_varlen_backward_equals_the_whole_one(split_small_calls, monkeyp
     whole = _grads(call, (q, k, v, sink))
     for g, w in zip(grouped, whole, strict=True):
         assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
+@pytest.mark.parametrize("heads_k, parts", [(1, 2), (2, 4)], ids=["mqa-2-parts", "gqa-4-parts"])
+def test_parts_of_a_kv_heads_query_heads(split_small_calls, monkeypatch, heads_k, parts):
+    # a KV head's share over the cap: its query heads in parts, their dK and dV summed in float32
+    from test_interface import check_against_oracle
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 37, 4, 32, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(2, 45, heads_k, 32, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    sink = torch.randn(4, requires_grad=True)
+    total = q.numel() * 4
+    monkeypatch.setattr(routes, "DQ_BUFFER_CAP", total // parts)
+    monkeypatch.setattr(routes, "DQ_GROUP_BYTES", total // parts)
+    assert routes.backward_head_groups(total, 4, heads_k, False) == parts
+    check_against_oracle(q, k, v, wrt=(q, k, v, sink), causal=True, softcap=5.0, learnable_sink=sink,
+                         alibi_slopes=torch.rand(2, 4))
+    assert [s[2] for s in split_small_calls if s[2] < 4] == [4 // parts] * parts

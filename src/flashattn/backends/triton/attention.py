@@ -287,10 +287,10 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     The Gluon backward adds dQ in a varying order unless `deterministic`, which takes its fixed-order
     variant (routes.GluonBackward.deterministic; with a learnable sink the Triton programs, where every
     gradient element is written by one program). route: as attention_forward's. Without one, a call whose
-    float32 dQ buffer would pass routes.DQ_BUFFER_CAP runs by groups of KV heads (head_groups.py).
+    float32 dQ buffer would pass routes.DQ_BUFFER_CAP runs by groups of heads (head_groups.py).
     """
     if route is None:
-        groups = routes.backward_head_groups(q.numel() * 4, k.shape[-2], dropout_p > 0)
+        groups = routes.backward_head_groups(q.numel() * 4, q.shape[-2], k.shape[-2], dropout_p > 0)
         if groups > 1:
             return head_groups.backward_by_head_groups(
                 attention_backward, groups, dout, q, k, v, out, lse, softmax_scale=softmax_scale,

@@ -16,7 +16,7 @@ Routes of the dense and varlen attention:
             16-bit output where the H200 measured it faster (`takes_gluon_fp8_forward`), else the Triton one;
   backward: `GluonBackward` (kernels/gluon/attn_bwd.py) for the same calls, padded or varlen, at d 33..128
             beside dv <= d unless its float32 dQ buffer would pass `DQ_BUFFER_CAP` (attention_backward runs
-            such a call by groups of KV heads under it first: head_groups.py) (deterministic, in its
+            such a call by groups of heads under it first: head_groups.py) (deterministic, in its
             fixed-order variant, at d = dv = 64 or 128 and not with a learnable sink), at d 129..192 beside
             dv 33..128 on 128 keys a program (kernels/gluon/attn_bwd_keys.py, `GluonBackward.wide_keys`),
             and at d 193..256 beside dv padded to 128 or 256 on the wide heads' kernel
@@ -43,8 +43,8 @@ MAXNREG_TWO = 168
 MAXNREG_THREE = 128  # 16 warps (three consumer warpgroups and the loader's) x 128 fill the register file
 # the Gluon backward's float32 dQ buffer beyond which a call does not take it: the 128K-token memory target
 # (2.2 GiB beyond the inputs for forward + backward, b=1, h=16, d=128) leaves no room for a 1 GiB buffer.
-# attention_backward runs such a call by groups of KV heads whose buffers fit (head_groups.py); what is left
-# above it (dropout, one KV head's share past the groups' size, an explicit route) takes the Triton backward
+# attention_backward runs such a call by groups of heads whose buffers fit (head_groups.py); what is left
+# above it (dropout, a single head past the cap, an explicit route) takes the Triton backward
 DQ_BUFFER_CAP = 512 << 20
 # the largest float32 dQ buffer of one such group: with the group's dq, dk and dv before their copy into the
 # whole gradients (half as many bytes again at d = dv, 16-bit), 160 MiB beside what the call holds anyway
@@ -325,18 +325,24 @@ def _keys_backward(spec: Spec) -> bool:
     return gluon_head_dim(spec) == 192 and 64 <= block_d(spec.headdim_v) <= 128
 
 
-def backward_head_groups(dq_bytes: int, nheads_k: int, dropout: bool) -> int:
-    """How many groups of KV heads the backward of a call with a float32 dQ buffer of dq_bytes (4 per element
-    of q) runs in (backends/triton/head_groups.py): 1 at or under DQ_BUFFER_CAP, with dropout (its random
-    stream is indexed by head), or where no split of nheads_k brings a group under the cap (MQA: the Triton
-    backward then); else the fewest groups that divide nheads_k with at most DQ_GROUP_BYTES of buffer each,
-    or where none does (a wide GQA group's share), one KV head a group."""
+def backward_head_groups(dq_bytes: int, nheads: int, nheads_k: int, dropout: bool) -> int:
+    """How many groups of query heads the backward of a call with a float32 dQ buffer of dq_bytes (4 per
+    element of q) runs in (backends/triton/head_groups.py): 1 at or under DQ_BUFFER_CAP or with dropout (its
+    random stream is indexed by head). Else groups of whole KV heads (each with its query heads: gradients
+    the whole call's bit for bit) where some count brings a group under the cap, the fewest with at most
+    DQ_GROUP_BYTES of buffer each or else one KV head a group; else each KV head's query heads in parts
+    (MQA, or a few KV heads of wide groups: the parts' dK and dV summed in float32), chosen alike; 1 where
+    nothing brings a group under the cap."""
     if dq_bytes <= DQ_BUFFER_CAP or dropout:
         return 1
-    fits = [n for n in range(2, nheads_k + 1) if nheads_k % n == 0 and dq_bytes // n <= DQ_BUFFER_CAP]
-    if not fits:
-        return 1
-    return next((n for n in fits if dq_bytes // n <= DQ_GROUP_BYTES), fits[-1])
+    group = nheads // nheads_k
+    whole = [n for n in range(2, nheads_k + 1) if nheads_k % n == 0]
+    parts = [nheads_k * p for p in range(2, group + 1) if group % p == 0]
+    for counts in (whole, parts):
+        fits = [n for n in counts if dq_bytes // n <= DQ_BUFFER_CAP]
+        if fits:
+            return next((n for n in fits if dq_bytes // n <= DQ_GROUP_BYTES), fits[-1])
+    return 1
 
 
 def takes_gluon_backward(spec: Spec) -> bool:
