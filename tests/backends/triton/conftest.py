@@ -1,5 +1,8 @@
-"""Fixtures of the Gluon GPU tests (test_gluon_*_gpu.py): spies that record every call to the Gluon
-launchers, so that a case asserts the kernel it meant to test really ran."""
+"""Fixtures of the Triton backend's tests: spies that record every call to the Gluon launchers (the GPU
+tests, test_gluon_*_gpu.py), and a count of interpreted launches (TRITON_INTERPRET=1), so that a case
+asserts the kernel it meant to test really ran."""
+
+import collections
 
 import pytest
 
@@ -40,3 +43,19 @@ def ws_calls(monkeypatch):
 def ws_bwd_calls(monkeypatch):
     """The Gluon backward's calls (gluon.backward)."""
     return spy(monkeypatch, "backward")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts interpreted kernel launches by kernel name."""
+    from triton.runtime import interpreter
+
+    counts = collections.Counter()
+    original = interpreter.GridExecutor.__call__
+
+    def counting_call(self, *args, **kwargs):
+        counts[self.fn.__name__] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counting_call)
+    return counts

@@ -10,8 +10,6 @@ and small batch/heads.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from test_interface import check_against_oracle, run_flash
@@ -29,22 +27,6 @@ FP16_FP32 = pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids
 @pytest.fixture(autouse=True)
 def force_triton(monkeypatch):
     monkeypatch.setattr(flashattn_config, "backend", "triton")
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Counts interpreted kernel launches by kernel name."""
-    from triton.runtime import interpreter
-
-    counts = collections.Counter()
-    original = interpreter.GridExecutor.__call__
-
-    def counting_call(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counting_call)
-    return counts
 
 
 def _qkv(b, sq, sk, h, hk, d, dtype, scale=1.0):

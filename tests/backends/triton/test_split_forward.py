@@ -5,8 +5,6 @@ default backward reading its output and LSE), asserting that the decode kernel r
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from test_interface import check_against_oracle
@@ -41,24 +39,14 @@ def test_split_forward_refuses(kw):
 
 
 @pytest.fixture
-def split_route(monkeypatch):
-    """Every forward the split-KV forward takes on its route, the rest on their default ones; a count of
-    the interpreted launches by kernel."""
-    from triton.runtime import interpreter
-
+def split_route(monkeypatch, launches):
+    """Every forward the split-KV forward takes on its route, the rest on their default ones; the
+    interpreted launches by kernel (conftest.py's `launches`)."""
     monkeypatch.setattr(flashattn_config, "backend", "triton")
     real = routes.forward_route
     monkeypatch.setattr(routes, "forward_route", lambda spec: decode_routes.SplitForward()
                         if decode_routes.takes_split_forward(spec) else real(spec))
-    counts = collections.Counter()
-    original = interpreter.GridExecutor.__call__
-
-    def counting_call(self, *args, **kwargs):
-        counts[self.fn.__name__] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counting_call)
-    return counts
+    return launches
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")

@@ -462,12 +462,18 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
                          deterministic=spec.deterministic)
 
 
+def _wide_call(spec: Spec, shapes: bool) -> bool:
+    """A call for a wide-head Gluon backward at head dims it takes (shapes): the Gluon backward's calls
+    (takes_gluon_forward: 16-bit, sm90+, TMA-ready, no dropout; the dQ buffer cap), not deterministic."""
+    return (takes_gluon_forward(spec) and shapes and not spec.deterministic
+            and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
+
+
 def dsplit_backward_route(spec: Spec) -> GluonBackward:
     """attn_bwd_dsplit.py's route (a program per 64 keys, the gradients split by columns) for a spec at Q/K
     width 192 or 256 beside dv padded to 128 or 256 (GLUON_BWD_WIDE; not deterministic): the default at
     width 256, an explicit route at 192."""
-    if not (takes_gluon_forward(spec) and _wide_backward(spec) and not spec.deterministic
-            and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP):
+    if not _wide_call(spec, _wide_backward(spec)):
         raise FlashAttnError(f"the wide-head Gluon backward takes 16-bit, TMA-ready calls at d 129..256 "
                              f"beside dv padded to 128 or 256 (192-wide Q/K beside 128 only), no dropout and "
                              f"no deterministic order, not d {spec.headdim}, dv {spec.headdim_v}, "
@@ -487,10 +493,7 @@ def dsplit_backward_route(spec: Spec) -> GluonBackward:
 def wide_keys_backward_route(spec: Spec) -> GluonBackward:
     """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128 (not deterministic): 32-row
     steps over two (Q, dO) stages, 128 keys a program."""
-    # the Gluon backward's calls (takes_gluon_forward: 16-bit, sm90+, TMA-ready, no dropout; the dQ buffer
-    # cap) at Q/K width 192 beside dv 33..128
-    if not (takes_gluon_forward(spec) and _keys_backward(spec) and not spec.deterministic
-            and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP):
+    if not _wide_call(spec, _keys_backward(spec)):
         raise FlashAttnError(f"the 128-key wide-head backward takes 16-bit, TMA-ready calls at d 129..192 "
                              f"beside dv 33..128, no dropout and no deterministic order, not d "
                              f"{spec.headdim}, dv {spec.headdim_v}, {spec.dtype}, dropout={spec.dropout}, "
