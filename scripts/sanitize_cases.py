@@ -2,7 +2,7 @@
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
         [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_keys_dq] [ws_padded]
-        [fp8] [softcap_wide]
+        [ws_paged] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -19,7 +19,8 @@ persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs th
 (d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward;
 ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192),
 ws_keys_dq on its dQ variants (two staging tiles per warpgroup; dQ split by rows).
-ws_padded runs both Gluon kernels on head dims below their tiles' widths.
+ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_paged runs the Gluon forward on
+page pools through a block table, entries outside the pool included.
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -370,6 +371,28 @@ def ws_padded():
         _grad_check(flash_attn_func(q, k, v, causal=True), q, k, v)
     routes.backward_route = default
     attention._backward_cache.clear()
+
+
+def ws_paged():
+    # the Gluon forward reading page pools through the block table (paged varlen prefill, no gradient):
+    # pages of 128 and 256 keys, sequences of 0, 1 and 129 keys, a spare table column, and entries outside
+    # the pool (negative, past its end) on columns the sequences use, which the loader clamps into it
+    h = 4
+    lens_q, lens_k = [0, 77, 1, 130, 64], [5, 300, 0, 129, 1]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for ls in (lens_q, lens_k))
+    with torch.no_grad():
+        for d, dv, page, opts in ((128, 128, 128, dict(causal=True)),
+                                  (64, 64, 256, dict(window_size=(50, 3))), (192, 128, 128, {})):
+            max_pages = -(-max(lens_k) // page) + 1
+            pool_k = torch.randn(len(lens_k) * max_pages, page, 2, d, device="cuda", dtype=torch.bfloat16)
+            pool_v = torch.randn(len(lens_k) * max_pages, page, 2, dv, device="cuda", dtype=torch.bfloat16)
+            table = torch.randperm(pool_k.shape[0], device="cuda").view(len(lens_k), max_pages).int()
+            table[1, 0], table[3, 0] = -3, 10**6
+            q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
+            out = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         block_table=table, **opts)
+            assert torch.isfinite(out).all()
 
 
 def fp8():

@@ -315,6 +315,18 @@ def dense_cases():
                        learnable_sink=torch.zeros(4, requires_grad=True))
         yield f"varlen gluon d={d} {tiles or 'table tiles'} window softcap alibi sink", (
             partial(_with_tiles, tiles, call) if tiles else call)
+    # paged prefill read in the kernel (inference: no gradient), the loader mapping key tiles through the
+    # block table: d = 64 with every option on pages of 256, 128 causal and 192 / dv 128 on pages of 128
+    table = torch.tensor([[3, 0], [1, 5], [2, 4], [6, 7]], dtype=torch.int32)
+    paged = [(64, 64, 256, dict(window_size=(40, 3), softcap=10.0, alibi_slopes=torch.rand(4, 4),
+                                learnable_sink=torch.zeros(4))), (128, 128, 128, dict(causal=True)),
+             (192, 128, 128, dict(causal=True))]
+    for d, dv, page, opts in paged[1:2] if QUICK else paged:
+        q, k, v = _t(208, 4, d), _t(8, page, 2, d), _t(8, page, 2, dv)
+        cu_p = torch.tensor([0, 5, 70, 70, 2 * page - 1], dtype=torch.int32)
+        yield f"paged gluon fwd d={d} dv={dv} page={page} {sorted(opts)}", partial(
+            _on_gluon, flash_attn_varlen_func, q, k, v, cu, cu_p, 130, 2 * page - 1 - 70, block_table=table,
+            launchers=("forward",), **opts)
     # deterministic=True on the Gluon backward (its dQ writer warp and counters): the order under a right edge
     # (causal; a two-sided window) and without one (full; a left edge only), d = 64 (deferred dQ) and 128,
     # GQA, padded and varlen

@@ -83,6 +83,29 @@ def test_paged_equals_packed(backend, page, causal):
         assert_close_to_ref(out[qs][None], ref, pt, name=f"out[{i}]")
 
 
+@pytest.mark.parametrize("page", [16, 7])
+def test_paged_inference_equals_packed(backend, page):
+    """A call that needs no gradient takes the paged op (attn_fwd_paged: on the pools where the route reads
+    pages, else on the gathered keys): equal to the packed call, sinks and windows included."""
+    gen = torch.Generator().manual_seed(page)
+    lq, lk = [5, 0, 37, 1, 20], [9, 3, 70, 0, 20]
+    h, hk, d = 4, 2, 32
+    dt = torch.float16 if backend == "triton" else torch.float32
+    q, k, v = (torch.randn(sum(n), hh, d, generator=gen).to(DEV, dt)
+               for n, hh in ((lq, h), (lk, hk), (lk, hk)))
+    table, num_pages = _table(len(lk), -(-max(lk) // page), gen)
+    k_pool, v_pool = (_pool(x, lk, page, table, num_pages) for x in (k, v))
+    table, cu_q, cu_k = table.to(DEV), _cu(lq), _cu(lk)
+    sink = torch.randn(h, generator=gen).to(DEV)
+    for kw in (dict(causal=True), dict(window_size=(8, 0), learnable_sink=sink), dict(softcap=5.0)):
+        with torch.no_grad():
+            out = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lq), max(lk), block_table=table,
+                                         **kw)
+            ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
+        assert out.grad_fn is None
+        assert torch.equal(out, ref), kw
+
+
 def _small():
     q = torch.randn(6, 2, 16, device=DEV)
     pool = torch.randn(4, 16, 1, 16, device=DEV)

@@ -6,30 +6,47 @@ ALiBi distance) is applied per sequence with its own lengths; zero-length sequen
 flashattn.interface for the causal alignment and the extra keyword arguments.
 """
 
+import torch
+
 from flashattn import _validate, interface_fp8, paged
 from flashattn.errors import FlashAttnError
 from flashattn.interface import _run, check_options
+from flashattn.ops.attention import attn_fwd_paged, default_scale
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
                  fp8: bool = False):
     """The varlen layout's checks (flash_attn_varlen_func's docstring says what is checked when); with a
-    block_table the keys are gathered from its pages. Returns (k, v, max_seqlen_q, max_seqlen_k), k and v
-    packed (total_k, nheads_k, headdim[_v]). fp8: e4m3 q, k, v (an FP8 call)."""
+    block_table, k and v are page pools, checked as one page of packed rows. Returns (max_seqlen_q,
+    max_seqlen_k). fp8: e4m3 q, k, v (an FP8 call)."""
     if fp8:
         _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,), _validate.FP8_DTYPES)
     else:
         _validate.check_tensor("q", q, 3, "(total_q, nheads, headdim)", (0,))
     if block_table is None:
         _validate.check_qkv(q, k, v, varlen=True, fp8=fp8)
-    # with a block_table the keys' bound is the pages' (check_paged), and the gather sizes k
+    # with a block_table the keys' bound is the pages' (check_paged)
     max_seqlen_q, max_seqlen_k = _validate.check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, None if block_table is not None else k)
     if block_table is not None:
         paged.check_paged(q, k, v, block_table, cu_seqlens_q.shape[0] - 1, max_seqlen_k, fp8)
-        k, v = paged.packed_from_pages(k, v, block_table, cu_seqlens_k)
-        _validate.check_qkv(q, k, v, varlen=True, fp8=fp8)
-    return k, v, max_seqlen_q, max_seqlen_k
+        # the pools' rows as packed keys: page 0 (the heads, head dims and strides), or none
+        _validate.check_qkv(q, *(t[0] if t.shape[0] else t.flatten(0, 1) for t in (k, v)), varlen=True,
+                            fp8=fp8)
+        paged.check_page_entries(k, block_table, cu_seqlens_k)
+    return max_seqlen_q, max_seqlen_k
+
+
+def _reads_pools(q, k, v, dropout_p, return_attn_probs, learnable_sink) -> bool:
+    """A paged call that runs on its pools (attn_fwd_paged, no autograd), rather than on its keys gathered
+    into the packed layout (flashattn.paged): one that needs no gradient, no dropout and no probabilities."""
+    if dropout_p > 0 or return_attn_probs:
+        return False
+    if torch.is_grad_enabled():
+        for t in (q, k, v, learnable_sink):
+            if t is not None and t.requires_grad:
+                return False
+    return True
 
 
 def flash_attn_varlen_func(
@@ -77,7 +94,10 @@ def flash_attn_varlen_func(
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask.
         block_table: (batch, max_pages) int32, default None. Paged KV for varlen prefill: key p of sequence b
             (p < cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is k[block_table[b, p // page_size], p % page_size].
-            The keys are gathered into the packed layout first (flashattn.paged); gradients reach the pools.
+            A call that needs no gradient, dropout or probabilities reads the pages in the kernel where its
+            route can (16-bit, the Gluon forward, page_size a multiple of its key tile: 128 at d <= 128);
+            the others first gather the keys into the packed layout (flashattn.paged), and gradients
+            reach the pools through the gather.
         q_descale, k_descale, v_descale, out_dtype: as flash_attn_func's (an FP8 call), batch being the
             number of sequences; v may have its token dim (0) contiguous. With a block_table, e4m3 page
             pools (k's and v's descales per tensor or per (sequence, kv head)).
@@ -92,11 +112,20 @@ def flash_attn_varlen_func(
     fp8 = interface_fp8.wanted(q, q_descale, k_descale, v_descale)
     if fp8:
         interface_fp8.check_dtypes(q, k, v)
-    k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                    max_seqlen_k, block_table, fp8)
+    max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              block_table, fp8)
     batch = cu_seqlens_q.shape[0] - 1
     window = check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, learnable_sink,
                             batch)
+    if block_table is not None:
+        if not fp8 and _reads_pools(q, k, v, dropout_p, return_attn_probs, learnable_sink):
+            if out_dtype is not None and out_dtype != q.dtype:
+                raise FlashAttnError(f"out_dtype is {out_dtype}; a 16-bit call returns q's dtype ({q.dtype})")
+            scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+            return attn_fwd_paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                  int(max_seqlen_k), float(scale), bool(causal), int(window[0]),
+                                  int(window[1]), float(softcap), alibi_slopes, learnable_sink)[0]
+        k, v = paged.gather_pages(k, v, block_table, cu_seqlens_k)
     if fp8:
         return interface_fp8.attention(
             q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p=dropout_p,

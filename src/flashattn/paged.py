@@ -2,14 +2,17 @@
 
 With a block table, k and v are page pools (num_pages, page_size, nheads_k, headdim) and the keys of sequence
 b are positions [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of its pages: position p lives in page
-block_table[b, p // page_size], row p % page_size. `packed_from_pages` gathers them into the packed
-(total_k, nheads_k, headdim) layout the varlen kernels read, then the usual varlen path runs.
+block_table[b, p // page_size], row p % page_size.
 
-The gather costs one read and one write of the attended keys and values, next to the kernel's own reads of
-them; a prefill reads every key once per block of queries anyway, so it is a small fraction for long
-prompts. It reads no device value on the host: the packed tensors are sized by a host-side bound (the block
-table's capacity per sequence), the rows past the last sequence are zeros. Gradients flow back into the pools
-through the gather.
+Two ways to run one. Where the Gluon forward serves the call and its key tiles each lie in one page
+(routes.reads_pages: page_size a multiple of the route's key tile, 16-bit pools), the kernel reads the pages
+itself, mapping each key tile through the table. Otherwise (and for calls that need gradients, which flow
+back into the pools through the gather) `gather_pages` copies the keys into the packed (total_k, nheads_k,
+headdim) layout the varlen kernels read, then the usual varlen path runs: one read and one write of the
+attended keys and values besides the kernel's own reads, a small fraction of a long prompt's time. Neither
+reads a device value on the host: the packed tensors are sized by a host-side bound (the block table's
+capacity per sequence), and every index is clamped into the pool, so a bad table entry reads another page,
+never outside the pool. `check_page_entries` (flashattn.config's check_indices) names a bad entry first.
 """
 
 import torch
@@ -42,28 +45,34 @@ def check_paged(q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, batch: int
                              f"page_size")
 
 
-def packed_from_pages(k: Tensor, v: Tensor, block_table: Tensor, cu_seqlens_k: Tensor,
-                      max_seqlen_k: int | None = None) -> tuple[Tensor, Tensor]:
+def check_page_entries(k: Tensor, block_table: Tensor, cu_seqlens_k: Tensor) -> None:
+    """Where flashattn.config's check_indices is on (one device-to-host copy): every block-table entry a
+    sequence uses (its first ceil(length / page_size) columns) names a page of the pool."""
+    if not checks_enabled(k):
+        return
+    page_size, num_pages = k.shape[1], k.shape[0]
+    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    cols = torch.arange(block_table.shape[1], device=k.device).view(1, -1)
+    used = cols < ((lens + page_size - 1) // page_size).view(-1, 1)
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, col = (int(x) for x in bad.nonzero()[0])
+        raise FlashAttnError(f"block_table[{b}, {col}] = {int(block_table[b, col])}; expected a page "
+                             f"of the pool in [0, {num_pages})")
+
+
+def gather_pages(k: Tensor, v: Tensor, block_table: Tensor, cu_seqlens_k: Tensor,
+                 max_seqlen_k: int | None = None) -> tuple[Tensor, Tensor]:
     """(k, v) packed (batch · max_seqlen_k, nheads_k, headdim[_v]) from the page pools: sequence b's keys at
     rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]), zeros past cu_seqlens_k[-1] (no sequence's rows).
 
     The packed size is a bound known on the host (max_seqlen_k, default the block table's capacity
     max_pages · page_size), not cu_seqlens_k[-1]: reading that would synchronise with the device. Every index
     the gather derives from cu_seqlens_k and block_table is clamped into the pool, so bad values give wrong
-    keys, never an index error; flashattn.config's check_indices checks the used entries first (one
-    device-to-host copy) and names a bad one.
+    keys, never an index error. Differentiable: gradients reach the pools.
     """
     page_size, num_pages = k.shape[1], k.shape[0]
     batch, max_pages = block_table.shape
-    if checks_enabled(k):
-        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        cols = torch.arange(max_pages, device=k.device).view(1, -1)
-        used = cols < ((lens + page_size - 1) // page_size).view(-1, 1)
-        bad = used & ((block_table < 0) | (block_table >= num_pages))
-        if bool(bad.any()):
-            b, col = (int(x) for x in bad.nonzero()[0])
-            raise FlashAttnError(f"block_table[{b}, {col}] = {int(block_table[b, col])}; expected a page "
-                                 f"of the pool in [0, {num_pages})")
     rows = batch * (max_pages * page_size if max_seqlen_k is None else max_seqlen_k)
     token = torch.arange(rows, device=k.device)
     cu = cu_seqlens_k.long()

@@ -127,6 +127,31 @@ attn_fwd.register_autograd(_backward, _setup_context, differentiable=("q", "k", 
                            non_differentiable_outputs=(1, 2))
 
 
+def _paged_fwd_impl(
+    q: Tensor, k: Tensor, v: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: Tensor | None, learnable_sink: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    if q.numel() == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return _no_keys(q, v, True, learnable_sink)
+    return entry(q).attention_forward(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        block_table=block_table)
+
+
+def _paged_fwd_fake(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, learnable_sink):
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+# the paged varlen forward for calls that need no gradient (inference prefill): no autograd; a call that
+# needs one takes attn_fwd on the gathered keys (flashattn.paged)
+attn_fwd_paged = Op("attn_fwd_paged", _paged_fwd_impl, fake=_paged_fwd_fake)
+
+
 def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
               alibi_slopes=None, dropout_p: float = 0.0, learnable_sink=None, deterministic: bool = False,
               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):

@@ -15,6 +15,7 @@ from flashattn.backends.torch.backward import backward_group
 from flashattn.backends.torch.forward import forward_group
 from flashattn.backends.torch.tiles import Spec, Tiles, compute_dtype
 from flashattn.errors import FlashAttnError
+from flashattn.paged import gather_pages
 
 __all__ = ["attention_forward", "attention_forward_fp8", "attention_backward"]
 
@@ -130,7 +131,7 @@ def _tiles(spec, q, k, slopes, idx, mq, mk, kw):
 def attention_forward(
     q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
     dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None,
 ):
     """Chunked exact attention (no autograd).
 
@@ -149,11 +150,15 @@ def attention_forward(
             Zero-length sequences are allowed.
         max_seqlen_q, max_seqlen_k: varlen only (ignored for the padded layout), at least every length;
             they set the dropout counter strides.  Default: the longest sequence.
+        block_table: ``(batch, max_pages)`` int32, varlen only: k and v are page pools ``(num_pages,
+            page_size, hk, ·)`` (:mod:`flashattn.paged`), whose keys are gathered into the packed layout.
 
     Returns ``(out, lse)``: out like q with head dim ``dv``, in q's dtype; lse natural log, float32 (float64
     for float64 inputs), ``(b, h, sq)`` or ``(h, total_q)`` in varlen, un-dropped.  A row that sees no key
     has out 0 and lse ``+inf``, or lse = sink with a learnable sink.
     """
+    if block_table is not None:
+        k, v = gather_pages(k, v, block_table, cu_seqlens_k, max_seqlen_k)
     kw = dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_seed=rng_seed, rng_offset=rng_offset,

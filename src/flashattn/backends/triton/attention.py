@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashattn import config
+from flashattn import config, paged
 from flashattn.backends.triton import decode, decode_routes, gluon, head_groups, host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.launch import Bound, launch
@@ -79,11 +79,16 @@ class _Problem:
 
 def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
              rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic=False,
-             streamed=(), out_dtype=None) -> _Problem:
+             streamed=(), out_dtype=None, page_size=0) -> _Problem:
     """streamed: the tensors besides q, k, v that the kernels stream (dout in the backward): with them, the
     spec's `aligned` says whether all of them suit TMA descriptors (an FP8 call's v aside: the launchers lay
-    it out K-major, gluon.kmajor_v). out_dtype: an FP8 call's (None: bfloat16)."""
+    it out K-major, gluon.kmajor_v). out_dtype: an FP8 call's (None: bfloat16). page_size: a paged call's,
+    whose k and v are page pools (num_pages, page_size, heads_k, ·)."""
     varlen = cu_seqlens_q is not None
+    if page_size:
+        # one page as the packed rows (their heads and strides), the pools among the streamed tensors
+        streamed = (k, v, *streamed)
+        k, v = k[0], v[0]
     if varlen:
         batch = cu_seqlens_q.shape[0] - 1
         h, d = q.shape[1], q.shape[2]
@@ -112,7 +117,7 @@ def _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         batch, h, hk, sq, sk, d, dv, _DTYPE_NAMES[q.dtype], varlen, (max(left, -1), max(right, -1)),
         softcap > 0, alibi_slopes is not None, dropout_p > 0, learnable_sink is not None, deterministic,
         cuda, capability, tma.aligned(*tensors) if cuda else False, q.shape[0] if varlen else 0,
-        _DTYPE_NAMES[out_dtype or torch.bfloat16] if fp8 else "",
+        _DTYPE_NAMES[out_dtype or torch.bfloat16] if fp8 else "", page_size,
     )
     scalars = (
         softmax_scale * LOG2E,
@@ -175,11 +180,21 @@ def _remember(cache: dict, key: tuple, entry: tuple) -> None:
 def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                      route=None, descales=None, out_dtype=None):
+                      route=None, descales=None, out_dtype=None, block_table=None):
     """out (like q, with v's head dim, q's dtype) and lse float32 natural log (+inf: the row saw no key).
     route: routes.GluonForward / routes.TritonForward / decode_routes.SplitForward to run instead of the
     default one.
-    descales, out_dtype: FP8 calls only (attention_forward_fp8)."""
+    descales, out_dtype: FP8 calls only (attention_forward_fp8).
+    block_table: (batch, max_pages) int32, varlen only: k and v are page pools (num_pages, page_size,
+    heads_k, ·) (flashattn.paged), read in place where the route reads pages (routes.reads_pages), else
+    gathered into the packed layout first."""
+    if block_table is not None:
+        return _paged_forward(q, k, v, block_table, route, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                              dropout_p=dropout_p, rng_seed=rng_seed, rng_offset=rng_offset,
+                              learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                              descales=descales, out_dtype=out_dtype)
     key = None
     if descales is None and route is None and _cacheable(q, (q, k, v), cu_seqlens_q, softmax_scale,
                                                          window_size):
@@ -244,6 +259,26 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
         FP8=descales is not None, **pb.flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg,
     )
+    return out, lse
+
+
+def _paged_forward(q, k, v, block_table, route, **kw):
+    """attention_forward of a paged call: on the pools where the route reads pages, else on the keys
+    gathered into the packed layout (with the given route, or the packed call's default)."""
+    descales = kw["descales"]
+    pb = _problem(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_size"], kw["softcap"],
+                  kw["alibi_slopes"], kw["dropout_p"], kw["rng_seed"], kw["rng_offset"], kw["cu_seqlens_q"],
+                  kw["max_seqlen_q"], kw["max_seqlen_k"], kw["learnable_sink"],
+                  out_dtype=kw["out_dtype"] if descales is not None else None, page_size=k.shape[1])
+    chosen = route if route is not None else routes.forward_route(pb.spec)
+    if not routes.reads_pages(pb.spec, chosen):
+        k, v = paged.gather_pages(k, v, block_table, kw["cu_seqlens_k"], kw["max_seqlen_k"])
+        return attention_forward(q, k, v, route=route, **kw)
+    out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((pb.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
+    gluon.forward(pb, chosen, q, k, v, out, lse, alibi_slopes=kw["alibi_slopes"],
+                  learnable_sink=kw["learnable_sink"], cu_seqlens_q=kw["cu_seqlens_q"],
+                  cu_seqlens_k=kw["cu_seqlens_k"], block_table=block_table)
     return out, lse
 
 

@@ -143,12 +143,16 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | None = None, alibi_slopes=None,
-            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, descales=None) -> Prepared:
+            learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, descales=None,
+            block_table=None) -> Prepared:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel. prepared: what this
     returned for an earlier call of the same signature and route, skipping the derivations; returns the
     launch prepared. Varlen (pb.varlen, cu_seqlens given): the packed tensors go to the descriptors as one
     batch, and the kernel gets the query tiles before each sequence (`varlen_tile_offsets`). descales: an
-    FP8 call's (q_descale, k_descale, v_descale), float32 (1,) or (batch, heads)."""
+    FP8 call's (q_descale, k_descale, v_descale), float32 (1,) or (batch, heads). block_table: (batch,
+    max_pages) int32 with k and v page pools (num_pages, page_size, heads_k, ·), varlen only, on a route
+    that reads them (routes.reads_pages): the descriptors cover the pools, and the kernel maps each key
+    tile through the table."""
     streamed = (q, k, v, out)
     if descales is not None:
         streamed = (q, k, kmajor_v(v, pb.varlen), out)
@@ -157,11 +161,15 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
         streamed = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in streamed)
         offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m, q.shape[0])
         varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1), pb.dv)
+    pages = (None,) * 5
+    if block_table is not None:
+        page_size = k.shape[1]
+        pages = (block_table, block_table.stride(0), k.shape[0], page_size, block_table.shape[1] * page_size)
     if prepared is None:
         prepared = _prepare_forward(pb, route, *streamed, lse, fp8=descales is not None)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
     rest = (lse, *prepared.args, _tile_counter(q.device), *alibi_args(alibi_slopes), learnable_sink, *varlen,
-            *fp8_args(pb, descales))
+            *pages, *fp8_args(pb, descales))
     prepared(streamed, rest)
     return prepared
 

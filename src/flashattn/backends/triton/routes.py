@@ -100,6 +100,7 @@ class Spec:
     aligned: bool = True
     tokens_q: int = 0
     out_dtype: str = ""
+    page_size: int = 0  # varlen with k and v in page pools (a block table): their page size, else 0
 
     @property
     def group(self) -> int:
@@ -414,6 +415,15 @@ def takes_gluon_fp8_forward(spec: Spec) -> bool:
         return False
     shortest = 8192 if spec.banded and block_d(spec.headdim) <= 64 else 2048
     return spec.longest >= shortest
+
+
+def reads_pages(spec: Spec, route) -> bool:
+    """Whether `route` runs a paged call (spec.page_size > 0) on its page pools, mapping each key tile
+    through the block table (kernels/gluon/fwd_loader.py): the 16-bit Gluon forward, where each of its key
+    tiles lies in one page (page_size a multiple of block_n). Otherwise the launcher first gathers the keys
+    into the packed layout (flashattn.paged.gather_pages), which costs a read and a write of them."""
+    return (spec.page_size > 0 and isinstance(route, GluonForward) and not spec.out_dtype
+            and spec.page_size % route.tiles.block_n == 0)
 
 
 def forward_route(spec: Spec) -> TritonForward | GluonForward:

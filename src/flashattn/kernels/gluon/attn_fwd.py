@@ -203,7 +203,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features, problem,
      out_rows, fp8) = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
-    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
+    (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
+     PAGE_CAP) = problem
     scores, ALIBI, stride_alibi_b, SINK = features
     O, stride_om, stride_oh, d_v = out_rows  # varlen only: O's rows past a sequence's end go by masked stores
     # FP8: O's own staging buffers and the descales (per (batch, head), strides 0 for one per tensor; q's
@@ -437,7 +438,8 @@ def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, B
 def attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE, stride_lse_b, stride_lse_h,
     nheads, seqlen_q, seqlen_k, qk_scale, n_bh, lpt_group, left, right, cap_in, cap_out, tile_counter, ALIBI,
-    stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh, d_v,
+    stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh, d_v, PAGES, stride_pages, num_pages,
+    page_size, page_cap,
     Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     q_scale_group,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -453,6 +455,10 @@ def attn_fwd_ws_kernel(
     # tile may be wider: TMA pads V with zeros) for the rows of a sequence's last tile; seqlen_q and seqlen_k
     # are then the packed tensors' rows, into which each sequence
     # is clamped (common.seq_bounds, as in the Triton kernels).
+    # Paged keys (varlen only; None when off): k_desc / v_desc over page pools (num_pages, page_size,
+    # heads_k, d), sequence b's key p in page PAGES[b · stride_pages + p // page_size] at row p % page_size,
+    # page_cap = the table's pages per sequence · page_size bounding each sequence's keys, and BLOCK_N
+    # dividing page_size (a key tile lies in one page: fwd_loader.py)
     # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
     # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
     gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")
@@ -506,7 +512,7 @@ def attn_fwd_ws_kernel(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready)
     problem = (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K,
-               PLAN)
+               PLAN, page_cap)
     features = ((qk_scale, cap_in, cap_out), ALIBI, stride_alibi_b, SINK)
 
     if Q_SCALE is not None:
@@ -520,7 +526,8 @@ def attn_fwd_ws_kernel(
                stride_vsh, q_scale_group)
     args = (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features,
             problem, (O, stride_om, stride_oh, d_v), fp8)
-    loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem)
+    loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem,
+                   (PAGES, stride_pages, num_pages, page_size))
     if CONSUMERS == 2:
         # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240
         # per consumer thread and 24 for the loader's

@@ -13,9 +13,20 @@ from flashattn.kernels.gluon.scores import HALF_M
 
 
 @gluon.jit
+def _page_of(pages, page_cap, off_b, pos):
+    """(page, row) of sequence off_b's key pos in the page pools: its block-table entry, clamped into the
+    pool (a bad entry reads another page, never outside the pool), and the row within it. pos may be one tile
+    past the sequence's visited keys (the loader's read-ahead): its column is clamped into the table."""
+    PAGES, stride_pages, num_pages, page_size = pages
+    col = gl.minimum(pos // page_size, page_cap // page_size - 1)
+    page = gl.load(PAGES + off_b.to(gl.int64) * stride_pages + col)
+    return gl.minimum(gl.maximum(page, 0), num_pages - 1), pos % page_size
+
+
+@gluon.jit
 def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem = loader_args
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem, pages = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     CW: gl.constexpr = q_desc.block_type.shape[3]  # the columns of a Q or K chunk
     NCH: gl.constexpr = HEAD_DIM // CW
@@ -46,24 +57,35 @@ def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
                 row = q_start + start_m + w * HALF_M
                 tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, ch * CW], q_ready.index(qb),
                                                 q_smem.index((CONSUMERS * qb + w) * NCH + ch))
+        # the first key tile's (page, row) in the descriptors' first two dims: (batch, key) unpaged; paged,
+        # each tile's page is read a tile ahead, so its load's latency overlaps the ring's waits
+        kv_b = desc_b
+        key = k_start + n_start
+        if pages[0] is not None:
+            kv_b, key = _page_of(pages, problem[12], off_b, n_start)
         for j in range(n_k):
             s = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
+            next_b = kv_b
+            next_key = key + BLOCK_N
+            if pages[0] is not None:
+                next_b, next_key = _page_of(pages, problem[12], off_b, n_start + (j + 1) * BLOCK_N)
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), NCH * k_desc.block_type.nbytes)
             for ch in gl.static_range(NCH):
-                key = k_start + n_start + j * BLOCK_N
-                tma.async_copy_global_to_shared(k_desc, [desc_b, key, off_hk, ch * CW], k_ready.index(s),
+                tma.async_copy_global_to_shared(k_desc, [kv_b, key, off_hk, ch * CW], k_ready.index(s),
                                                 k_smem.index(s * NCH + ch))
             mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             if v_desc.dtype.primitive_bitwidth == 8:
                 # K-major V: the descriptor is over (batch, heads_k, dv, seqlen)
-                tma.async_copy_global_to_shared(v_desc, [desc_b, off_hk, 0, k_start + n_start + j * BLOCK_N],
-                                                v_ready.index(s), v_smem.index(s))
+                tma.async_copy_global_to_shared(v_desc, [kv_b, off_hk, 0, key], v_ready.index(s),
+                                                v_smem.index(s))
             else:
-                tma.async_copy_global_to_shared(v_desc, [desc_b, k_start + n_start + j * BLOCK_N, off_hk, 0],
-                                                v_ready.index(s), v_smem.index(s))
+                tma.async_copy_global_to_shared(v_desc, [kv_b, key, off_hk, 0], v_ready.index(s),
+                                                v_smem.index(s))
+            kv_b = next_b
+            key = next_key
             c += 1
         i += 1
         # the next tile goes to whichever program asks first (the first num_programs are taken by program

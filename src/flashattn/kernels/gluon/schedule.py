@@ -40,7 +40,8 @@ def sequence_of_tile(g, PLAN, batch):
 def sequence_of(t, problem):
     """The sequence of work item t (the loader's search; 0 in the padded layout, which derives it in
     `tile`)."""
-    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
+    (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
+     PAGE_CAP) = problem
     b = 0
     if CU_Q is not None:
         b = sequence_of_tile(t // nheads, PLAN, n_bh // nheads)
@@ -54,12 +55,19 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     in the packed tensors, its query and key lengths) of work item t, of sequence b under varlen. Rows and
     keys count from the sequence's start; the key tiles are those some row of the tile sees: [n_start,
     n_start + n_k · BLOCK_N)."""
-    nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN = problem
+    (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
+     PAGE_CAP) = problem
     if CU_Q is not None:
         # seqlen_q / seqlen_k: the packed tensors' rows, into which each sequence is clamped as the Triton
         # kernels clamp it (cu_seqlens' values are not checked on the device)
         q_start, seqlen_q = seq_bounds(CU_Q, b, seqlen_q, True)
-        k_start, seqlen_k = seq_bounds(CU_K, b, seqlen_k, True)
+        if PAGE_CAP is not None:
+            # paged keys (the loader maps them through the block table): they count from 0 in the
+            # sequence's pages, at most the table's capacity, so every key maps to one of its entries
+            k_start = 0
+            seqlen_k = gl.minimum(gl.maximum(gl.load(CU_K + b + 1) - gl.load(CU_K + b), 0), PAGE_CAP)
+        else:
+            k_start, seqlen_k = seq_bounds(CU_K, b, seqlen_k, True)
         n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
         rank = t // nheads - gl.load(PLAN + b)
         off_b = b
