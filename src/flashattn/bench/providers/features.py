@@ -123,7 +123,7 @@ def _setup_flex_masked(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 WINDOW_PROVIDERS = ("flashattn-window", "flex-window")
-VARLEN_PROVIDERS = ("flashattn-varlen", "flex-document")
+VARLEN_PROVIDERS = ("flashattn-varlen", "flex-document", "flashattn-paged", "flashattn-paged-gather")
 
 PROVIDERS = [
     Provider(
