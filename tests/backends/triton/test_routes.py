@@ -85,6 +85,21 @@ def test_varlen_takes_the_gluon_kernels(kw):
     assert not spec.tma  # the Triton kernels' descriptors would read the next sequence instead of zeros
 
 
+@pytest.mark.parametrize("page, kw, reads", [
+    (128, dict(), True), (256, dict(window=CAUSAL, sink=True), True),
+    (4096, dict(headdim=64, headdim_v=64), True),
+    (128, dict(headdim=192, headdim_v=128), True), (64, dict(headdim=256, headdim_v=256), True),
+    # a page that splits the route's key tile (128 at d <= 192), the Triton forward, an FP8 call: gathered
+    (64, dict(), False), (16, dict(), False), (192, dict(), False), (128, dict(dropout=True), False),
+    (128, dict(dtype="float32"), False), (128, dict(cuda=False), False),
+    (128, dict(dtype="float8_e4m3fn", out_dtype="bfloat16"), False),
+], ids=str)
+def test_paged_prefill_reads_pages_where_the_key_tiles_fit_them(page, kw, reads):
+    spec = _spec(varlen=True, tokens_q=4096, page_size=page, **kw)
+    assert routes.reads_pages(spec, routes.forward_route(spec)) is reads
+    assert not routes.reads_pages(dataclasses.replace(spec, page_size=0), routes.forward_route(spec))
+
+
 def test_varlen_dq_buffer_counts_the_packed_rows():
     # 64 documents of up to 4K in 64K tokens: a float32 dQ of 64K x 16 x 128 (512 MiB) fits the cap, where
     # batch x max_seqlen_q rows would be 4x over it
