@@ -12,7 +12,7 @@ named, disassembles its cubin with Triton's nvdisasm and reports what the tuning
 
     python scripts/sass_report.py [--kernel attn_bwd_ws_kernel] [--d 64] [--n 1024] [--heads 4]
         [--dv 128] [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
-        [--deterministic] [--sass OUT.sass]
+        [--deterministic] [--pages 128] [--sass OUT.sass]
 
 Counts are per thread (every thread of a warp issues the same stream), as nvdisasm lists them.
 """
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--alibi", action="store_true")
     p.add_argument("--varlen", action="store_true")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--pages", type=int, default=0,
+                   help="the varlen forward alone on page pools of this many keys (paged prefill, no grad)")
     p.add_argument("--sass", help="also write the whole disassembly here")
     args = p.parse_args(argv)
 
@@ -69,7 +71,17 @@ def main(argv=None) -> int:
         kw["learnable_sink"] = torch.zeros(h, requires_grad=True)
     if args.alibi:
         kw["alibi_slopes"] = torch.rand(h)
-    if args.varlen:
+    if args.pages:
+        page = args.pages
+        pages = -(-n // page)
+        q = cc._t(n, h, d)
+        k, v = cc._t(2 * pages, page, hk, d), cc._t(2 * pages, page, hk, dv)
+        table = torch.arange(2 * pages, dtype=torch.int32).view(2, pages)
+        cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
+        kw.pop("deterministic")
+        with torch.no_grad():
+            flash_attn_varlen_func(q, k, v, cu, cu, n - n // 3, n - n // 3, block_table=table, **kw)
+    elif args.varlen:
         q, k, v = (cc._t(n, heads, dim, grad=True) for heads, dim in ((h, d), (hk, d), (hk, dv)))
         cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
         cc._fwd_bwd(flash_attn_varlen_func, q, k, v, cu, cu, n - n // 3, n - n // 3, **kw)
