@@ -18,7 +18,8 @@ forward's 192-wide heads (Q and K in three 64-wide chunks, one Q buffer or two) 
 persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs the wide heads' backward
 (d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward;
 ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192),
-ws_keys_dq on its dQ variants (two staging tiles per warpgroup; dQ split by rows).
+ws_keys_dq on its dQ variants (two staging tiles per warpgroup; dQ split by rows); ws_deterministic covers
+its fixed-order variant too.
 ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_paged runs the Gluon forward on
 page pools through a block table, entries outside the pool included.
 
@@ -203,6 +204,13 @@ def ws_deterministic():
         _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
     routes.backward_route = default
     attention._backward_cache.clear()
+    # the 128-key wide-head backward's fixed-order variant (attn_bwd_keys.py's units for the same writer)
+    for d, dv, opts in ((192, 128, dict(causal=True)), (160, 104, dict(window_size=(50, -1)))):
+        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))
+        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
+    q, k, v = _qkv((sum(lens), 4, 192), (sum(lens), 2, 192), (sum(lens), 2, 128))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, deterministic=True)
+    _grad_check(out, q, k, v)
 
 
 def ws_features():

@@ -336,6 +336,17 @@ def dense_cases():
         q, k, v = _t(1, 1100, 4, d, grad=True), _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, d, grad=True)
         yield f"dense gluon deterministic d={d} {opts}", partial(
             _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, deterministic=True, **opts)
+    # and on the 128-key wide-head backward (attn_bwd_keys.py's three dQ units for the same writer warp):
+    # under a right edge (causal) and without one, GQA, padded and varlen
+    keys_det = [(192, 128, dict(causal=True)), (160, 104, dict(window_size=(300, -1)))]
+    for d, dv, opts in keys_det[:1] if QUICK else keys_det:
+        q, k, v = _t(1, 1100, 4, d, grad=True), _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
+        yield f"dense gluon deterministic 128 keys d={d} dv={dv} {opts}", partial(
+            _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, deterministic=True, **opts)
+    q, k, v = _t(208, 4, 192, grad=True), _t(208, 2, 192, grad=True), _t(208, 2, 128, grad=True)
+    yield "varlen gluon deterministic 128 keys d=192 dv=128 causal", partial(
+        _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,
+        deterministic=True)
     if not QUICK:
         # the fixed-order variant at padded head dims, on its explicit route (the default keeps Triton there)
         def fixed_order(spec):

@@ -112,3 +112,47 @@ def test_keys_backward_dq_variants_split_and_varlen(keys_route, ws_calls, ws_bwd
     check_varlen(ws_calls, ws_bwd_calls, [0, 65, 1, 300, 129, 0], [7, 65, 2, 200, 300, 0], 8, 2, 192, dv=128,
                  gluon_backward=True, causal=True)
     assert all(r.wide_keys and r.dq_tiles == DQ_VARIANTS[variant]["dq_tiles"] for r in ws_bwd_calls.routes)
+
+
+# the fixed-order variant (deterministic=True, the default route there): the band's right edge reversing the
+# key tiles' order (causal, a two-sided window), none (full, a left edge), and GQA's groups on one program
+KEYS_DETERMINISTIC = {"causal": dict(causal=True), "full": {}, "window": dict(window_size=(100, 37)),
+                      "left": dict(window_size=(300, -1))}
+
+
+@pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
+@pytest.mark.parametrize("d, dv", [(192, 128), (160, 104)], ids=str)
+@pytest.mark.parametrize("name", list(KEYS_DETERMINISTIC))
+def test_keys_backward_deterministic(keys_route, ws_calls, ws_bwd_calls, name, d, dv, sq, sk):
+    from flashattn import flash_attn_func
+
+    torch.manual_seed(0)
+    options = KEYS_DETERMINISTIC[name]
+    q, k, v = qkv_dv(2, sq, sk, 8, 2, d, dv)
+    _check(ws_calls, ws_bwd_calls, q, k, v, attn=lambda q, k, v: flash_attn_func(
+        q, k, v, deterministic=True, return_attn_probs=True, **options)[:2], **options)
+    assert all(r.deterministic and r.dq_tiles == 2 for r in ws_bwd_calls.routes)
+    # bitwise the same gradients, call after call
+    dout = torch.randn(2, sq, 8, dv, device="cuda", dtype=q.dtype)
+    runs = [torch.autograd.grad(flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v), dout)
+            for _ in range(3)]
+    for name_, a, b, c in zip("qkv", *runs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), f"d{name_} differs between deterministic calls"
+
+
+def test_keys_backward_deterministic_varlen(keys_route, ws_calls, ws_bwd_calls):
+    from flashattn import flash_attn_varlen_func
+
+    lens = [0, 77, 1, 700, 0, 129, 300]
+    check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 2, 192, dv=128, gluon_backward=True, causal=True,
+                 deterministic=True)
+    assert all(r.wide_keys and r.deterministic for r in ws_bwd_calls.routes)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h, dim in ((4, 192), (2, 192), (2, 128)))
+    dout = torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
+    runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                       deterministic=True), (q, k, v), dout)
+            for _ in range(3)]
+    for a, b in zip(runs[0], runs[1] + runs[2], strict=False):
+        assert torch.equal(a, b)

@@ -188,7 +188,7 @@ def test_the_128_key_wide_backward_route(d, dv):
 
 
 @pytest.mark.parametrize("kw", [dict(headdim=256, headdim_v=128), dict(headdim=192, headdim_v=192),
-                                dict(headdim=128), dict(headdim=192, deterministic=True),
+                                dict(headdim=128), dict(headdim=192, deterministic=True, sink=True),
                                 dict(headdim=192, headdim_v=32), dict(headdim=192, dropout=True),
                                 dict(headdim=192, dtype="float32"), dict(headdim=192, aligned=False)],
                          ids=str)
@@ -255,6 +255,22 @@ def test_deterministic_backward_takes_the_gluon_fixed_order_variant(kw):
     route = routes.backward_route(spec)
     assert isinstance(route, routes.GluonBackward) and route.deterministic and route.group_split == 1
     assert not routes.backward_route(_spec(**kw)).deterministic
+
+
+@pytest.mark.parametrize("kw", [dict(window=CAUSAL), dict(headdim=160, headdim_v=104),
+                                dict(window=CAUSAL, nheads=32, nheads_k=1),
+                                dict(varlen=True, window=(300, -1))], ids=str)
+def test_deterministic_wide_heads_take_the_128_key_fixed_order_variant(kw):
+    # d_qk 129..192 beside dv up to 128: attn_bwd_keys.py's three dQ units, staged in tiles of their own for
+    # the dQ writer (dq_tiles = 2), no group split; d 193..256 (the d-split kernel) keeps the Triton backward
+    spec = _spec(deterministic=True, **{"headdim": 192, "headdim_v": 128, **kw})
+    route = routes.backward_route(spec)
+    assert isinstance(route, routes.GluonBackward) and route.wide_keys and route.deterministic
+    assert (route.dq_tiles, route.dq_rows, route.group_split) == (2, False, 1)
+    assert not routes.backward_route(dataclasses.replace(spec, deterministic=False)).deterministic
+    wider = dataclasses.replace(spec, headdim=256, headdim_v=256)
+    assert isinstance(routes.backward_route(wider), routes.TritonBackward)
+    assert isinstance(routes.backward_route(dataclasses.replace(spec, sink=True)), routes.TritonBackward)
 
 
 def test_deterministic_backward_with_a_sink_takes_the_triton_programs():

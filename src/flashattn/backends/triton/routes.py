@@ -349,13 +349,13 @@ def backward_head_groups(dq_bytes: int, nheads: int, nheads_k: int, dropout: boo
 def takes_gluon_backward(spec: Spec) -> bool:
     # d padded to 64 or 128 beside dv <= d (attn_bwd.py: every tile as wide as d's; its deterministic
     # variant only at d = dv = 64 or 128, the head dims its GPU tests run), or the wide pairs
-    # (attn_bwd_keys.py at width 192, attn_bwd_dsplit.py at 256; not deterministic); other head dims keep
-    # the Triton backward, and so does a
+    # (attn_bwd_keys.py at width 192, deterministic too; attn_bwd_dsplit.py at 256, not deterministic);
+    # other head dims keep the Triton backward, and so does a
     # deterministic call with a learnable sink, whose gradient the Gluon programs add in no fixed order
     exact = spec.headdim in GLUON_BWD_HEADDIMS and spec.headdim_v == spec.headdim
     padded = block_d(spec.headdim) in GLUON_BWD_HEADDIMS and spec.headdim_v <= spec.headdim
-    shapes = ((padded and (exact or not spec.deterministic))
-              or ((_keys_backward(spec) or _wide_backward(spec)) and not spec.deterministic))
+    shapes = ((padded and (exact or not spec.deterministic)) or _keys_backward(spec)
+              or (_wide_backward(spec) and not spec.deterministic))
     return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 
@@ -472,11 +472,12 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
                          deterministic=spec.deterministic)
 
 
-def _wide_call(spec: Spec, shapes: bool) -> bool:
+def _wide_call(spec: Spec, shapes: bool, deterministic: bool = False) -> bool:
     """A call for a wide-head Gluon backward at head dims it takes (shapes): the Gluon backward's calls
-    (takes_gluon_forward: 16-bit, sm90+, TMA-ready, no dropout; the dQ buffer cap), not deterministic."""
-    return (takes_gluon_forward(spec) and shapes and not spec.deterministic
-            and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
+    (takes_gluon_forward: 16-bit, sm90+, TMA-ready, no dropout; the dQ buffer cap), deterministic ones
+    where the kernel has that variant (not with a learnable sink)."""
+    return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and not deterministic)
+            and not (spec.deterministic and spec.sink) and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 
 
 def dsplit_backward_route(spec: Spec) -> GluonBackward:
@@ -501,15 +502,17 @@ def dsplit_backward_route(spec: Spec) -> GluonBackward:
 
 
 def wide_keys_backward_route(spec: Spec) -> GluonBackward:
-    """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128 (not deterministic): 32-row
-    steps over two (Q, dO) stages, 128 keys a program."""
-    if not _wide_call(spec, _keys_backward(spec)):
+    """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128: 32-row steps over two (Q, dO)
+    stages, 128 keys a program. Deterministic (no sink): its dQ writer's variant, each step's three dQ
+    units staged in tiles of their own (dq_tiles = 2)."""
+    if not _wide_call(spec, _keys_backward(spec), deterministic=True):
         raise FlashAttnError(f"the 128-key wide-head backward takes 16-bit, TMA-ready calls at d 129..192 "
-                             f"beside dv 33..128, no dropout and no deterministic order, not d "
-                             f"{spec.headdim}, dv {spec.headdim_v}, {spec.dtype}, dropout={spec.dropout}, "
-                             f"deterministic={spec.deterministic}")
+                             f"beside dv 33..128, no dropout, and no learnable sink with a deterministic "
+                             f"order, not d {spec.headdim}, dv {spec.headdim_v}, {spec.dtype}, "
+                             f"dropout={spec.dropout}, deterministic={spec.deterministic}, sink={spec.sink}")
     return GluonBackward(TileConfig(32, 128, 4, 2), _kv_group(spec), maxnreg=MAXNREG_TWO,
-                         group_split=group_split(spec), d_qk=192, wide_keys=True)
+                         group_split=group_split(spec), d_qk=192, wide_keys=True,
+                         deterministic=spec.deterministic, dq_tiles=2 if spec.deterministic else 1)
 
 
 def triton_backward_route(spec: Spec) -> TritonBackward:

@@ -16,8 +16,10 @@ every query tile's dQ is reduce-added once per 64 keys. Here, as in attn_bwd.py,
     the latest to have read its tile (the first warpgroup's second unit no longer waits on its first).
 Q and K go through 256-wide tiles (TMA reads zeros past d), of which the products take the first 192
 columns; dO and V through 128. The options are attn_bwd.py's compile-time variants (scores.py's band,
-softcap, ALiBi; the sink's gradient; varlen; the GQA group split), not DETERMINISTIC. The loader is
-attn_bwd.py's. Which calls come here is the routes' choice (routes.GluonBackward.wide_keys).
+softcap, ALiBi; the sink's gradient; varlen; the GQA group split) and DETERMINISTIC: each step's three
+dQ units staged in tiles of their own for attn_bwd.py's dQ writer warp, which adds them in the fixed order
+across programs (bwd_dq.dq_writer). The loader is attn_bwd.py's. Which calls come here is the routes'
+choice (routes.GluonBackward.wide_keys).
 """
 
 from triton.experimental import gluon
@@ -32,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashattn.kernels.gluon.attn_bwd import HALF_N, _loader, dtanh, sink_step
-from flashattn.kernels.gluon.bwd_dq import reduce_add
+from flashattn.kernels.gluon.bwd_dq import dq_writer, reduce_add
 from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_tile, program_sequence, store_key_tiles
 from flashattn.kernels.gluon.scores import transposed_probs
 
@@ -41,29 +43,36 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _stage(dqt, dq_buf, dq_desc, coord, sm_scale, PENDING: gl.constexpr):
+def _stage(dqt, dq_buf, dq_desc, coord, sm_scale, PENDING: gl.constexpr, handoff, WAIT: gl.constexpr):
     """Scale dQᵀ's unit (64 columns x its rows), and reduce-add it, transposed back, at coord through dq_buf.
     The reduce-adds complete in order and a warpgroup takes its staging tiles in turn: once all but the
-    latest PENDING have read theirs, the one that last used dq_buf has."""
-    tma.store_wait(PENDING)
+    latest PENDING have read theirs, the one that last used dq_buf has. DETERMINISTIC (handoff: (dq_empty,
+    its phase)): stage it only, for the dQ writer (bwd_dq.dq_writer), first (WAIT: the step's first unit)
+    waiting for the writer to have read the previous step's tiles."""
+    if handoff is not None:
+        if WAIT:
+            mbarrier.wait(handoff[0], handoff[1])
+    else:
+        tma.store_wait(PENDING)
     dq_buf.reshape([dqt.shape[1], UNIT]).store(gl.permute(dqt * sm_scale, (1, 0)))
     fence_async_shared()
-    reduce_add(dq_desc, coord, dq_buf)
+    if handoff is None:
+        reduce_add(dq_desc, coord, dq_buf)
 
 
 @gluon.jit
 def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale, in_flight,
-             DQ_TILES: gl.constexpr):
+             DQ_TILES: gl.constexpr, handoff, WAIT: gl.constexpr):
     """dQᵀ's columns [COL0, COL0 + 64) for the step's rows over both halves' keys, its dS in buffer b,
-    reduce-added at coord through dq_buf, one of the warpgroup's DQ_TILES staging tiles, used in turn;
-    returns in_flight, the step's dK and dV, done."""
+    reduce-added at coord through dq_buf, one of the warpgroup's DQ_TILES staging tiles, used in turn
+    (handoff, WAIT: `_stage`'s); returns in_flight, the step's dK and dV, done."""
     dqt = warpgroup_mma(k_halves[0].slice(COL0, UNIT, dim=1).permute((1, 0)),
                         ds_smem.index(2 * b).permute((1, 0)), dq_zero, use_acc=False, is_async=True)
     dqt = warpgroup_mma(k_halves[1].slice(COL0, UNIT, dim=1).permute((1, 0)),
                         ds_smem.index(2 * b + 1).permute((1, 0)), dqt, is_async=True)
     dka, dkb, dv = in_flight
     dqt, dka, dkb, dv = warpgroup_mma_wait(0, deps=(dqt, dka, dkb, dv))
-    _stage(dqt, dq_buf, dq_desc, [coord[0], coord[1], coord[2], COL0], sm_scale, DQ_TILES - 1)
+    _stage(dqt, dq_buf, dq_desc, [coord[0], coord[1], coord[2], COL0], sm_scale, DQ_TILES - 1, handoff, WAIT)
     return dka, dkb, dv
 
 
@@ -85,14 +94,15 @@ def _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale, i
     d1 = warpgroup_mma(k1.slice(UNIT, UNIT, dim=1).permute((1, 0)), b1, d1, is_async=True)
     dka, dkb, dv = in_flight
     d0, dka, dkb, dv = warpgroup_mma_wait(2, deps=(d0, dka, dkb, dv))
-    _stage(d0, dq_smem.index(3 * WG), dq_desc, [coord[0], row, coord[2], 0], sm_scale, 2)
+    _stage(d0, dq_smem.index(3 * WG), dq_desc, [coord[0], row, coord[2], 0], sm_scale, 2, None, False)
     d2 = warpgroup_mma(k0.slice(2 * UNIT, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False,
                        is_async=True)
     d2 = warpgroup_mma(k1.slice(2 * UNIT, UNIT, dim=1).permute((1, 0)), b1, d2, is_async=True)
     d1 = warpgroup_mma_wait(2, deps=(d1,))
-    _stage(d1, dq_smem.index(3 * WG + 1), dq_desc, [coord[0], row, coord[2], UNIT], sm_scale, 2)
+    _stage(d1, dq_smem.index(3 * WG + 1), dq_desc, [coord[0], row, coord[2], UNIT], sm_scale, 2, None, False)
     d2 = warpgroup_mma_wait(0, deps=(d2,))
-    _stage(d2, dq_smem.index(3 * WG + 2), dq_desc, [coord[0], row, coord[2], 2 * UNIT], sm_scale, 2)
+    _stage(d2, dq_smem.index(3 * WG + 2), dq_desc, [coord[0], row, coord[2], 2 * UNIT], sm_scale, 2,
+           None, False)
     return dka, dkb, dv
 
 
@@ -100,7 +110,7 @@ def _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale, i
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
-     scales, problem, kv_rows, kv_acc, sink, widths) = args
+     scales, problem, kv_rows, kv_acc, sink, det, widths) = args
     d_qk, d_v = widths
     SINK, DSINK = sink
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
@@ -108,8 +118,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
+    DET: gl.constexpr = det[0] is not None
+    dq_full = det[2]
+    dq_empty = det[3]
+    # DETERMINISTIC under a right edge: the key tiles in reverse (the loader's and the dQ writer's order)
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
-        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT)
+        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT,
+        DET and (CAUSAL or right is not None))
     HEADS: gl.constexpr = GROUP // SPLIT
     head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b
@@ -223,15 +238,24 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         if DQ_ROWS:
             dka, dkb, dv = _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale,
                                     (dka, dkb, dv), WG)
+        elif DET:
+            # unit u staged in tile u for the dQ writer, once it has read the previous step's tiles
+            dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(U0), dq_desc,
+                                    coord, sm_scale, (dka, dkb, dv), DQ_TILES, (dq_empty, (c & 1) ^ 1), True)
+            if NU == 2:
+                dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(U0 + 1),
+                                        dq_desc, coord, sm_scale, (dka, dkb, dv), DQ_TILES, (dq_empty, 0),
+                                        False)
+            mbarrier.arrive(dq_full, count=1)
         else:
             # this warpgroup's staging tiles in turn, by the count of its units so far
             dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero,
                                     dq_smem.index(DQ_TILES * WG + c * NU % DQ_TILES), dq_desc, coord,
-                                    sm_scale, (dka, dkb, dv), DQ_TILES)
+                                    sm_scale, (dka, dkb, dv), DQ_TILES, None, False)
             if NU == 2:
                 dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero,
                                         dq_smem.index(DQ_TILES * WG + (c * NU + 1) % DQ_TILES), dq_desc,
-                                        coord, sm_scale, (dka, dkb, dv), DQ_TILES)
+                                        coord, sm_scale, (dka, dkb, dv), DQ_TILES, None, False)
         # this step's Q and dO have no reader left in this warpgroup
         mbarrier.arrive(empty.index(s), count=1)
         dka = warpgroup_mma_init(dka)
@@ -284,8 +308,10 @@ def attn_bwd_keys_kernel(
     CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1, DQ_TILES: gl.constexpr = 1,
 ):
     # attn_bwd.py's arguments; Q's, K's and dK's descriptors 256 wide, dO's, V's and dV's DV (<= 128) wide,
-    # dQ's 64. LOCK: None
-    gl.static_assert(LOCK is None)
+    # dQ's 64. LOCK (DETERMINISTIC): as attn_bwd.py's; its dQ writer takes the three 64-column units from
+    # staging tiles 0..2 (DQ_TILES = 2, dQ split by columns)
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1] < BLOCK_M
+    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None and DQ_TILES == 2 and not DQ_ROWS))
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     gl.static_assert(q_desc.block_type.shape[3] == 256 and do_desc.block_type.shape[3] <= 128)
     gl.static_assert(GROUP % SPLIT == 0)
@@ -310,6 +336,12 @@ def attn_bwd_keys_kernel(
     seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if CU_Q is not None:
         mbarrier.init(seq_ready.index(0), count=1)
+    # DETERMINISTIC: a step's three staged units (both warpgroups'), and their release by the dQ writer
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if LOCK is not None:
+        mbarrier.init(dq_full, count=2)
+        mbarrier.init(dq_empty, count=1)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
@@ -322,12 +354,21 @@ def attn_bwd_keys_kernel(
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
             (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
-            (d_qk, d_v))
+            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v))
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK)
-    # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's
-    gl.warp_specialize([
-        (_consumer0, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
-        (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
-        (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
-    ], [4, 1], [240, 24])
+    # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's (and the dQ writer's)
+    if LOCK is not None:
+        gl.warp_specialize([
+            (_consumer0, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+            # the writer's HEAD_DIM: the 192 columns of its three units
+            (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, 3 * UNIT, GROUP, CAUSAL, False, SPLIT)),
+        ], [4, 1, 1], [240, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+            (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+            (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
+        ], [4, 1], [240, 24])

@@ -1,8 +1,8 @@
-"""dQ's way out of the Gluon backward (attn_bwd.py): each consumer warpgroup's dQ columns of a query tile go
-through a float32 staging tile in shared memory and a TMA reduce-add into the float32 dQ buffer, or, under
-DETERMINISTIC, to a dQ-writer warp that adds them in a fixed order across programs (FA3's scheme: a counter
-per query head and tile in global memory, waited on with acquire loads and counted into with a release
-add once the writer's own adds have landed).
+"""dQ's way out of the Gluon backward (attn_bwd.py; the dQ writer serves attn_bwd_keys.py too): each
+consumer warpgroup's dQ columns of a query tile go through a float32 staging tile in shared memory and a TMA
+reduce-add into the float32 dQ buffer, or, under DETERMINISTIC, to a dQ-writer warp that adds them in a
+fixed order across programs (FA3's scheme: a counter per query head and tile in global memory, waited on
+with acquire loads and counted into with a release add once the writer's own adds have landed).
 """
 
 from triton._C.libtriton import ir
@@ -79,7 +79,9 @@ def _count_in(counter, lanes):
 def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
                SPLIT: gl.constexpr):
-    """DETERMINISTIC: reduce-add each staged dQ tile (both warpgroups' column halves) in the fixed order.
+    """DETERMINISTIC: reduce-add each step's staged dQ tiles (HEAD_DIM's columns in units of the dQ
+    descriptor's width, tile w holding unit w: attn_bwd.py's two warpgroups' halves, attn_bwd_keys.py's
+    three 64-column units) in the fixed order.
     Store k of this program is step k's query tile and head, in the consumers' step order (DEFER_DQ stores
     a step late, in the same order). At query tile m the programs add in the order of their key tiles, the
     last first under a right edge; its counter holds how many have added, so this program waits for the
@@ -102,7 +104,9 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
         problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, LOCK is not None and (CAUSAL or right is not None))
     HEADS: gl.constexpr = GROUP // SPLIT
-    HALF_D: gl.constexpr = HEAD_DIM // 2
+    # the staged tiles: HEAD_DIM's columns in units of the dQ descriptor's width, one tile per unit
+    W: gl.constexpr = dq_desc.block_type.shape[3]
+    UNITS: gl.constexpr = HEAD_DIM // W
     head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b
     n = start_n // BLOCK_N
@@ -128,8 +132,8 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
                    + q_start + m0)
         _wait_count(counter, before, lanes)  # while the consumers compute the step
         mbarrier.wait(dq_full, c & 1)
-        for w in gl.static_range(2):
-            reduce_add(dq_desc, [desc_b, q_start + m0, off_h, w * HALF_D], dq_smem.index(w))
+        for w in gl.static_range(UNITS):
+            reduce_add(dq_desc, [desc_b, q_start + m0, off_h, w * W], dq_smem.index(w))
         tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
         mbarrier.arrive(dq_empty, count=1)
         _count_in(counter, lanes)
