@@ -32,7 +32,7 @@ flash_attn's custom ops; every argument goes through the public functions' check
 
 import torch
 
-from flashattn import _validate
+from flashattn import _validate, paged
 from flashattn.dropout import s_dmask_block_n
 from flashattn.errors import FlashAttnError
 from flashattn.interface import (
@@ -49,7 +49,8 @@ from flashattn.interface_varlen import (
     flash_attn_varlen_qkvpacked_func,
 )
 from flashattn.kvcache import flash_attn_with_kvcache as _flash_attn_with_kvcache
-from flashattn.ops.attention import attn_bwd
+from flashattn.ops.attention import attn_bwd, attn_fwd_paged
+from flashattn.ops.rng import NO_RNG
 
 __all__ = [
     "USE_TRITON_ROCM",
@@ -158,22 +159,31 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     cu_used = None if seqused_k is None else _used_cu_seqlens(cu_seqlens_k, seqused_k, q)
     if block_table is None:
-        k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                        max_seqlen_k)
+        max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  max_seqlen_k)
         if cu_used is not None:
             (k, v), cu_seqlens_k = _used_keys(k, v, cu_seqlens_k, seqused_k), cu_used
     else:
         # the pages hold positions [0, length) of each sequence: its first keys are the ones it uses
         cu_seqlens_k = cu_seqlens_k if cu_used is None else cu_used
-        k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                        max_seqlen_k, block_table)
+        max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  max_seqlen_k, block_table)
     scale = _scale(softmax_scale, q)
     window = check_options(q, dropout_p, scale, _window(window_size_left, window_size_right, window_size),
                            softcap, alibi_slopes, None, cu_seqlens_q.shape[0] - 1)
     with torch.no_grad():
-        out, lse, s_dmask, rng_state = forward(
-            q, k, v, dropout_p, scale, bool(causal), window, softcap, alibi_slopes, False,
-            bool(return_softmax), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if block_table is not None and dropout_p == 0 and not return_softmax:
+            # the pools read in place where the route can (flashattn.paged)
+            out, lse = attn_fwd_paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                      int(max_seqlen_k), float(scale), bool(causal), int(window[0]),
+                                      int(window[1]), float(softcap), alibi_slopes, None)
+            s_dmask, rng_state = q.new_empty(0), NO_RNG
+        else:
+            if block_table is not None:
+                k, v = paged.gather_pages(k, v, block_table, cu_seqlens_k)
+            out, lse, s_dmask, rng_state = forward(
+                q, k, v, dropout_p, scale, bool(causal), window, softcap, alibi_slopes, False,
+                bool(return_softmax), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if zero_tensors:
             rows = _covered_rows(cu_seqlens_q, q.shape[0])
             out = torch.where(rows.view(-1, 1, 1), out, 0.0)
@@ -309,8 +319,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     """flash_attn's varlen backward: writes dq, dk, dv and returns softmax_d. zero_tensors: rows no sequence
     holds get zero gradients (else they keep what dq, dk, dv held)."""
     dout, q, k, v, out = (maybe_contiguous(x) for x in (dout, q, k, v, out))
-    k, v, max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                    max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     window = check_options(q, dropout_p, softmax_scale, _window(window_size_left, window_size_right,
                                                                 window_size), softcap, alibi_slopes, None,
                            cu_seqlens_q.shape[0] - 1)
