@@ -24,6 +24,9 @@
 #                 (Triton) beside the forced Gluon ones (flashattn-gluon) and cuDNN (PADDED_S: the bench's limit)
 #   short         the short suite (1-64 query rows against 4K / 32K keys) on the default routes beside the
 #                 split-KV forward (flashattn-short-split), cuDNN (and FA4)
+#   paged         paged varlen prefill (pages of 256, no gradient) read in the kernel beside the same pages
+#                 gathered first and the packed call: the workloads suite's packed documents and the features
+#                 suite's (forward, causal)
 #   long-backward the memory suite at 32K-128K (b1 h16 d128 causal, forward + backward: peak memory beyond the
 #                 inputs and TFLOP/s) beside the Triton backward and cuDNN: past the dQ buffer's cap the
 #                 backward runs by groups of KV heads (backends/triton/head_groups.py)
@@ -146,6 +149,11 @@ for stage in "$@"; do
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
     short)
       bench "${SHORT_S:-240}" short --suite short --providers "flashattn,flashattn-short-split,sdpa-cudnn$FA4" ;;
+    paged)
+      bench "${PAGED_S:-150}" paged-docs --suite workloads --modes fwd --causal yes \
+        --providers "flashattn,flashattn-paged,flashattn-paged-gather$FA4"
+      bench "${PAGED_S:-150}" paged-features --suite features --modes fwd --causal yes \
+        --providers "flashattn-varlen,flashattn-paged,flashattn-paged-gather" ;;
     long-backward)
       bench "${LONG_S:-300}" long --suite memory --seqlens 32768,65536,131072 \
         --providers "flashattn,flashattn-triton-bwd,sdpa-cudnn" ;;
