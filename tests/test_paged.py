@@ -139,3 +139,18 @@ def test_bad_block_tables():
     # an entry past a sequence's keys is never read, so it may hold anything
     spare = torch.tensor([[0, 1], [2, -5]], dtype=torch.int32, device=DEV)
     assert call(table=spare, cu_k=_cu([20, 16])).shape == (6, 2, 16)
+
+
+def test_paged_inference_under_torch_compile():
+    """The paged op (attn_fwd_paged) through torch.compile without graph breaks: its fake gives the output's
+    shape, and the compiled call equals the eager one."""
+    q, pool, table, cu_q, cu_k = _small()
+
+    def call(q, k, v, table):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 32, block_table=table, causal=True)
+
+    with torch.no_grad():
+        eager = call(q, pool, pool, table)
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, pool, pool, table)
+    assert torch.equal(compiled, eager)
+

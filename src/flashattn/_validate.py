@@ -164,7 +164,9 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, 
 def values_checked(cu: torch.Tensor) -> bool:
     """Whether check_cu_seqlens reads the values of cu_seqlens like cu: always in host memory, on a device
     when flashattn.config.check_varlen asks for it (and no CUDA graph is being captured, where a
-    device-to-host copy is illegal)."""
+    device-to-host copy is illegal); never while torch.compile traces, where they are data-dependent."""
+    if torch.compiler.is_compiling():
+        return False
     if cu.device.type == "cpu":
         return True
     return config.check_varlen and not (cu.is_cuda and torch.cuda.is_current_stream_capturing())
