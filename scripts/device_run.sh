@@ -24,6 +24,8 @@
 #                 (Triton) beside the forced Gluon ones (flashattn-gluon) and cuDNN (PADDED_S: the bench's limit)
 #   short         the short suite (1-64 query rows against 4K / 32K keys) on the default routes beside the
 #                 split-KV forward (flashattn-short-split), cuDNN (and FA4)
+#   generate      Hugging Face generate end to end (the transformers on the device), ours against SDPA:
+#                 batch 1 and 16, prompts 1K and 8K, eager and static cache with CUDA graphs
 #   paged         paged varlen prefill (pages of 256, no gradient) read in the kernel beside the same pages
 #                 gathered first and the packed call: the workloads suite's packed documents and the features
 #                 suite's (forward, causal)
@@ -149,6 +151,8 @@ for stage in "$@"; do
         ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
     short)
       bench "${SHORT_S:-240}" short --suite short --providers "flashattn,flashattn-short-split,sdpa-cudnn$FA4" ;;
+    generate)
+      bench "${GENERATE_S:-420}" generate --suite generate ;;
     paged)
       bench "${PAGED_S:-150}" paged-docs --suite workloads --modes fwd --causal yes \
         --providers "flashattn,flashattn-paged,flashattn-paged-gather$FA4"
