@@ -1,11 +1,14 @@
 """`flashattn-paged` and `flashattn-paged-gather`: paged varlen prefill (flash_attn_varlen_func with a
 block_table) on the packed-document cases, forward only (inference: no gradient). Each document's keys go to
-pages of PAGE keys of their own, the pages shuffled through the pool; `flashattn-paged` is the public call,
-which reads the pools in the kernel where its route can (routes.reads_pages), `flashattn-paged-gather` the
+pages of PAGE keys of their own, the pages shuffled through the pool; `flashattn-paged` is the launcher on
+the call's own route, which reads the pools in the kernel where it can (routes.reads_pages), on the Triton
+backend (the GPU; the CPU's interpreter under TRITON_INTERPRET=1), `flashattn-paged-gather` the
 same keys first gathered into the packed layout (flashattn.paged.gather_pages, the path such calls took
 before, and the one calls that need gradients take), then the packed call."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -50,18 +53,36 @@ def _setup(gather: bool):
         if "learnable_sink" in options:
             options["learnable_sink"] = options["learnable_sink"].detach()
 
-        def fwd() -> torch.Tensor:
-            with torch.no_grad():
-                if gather:
+        info = {"page_size": PAGE}
+        if gather:
+            def fwd() -> torch.Tensor:
+                with torch.no_grad():
                     k_packed, v_packed = paged.gather_pages(k_pool, v_pool, table, cu)
                     out = flashattn.flash_attn_varlen_func(qb, k_packed, v_packed, cu, cu, longest, longest,
                                                            causal=case.causal, **options)
-                else:
-                    out = flashattn.flash_attn_varlen_func(qb, k_pool, v_pool, cu, cu, longest, longest,
-                                                           causal=case.causal, block_table=table, **options)
-            return out.unsqueeze(0)
+                return out.unsqueeze(0)
+        else:
+            # the launcher on the paged call's own route (the pages read in the kernel where it can:
+            # routes.reads_pages, which the row records)
+            from flashattn.backends.triton import attention, routes
 
-        return Prepared(fwd=fwd, leaves=leaves, info={"page_size": PAGE})
+            call = dict(causal=case.causal, cu_seqlens_q=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                        window_size=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0),
+                        learnable_sink=options.get("learnable_sink"))
+            spec = dataclasses.replace(attention.spec_of(qb, k_pool[0], v_pool[0], **call), page_size=PAGE)
+            route = routes.forward_route(spec)
+            info.update(route_fwd=type(route).__name__, reads_pages=routes.reads_pages(spec, route))
+
+            scale = qb.shape[-1] ** -0.5
+
+            def fwd() -> torch.Tensor:
+                with torch.no_grad():
+                    out, _ = attention.attention_forward(qb, k_pool, v_pool, softmax_scale=scale,
+                                                         cu_seqlens_k=cu, block_table=table, route=route,
+                                                         **call)
+                return out.unsqueeze(0)
+
+        return Prepared(fwd=fwd, leaves=leaves, info=info)
 
     return setup
 
