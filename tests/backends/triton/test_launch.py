@@ -63,6 +63,20 @@ def test_spec_tells_descriptors_apart_by_block_shape_and_layout():
     assert _native(desc(64)) != _native(desc(128))  # as Triton compiles them apart
 
 
+def test_spec_of_the_triton_kernels_host_descriptors():
+    # the Triton kernels' descriptors (triton.tools.tensor_descriptor, as tma.descriptor builds them) have no
+    # layout: their spec is their dtype and block shape
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    base = torch.empty(2, 64, 2, 128, dtype=torch.bfloat16)
+
+    def desc(rows):
+        return TensorDescriptor(base, list(base.shape), list(base.stride()), [1, rows, 1, 128])
+
+    assert launch_mod._spec(desc(64)) == (torch.bfloat16, (1, 64, 1, 128), None)
+    assert launch_mod._spec(desc(64)) != launch_mod._spec(desc(32))
+
+
 class _Compiled:
     function, packed_metadata = "fn", "meta"
 

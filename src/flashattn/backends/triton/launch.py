@@ -53,8 +53,10 @@ def _spec(x):
         return 1 if x == 1 else (x % 16 == 0, _I32[0] <= x < _I32[1], x < _I64_END)
     if isinstance(x, torch.Tensor):
         return x.dtype, x.data_ptr() % 16 == 0
-    base = getattr(x, "base", None)  # a tensor descriptor: its type is its dtype, block shape and layout
-    return None if base is None else (base.dtype, tuple(x.block_shape), x.layout)
+    # a tensor descriptor: its type is its dtype, block shape and (a Gluon one's) layout; the Triton kernels'
+    # host descriptors (triton.tools.tensor_descriptor) have no layout
+    base = getattr(x, "base", None)
+    return None if base is None else (base.dtype, tuple(x.block_shape), getattr(x, "layout", None))
 
 
 def direct(t: torch.Tensor) -> bool:
