@@ -1,7 +1,7 @@
 """Small odd-shaped cases of every kernel for compute-sanitizer (memcheck / racecheck) on the device.
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
-        [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_keys_dq] [ws_padded]
+        [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_padded]
         [ws_paged] [fp8] [softcap_wide]
 
 (default: the first four).
@@ -17,9 +17,8 @@ shapes. ws_deterministic runs the backward's fixed-order dQ variant (determinist
 forward's 192-wide heads (Q and K in three 64-wide chunks, one Q buffer or two) and one Q buffer at d = 256,
 persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs the wide heads' backward
 (d 160..256: its column units, GQA and the group split, the options, varlen) after the Triton forward;
-ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192),
-ws_keys_dq on its dQ variants (two staging tiles per warpgroup; dQ split by rows); ws_deterministic covers
-its fixed-order variant too.
+ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192;
+ws_deterministic covers its fixed-order variant).
 ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_paged runs the Gluon forward on
 page pools through a block table, entries outside the pool included.
 
@@ -337,19 +336,6 @@ def ws_keys():
 
     _wide_backward_cases(routes.wide_keys_backward_route, ((192, 128), (160, 104), (192, 64)),
                          ((192, 128), (160, 104)))
-
-
-def ws_keys_dq():
-    # attn_bwd_keys.py's dQ variants (A/B): two staging tiles per warpgroup, and dQ split by rows
-    from dataclasses import replace
-
-    from flashattn.backends.triton import routes
-
-    def variant(fields):
-        return lambda spec: replace(routes.wide_keys_backward_route(spec), **fields)
-
-    for fields in (dict(dq_tiles=2), dict(dq_rows=True, dq_tiles=3)):
-        _wide_backward_cases(variant(fields), ((192, 128), (192, 64)), ((192, 128),))
 
 
 def ws_padded():

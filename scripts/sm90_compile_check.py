@@ -267,15 +267,6 @@ def dense_cases():
             q, k, v = _t(1, 1100, 8, d), _t(1, 1100, 2, d), _t(1, 1100, 2, 128)
             yield f"dense gluon bwd d-split d={d} dv=128 causal={causal}", partial(
                 _routes, q, k, v, routes.gluon_forward_route, routes.dsplit_backward_route, causal=causal)
-        # the 128-key backward's dQ variants (A/B): two staging tiles per warpgroup, dQ split by rows
-        def keys_variant(fields):
-            return lambda spec: dataclasses.replace(routes.wide_keys_backward_route(spec), **fields)
-
-        for dv, fields in ((128, dict(dq_tiles=2)), (64, dict(dq_tiles=2)),
-                           (128, dict(dq_rows=True, dq_tiles=3)), (64, dict(dq_rows=True, dq_tiles=3))):
-            q, k, v = _t(1, 1100, 8, 192), _t(1, 1100, 2, 192), _t(1, 1100, 2, dv)
-            yield f"dense gluon bwd 128 keys {fields} d=192 dv={dv} causal", partial(
-                _routes, q, k, v, routes.gluon_forward_route, keys_variant(fields), causal=True)
     cu = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32)
     q, k, v = _t(208, 8, 128), _t(208, 1, 128), _t(208, 1, 128)
     yield "varlen gluon bwd d=128 h8/1 group_split=8 causal", partial(

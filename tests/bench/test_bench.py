@@ -417,19 +417,6 @@ def test_the_dsplit_provider_takes_the_64_key_backward_where_the_default_is_the_
         assert _dsplit_backward(spec_o) == routes.backward_route(spec_o)
 
 
-@pytest.mark.parametrize("fields", [dict(dq_tiles=2), dict(dq_rows=True, dq_tiles=3)], ids=str)
-def test_the_keys_dq_providers_change_only_the_128_key_backward(fields):
-    from flashattn.backends.triton import routes
-    from flashattn.bench.providers.ours import _keys_dq
-
-    spec = routes.Spec(batch=2, nheads=16, nheads_k=16, seqlen_q=8192, seqlen_k=8192, headdim=192,
-                       headdim_v=128, window=(-1, 0))
-    assert _keys_dq(**fields)(spec) == dataclasses.replace(routes.backward_route(spec), **fields)
-    for other in (dict(headdim=256), dict(headdim=128)):
-        spec_o = dataclasses.replace(spec, **other)
-        assert _keys_dq(**fields)(spec_o) == routes.backward_route(spec_o)
-
-
 def test_host_time_is_a_gpu_only_field():
     from flashattn.bench.timing import host_us
 
@@ -438,8 +425,7 @@ def test_host_time_is_a_gpu_only_field():
 
 @pytest.mark.parametrize("name", ["flashattn-triton", "flashattn-triton-bwd", "flashattn-ptr",
                                   "flashattn-headmajor", "flashattn-ws-tiles", "flashattn-bwd-split4",
-                                  "flashattn-fwd-k64", "flashattn-bwd-dsplit", "flashattn-bwd-keys-dq2",
-                                  "flashattn-bwd-keys-rows"])
+                                  "flashattn-fwd-k64", "flashattn-bwd-dsplit"])
 def test_route_providers_compute_the_same_attention(name):
     # the A/B providers time the library on other routes: same function, checked like any provider
     from flashattn.bench import providers
@@ -459,3 +445,28 @@ def test_route_providers_compute_the_same_attention(name):
     ref = ref[0] if isinstance(ref, tuple) else ref
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("name", ["flashattn-paged", "flashattn-paged-gather"])
+def test_paged_providers_compute_the_packed_attention(name):
+    # paged prefill (forward, no gradient) on a packed case: each document's keys on pages of their own
+    from flashattn.bench import providers
+    from flashattn.bench.case import Case
+    from flashattn.reference import attention_ref
+
+    lengths = (70, 1, 186)
+    total = sum(lengths)
+    case = Case(1, 4, 2, total, total, 32, True, "fp32", {"lengths": lengths})
+    q, k, v = (torch.randn(1, total, h, 32) for h in (4, 2, 2))
+    if not flashattn_config.INTERPRET and not torch.cuda.is_available():
+        pytest.skip("the launchers need CUDA or TRITON_INTERPRET=1")
+    with flashattn_config.use_backend("triton"):
+        prepared = providers.get(name).setup(case, q, k, v)
+        out = prepared.fwd()
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        ref, _ = attention_ref(q[:, rows].double(), k[:, rows].double(), v[:, rows].double(), causal=True)
+        torch.testing.assert_close(out[:, rows].double(), ref, atol=1e-4, rtol=1e-4)
+        start += n
+

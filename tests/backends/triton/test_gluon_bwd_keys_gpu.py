@@ -85,35 +85,6 @@ def test_keys_backward_dv_widths_in_turn(keys_route, ws_calls, ws_bwd_calls):
         _check(ws_calls, ws_bwd_calls, *qkv_dv(2, 113, 1023, 4, 2, 192, dv), causal=True)
 
 
-# the dQ variants on explicit routes (A/B timing): two staging tiles per warpgroup, whose stores wait for all
-# but the latest reduce-add (the tiles must alternate exactly); dQ split by rows (16 rows a warpgroup, wgmma
-# N = 16, three staging tiles each)
-DQ_VARIANTS = {"dq2": dict(dq_tiles=2), "rows": dict(dq_rows=True, dq_tiles=3)}
-
-
-@pytest.mark.parametrize("sq, sk", [(17, 17), (113, 1023), (1023, 113), (2049, 1537)])
-@pytest.mark.parametrize("d, dv", [(192, 128), (192, 64)], ids=str)
-@pytest.mark.parametrize("features", ["causal", "window+softcap+alibi+sink"])
-@pytest.mark.parametrize("variant", DQ_VARIANTS)
-def test_keys_backward_dq_variants(keys_route, ws_calls, ws_bwd_calls, monkeypatch, variant, features, d, dv,
-                                   sq, sk):
-    vary_routes(monkeypatch, backward=DQ_VARIANTS[variant])
-    torch.manual_seed(0)
-    options = dict(causal=True) if features == "causal" else options_for(2, 4, features)
-    _check(ws_calls, ws_bwd_calls, *qkv_dv(2, sq, sk, 4, 2, d, dv), **options)
-    assert all(r.dq_tiles == DQ_VARIANTS[variant]["dq_tiles"] for r in ws_bwd_calls.routes)
-
-
-@pytest.mark.parametrize("variant", DQ_VARIANTS)
-def test_keys_backward_dq_variants_split_and_varlen(keys_route, ws_calls, ws_bwd_calls, monkeypatch, variant):
-    vary_routes(monkeypatch, backward=dict(DQ_VARIANTS[variant], group_split=2))
-    torch.manual_seed(0)
-    _check(ws_calls, ws_bwd_calls, *qkv_dv(2, 300, 1100, 8, 2, 192, 128), causal=True)
-    check_varlen(ws_calls, ws_bwd_calls, [0, 65, 1, 300, 129, 0], [7, 65, 2, 200, 300, 0], 8, 2, 192, dv=128,
-                 gluon_backward=True, causal=True)
-    assert all(r.wide_keys and r.dq_tiles == DQ_VARIANTS[variant]["dq_tiles"] for r in ws_bwd_calls.routes)
-
-
 # the fixed-order variant (deterministic=True, the default route there): the band's right edge reversing the
 # key tiles' order (causal, a two-sided window), none (full, a left edge), and GQA's groups on one program
 KEYS_DETERMINISTIC = {"causal": dict(causal=True), "full": {}, "window": dict(window_size=(100, 37)),
@@ -131,7 +102,7 @@ def test_keys_backward_deterministic(keys_route, ws_calls, ws_bwd_calls, name, d
     q, k, v = qkv_dv(2, sq, sk, 8, 2, d, dv)
     _check(ws_calls, ws_bwd_calls, q, k, v, attn=lambda q, k, v: flash_attn_func(
         q, k, v, deterministic=True, return_attn_probs=True, **options)[:2], **options)
-    assert all(r.deterministic and r.dq_tiles == 2 for r in ws_bwd_calls.routes)
+    assert all(r.deterministic for r in ws_bwd_calls.routes)
     # bitwise the same gradients, call after call
     dout = torch.randn(2, sq, 8, dv, device="cuda", dtype=q.dtype)
     runs = [torch.autograd.grad(flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v), dout)

@@ -350,14 +350,13 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
         from flashattn.kernels.gluon.attn_bwd_keys import attn_bwd_keys_kernel as kernel
 
         # Q, K and dK through 256-wide tiles, dO, V and dV through dv's padded width (<= 128), each
-        # warpgroup's keys a tile of n / 2 rows, dQ's reduce-adds 64 columns at a time (of half the rows where
-        # the warpgroups split dQ by rows)
+        # warpgroup's keys a tile of n / 2 rows, dQ's reduce-adds 64 columns at a time
         dv_w = host.block_d(pb.dv)
         specs = (_descriptor_spec(q, m, 256), _descriptor_spec(dout, m, dv_w),
                  _descriptor_spec(k, n // 2, 256), _descriptor_spec(v, n // 2, dv_w),
                  _descriptor_spec(dk, n // 2, 256), _descriptor_spec(dv, n // 2, dv_w),
-                 _descriptor_spec(dq_acc, m // 2 if route.dq_rows else m, 64, "float32"), stats_spec)
-        kwargs = dict(common, DQ_TILES=route.dq_tiles)
+                 _descriptor_spec(dq_acc, m, 64, "float32"), stats_spec)
+        kwargs = common
     elif route.d_qk:
         from flashattn.kernels.gluon.attn_bwd_dsplit import attn_bwd_dsplit_kernel as kernel
 

@@ -218,12 +218,6 @@ class GluonBackward:
     # attn_bwd_keys.py's kernel (d_qk 192 beside dv up to 128): 128 keys a program, each warpgroup 64 of them
     # and all their columns, 32-row steps (tiles 32 x 128), dQ transposed
     wide_keys: bool = False
-    # attn_bwd_keys.py's dQ staging tiles per warpgroup (1 or 2: with 2 a unit's store does not wait for the
-    # warpgroup's previous reduce-add to have read its tile; 3 with dq_rows)
-    dq_tiles: int = 1
-    # attn_bwd_keys.py's dQ split between the warpgroups by rows (each half the step's rows, all three
-    # 64-column units: equal work) instead of by columns (units 2 + 1)
-    dq_rows: bool = False
     kernel = "gluon"
 
 
@@ -504,7 +498,7 @@ def dsplit_backward_route(spec: Spec) -> GluonBackward:
 def wide_keys_backward_route(spec: Spec) -> GluonBackward:
     """attn_bwd_keys.py's route for a spec at d_qk 129..192 beside dv up to 128: 32-row steps over two (Q, dO)
     stages, 128 keys a program. Deterministic (no sink): its dQ writer's variant, each step's three dQ
-    units staged in tiles of their own (dq_tiles = 2)."""
+    units staged in tiles of their own."""
     if not _wide_call(spec, _keys_backward(spec), deterministic=True):
         raise FlashAttnError(f"the 128-key wide-head backward takes 16-bit, TMA-ready calls at d 129..192 "
                              f"beside dv 33..128, no dropout, and no learnable sink with a deterministic "
@@ -512,7 +506,7 @@ def wide_keys_backward_route(spec: Spec) -> GluonBackward:
                              f"dropout={spec.dropout}, deterministic={spec.deterministic}, sink={spec.sink}")
     return GluonBackward(TileConfig(32, 128, 4, 2), _kv_group(spec), maxnreg=MAXNREG_TWO,
                          group_split=group_split(spec), d_qk=192, wide_keys=True,
-                         deterministic=spec.deterministic, dq_tiles=2 if spec.deterministic else 1)
+                         deterministic=spec.deterministic)
 
 
 def triton_backward_route(spec: Spec) -> TritonBackward:

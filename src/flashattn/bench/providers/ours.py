@@ -183,20 +183,6 @@ def _split_forward(spec):
     return decode_routes.SplitForward() if decode_routes.takes_split_forward(spec) else r.forward_route(spec)
 
 
-def _keys_dq(**fields) -> Callable:
-    """The default backward route, with fields replaced where it is attn_bwd_keys.py's."""
-
-    def make(spec):
-        from flashattn.backends.triton import routes as r
-
-        route = r.backward_route(spec)
-        if isinstance(route, r.GluonBackward) and route.wide_keys:
-            return dataclasses.replace(route, **fields)
-        return route
-
-    return make
-
-
 def _group_split(n: int) -> Callable:
     """The default backward route, its Gluon one with the GQA group split into gcd(n, group) parts."""
     import math
@@ -245,12 +231,6 @@ def _providers() -> list[Provider]:
                  "this project's default routes with forwards of at most 64 query rows (no more than keys) "
                  "on the split-KV decode kernel, a GQA group's rows packed (decode_routes.SplitForward; "
                  "A/B timing)"),
-        Provider("flashattn-bwd-keys-dq2", routed(r.forward_route, _keys_dq(dq_tiles=2)),
-                 "this project's default routes with two dQ staging tiles per warpgroup in the 128-key "
-                 "backward (attn_bwd_keys.py; other routes as they are; A/B timing)"),
-        Provider("flashattn-bwd-keys-rows", routed(r.forward_route, _keys_dq(dq_rows=True, dq_tiles=3)),
-                 "this project's default routes with the 128-key backward's dQ split between its warpgroups "
-                 "by rows, not columns (attn_bwd_keys.py; other routes as they are; A/B timing)"),
         Provider("flashattn-bwd-dsplit", routed(r.forward_route, _dsplit_backward),
                  "this project's default routes with the d_qk 129..192 / dv 65..128 backward on 64 keys a "
                  "program, the gradients split by columns (attn_bwd_dsplit.py), instead of 128 "

@@ -11,9 +11,10 @@ every query tile's dQ is reduce-added once per 64 keys. Here, as in attn_bwd.py,
   - writes dS (rows: queries) for its 64 keys into the step's buffer, and once the other warpgroup's half is
     there (an mbarrier), computes dQ transposed, dQᵀ = Kᵀ dSᵀ over all 128 keys, for its 64-column units
     (the first warpgroup units 0 and 1, the second unit 2: M = 64 columns, N = 32 rows, 16 registers a
-    unit), each reduce-added into the float32 buffer through a staging tile, transposed back. DQ_TILES
-    staging tiles per warpgroup, used in turn: with 2 a unit's store waits only for the reduce-add before
-    the latest to have read its tile (the first warpgroup's second unit no longer waits on its first).
+    unit), each reduce-added into the float32 buffer through a staging tile, transposed back. Two staging
+    tiles per warpgroup, used in turn: a unit's store waits only for the reduce-add before the latest to
+    have read its tile, so the first warpgroup's second unit does not wait on its first (H100, d 192 / d_v
+    128 causal: 434 TFLOP/s against one tile's 423, and against 365 with dQ split by rows instead).
 Q and K go through 256-wide tiles (TMA reads zeros past d), of which the products take the first 192
 columns; dO and V through 128. The options are attn_bwd.py's compile-time variants (scores.py's band,
 softcap, ALiBi; the sink's gradient; varlen; the GQA group split) and DETERMINISTIC: each step's three
@@ -39,6 +40,7 @@ from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_tile, program_se
 from flashattn.kernels.gluon.scores import transposed_probs
 
 UNIT = gl.constexpr(64)  # dQ's columns per transposed product and reduce-add
+DQ_TILES = gl.constexpr(2)  # dQ's staging tiles per warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -62,7 +64,7 @@ def _stage(dqt, dq_buf, dq_desc, coord, sm_scale, PENDING: gl.constexpr, handoff
 
 @gluon.jit
 def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc, coord, sm_scale, in_flight,
-             DQ_TILES: gl.constexpr, handoff, WAIT: gl.constexpr):
+             handoff, WAIT: gl.constexpr):
     """dQᵀ's columns [COL0, COL0 + 64) for the step's rows over both halves' keys, its dS in buffer b,
     reduce-added at coord through dq_buf, one of the warpgroup's DQ_TILES staging tiles, used in turn
     (handoff, WAIT: `_stage`'s); returns in_flight, the step's dK and dV, done."""
@@ -73,36 +75,6 @@ def _dq_unit(COL0: gl.constexpr, k_halves, ds_smem, b, dq_zero, dq_buf, dq_desc,
     dka, dkb, dv = in_flight
     dqt, dka, dkb, dv = warpgroup_mma_wait(0, deps=(dqt, dka, dkb, dv))
     _stage(dqt, dq_buf, dq_desc, [coord[0], coord[1], coord[2], COL0], sm_scale, DQ_TILES - 1, handoff, WAIT)
-    return dka, dkb, dv
-
-
-@gluon.jit
-def _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale, in_flight, WG: gl.constexpr):
-    """dQᵀ's three 64-column units for this warpgroup's half of the step's rows (wgmma N = 16), over both
-    halves' keys, each reduce-added through its own staging tile (3 WG + unit): the warpgroups' dQ work is
-    equal. Returns in_flight, the step's dK and dV, done."""
-    R: gl.constexpr = dq_zero.shape[1]
-    b0 = ds_smem.index(2 * b).slice(WG * R, R, dim=0).permute((1, 0))
-    b1 = ds_smem.index(2 * b + 1).slice(WG * R, R, dim=0).permute((1, 0))
-    k0 = k_halves[0]
-    k1 = k_halves[1]
-    row = coord[1] + WG * R
-    # two units in flight at a time (registers): unit u staged while unit u + 1's products run
-    d0 = warpgroup_mma(k0.slice(0, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False, is_async=True)
-    d0 = warpgroup_mma(k1.slice(0, UNIT, dim=1).permute((1, 0)), b1, d0, is_async=True)
-    d1 = warpgroup_mma(k0.slice(UNIT, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False, is_async=True)
-    d1 = warpgroup_mma(k1.slice(UNIT, UNIT, dim=1).permute((1, 0)), b1, d1, is_async=True)
-    dka, dkb, dv = in_flight
-    d0, dka, dkb, dv = warpgroup_mma_wait(2, deps=(d0, dka, dkb, dv))
-    _stage(d0, dq_smem.index(3 * WG), dq_desc, [coord[0], row, coord[2], 0], sm_scale, 2, None, False)
-    d2 = warpgroup_mma(k0.slice(2 * UNIT, UNIT, dim=1).permute((1, 0)), b0, dq_zero, use_acc=False,
-                       is_async=True)
-    d2 = warpgroup_mma(k1.slice(2 * UNIT, UNIT, dim=1).permute((1, 0)), b1, d2, is_async=True)
-    d1 = warpgroup_mma_wait(2, deps=(d1,))
-    _stage(d1, dq_smem.index(3 * WG + 1), dq_desc, [coord[0], row, coord[2], UNIT], sm_scale, 2, None, False)
-    d2 = warpgroup_mma_wait(0, deps=(d2,))
-    _stage(d2, dq_smem.index(3 * WG + 2), dq_desc, [coord[0], row, coord[2], 2 * UNIT], sm_scale, 2,
-           None, False)
     return dka, dkb, dv
 
 
@@ -131,11 +103,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     dtype: gl.constexpr = q_smem.dtype
     HEAD_DIM: gl.constexpr = q_smem.shape[-1]
     DV: gl.constexpr = do_smem.shape[-1]
-    DQ_TILES: gl.constexpr = dq_smem.shape[0] // 2  # staging tiles per warpgroup
-    # dQ split by rows (dQ's staging tiles half the step's rows): each warpgroup all three units for its
-    # half, three staging tiles; else by columns: this warpgroup's units [U0 · 64, (U0 + NU) · 64)
-    DQ_ROWS: gl.constexpr = dq_smem.shape[2] < BLOCK_M
-    gl.static_assert(not DQ_ROWS or DQ_TILES == 3)
+    # dQ by columns: this warpgroup's units [U0 · 64, (U0 + NU) · 64)
     U0: gl.constexpr = 0 if WG == 0 else 2
     NU: gl.constexpr = 2 if WG == 0 else 1
     # Sᵀ, dPᵀ: (keys, query rows); dK: (keys, 128) and (keys, 64); dV: (keys, dv); dQᵀ: (64 columns, rows)
@@ -164,10 +132,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     offs_k = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     key_tail = key0 + HALF_N > seqlen_k
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-    dq_rows: gl.constexpr = dq_smem.shape[2]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, dq_rows, 16])
-    dq_zero = gl.zeros([UNIT, dq_rows], gl.float32, dq_layout)
+                                                         instr_shape=[16, BLOCK_M, 16])
+    dq_zero = gl.zeros([UNIT, BLOCK_M], gl.float32, dq_layout)
     dka = warpgroup_mma_init(gl.zeros([HALF_N, 128], gl.float32, ka_layout))
     dkb = warpgroup_mma_init(gl.zeros([HALF_N, 64], gl.float32, kb_layout))
     dv = warpgroup_mma_init(gl.zeros([HALF_N, DV], gl.float32, v_layout))
@@ -235,27 +202,23 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.arrive(ds_ready.index(b), count=1)
         mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
         coord = (desc_b, q_start + m0, off_h)
-        if DQ_ROWS:
-            dka, dkb, dv = _dq_rows(k_halves, ds_smem, b, dq_zero, dq_smem, dq_desc, coord, sm_scale,
-                                    (dka, dkb, dv), WG)
-        elif DET:
+        if DET:
             # unit u staged in tile u for the dQ writer, once it has read the previous step's tiles
             dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(U0), dq_desc,
-                                    coord, sm_scale, (dka, dkb, dv), DQ_TILES, (dq_empty, (c & 1) ^ 1), True)
+                                    coord, sm_scale, (dka, dkb, dv), (dq_empty, (c & 1) ^ 1), True)
             if NU == 2:
                 dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(U0 + 1),
-                                        dq_desc, coord, sm_scale, (dka, dkb, dv), DQ_TILES, (dq_empty, 0),
-                                        False)
+                                        dq_desc, coord, sm_scale, (dka, dkb, dv), (dq_empty, 0), False)
             mbarrier.arrive(dq_full, count=1)
         else:
             # this warpgroup's staging tiles in turn, by the count of its units so far
             dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero,
                                     dq_smem.index(DQ_TILES * WG + c * NU % DQ_TILES), dq_desc, coord,
-                                    sm_scale, (dka, dkb, dv), DQ_TILES, None, False)
+                                    sm_scale, (dka, dkb, dv), None, False)
             if NU == 2:
                 dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero,
                                         dq_smem.index(DQ_TILES * WG + (c * NU + 1) % DQ_TILES), dq_desc,
-                                        coord, sm_scale, (dka, dkb, dv), DQ_TILES, None, False)
+                                        coord, sm_scale, (dka, dkb, dv), None, False)
         # this step's Q and dO have no reader left in this warpgroup
         mbarrier.arrive(empty.index(s), count=1)
         dka = warpgroup_mma_init(dka)
@@ -305,13 +268,12 @@ def attn_bwd_keys_kernel(
     CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, stride_vm, stride_vh, DK_ACC, DV_ACC, SINK,
     DSINK, LOCK, stride_lock_b, stride_lock_h,
     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1, DQ_TILES: gl.constexpr = 1,
+    CAUSAL: gl.constexpr, SPLIT: gl.constexpr = 1,
 ):
     # attn_bwd.py's arguments; Q's, K's and dK's descriptors 256 wide, dO's, V's and dV's DV (<= 128) wide,
     # dQ's 64. LOCK (DETERMINISTIC): as attn_bwd.py's; its dQ writer takes the three 64-column units from
-    # staging tiles 0..2 (DQ_TILES = 2, dQ split by columns)
-    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[1] < BLOCK_M
-    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None and DQ_TILES == 2 and not DQ_ROWS))
+    # staging tiles 0..2
+    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     gl.static_assert(q_desc.block_type.shape[3] == 256 and do_desc.block_type.shape[3] <= 128)
     gl.static_assert(GROUP % SPLIT == 0)
