@@ -124,9 +124,15 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
                machine: Machine = H200, ctas_per_sm: int = 1) -> IOEstimate:
     """The forward kernel: grid (cdiv(sq, block_m), b*h); Q tile read once, K/V streamed, O, LSE written.
 
-    Tile sizes default to the route the launcher takes (routes.forward_route).
+    Tile sizes default to the route the launcher takes (routes.forward_route); a forward of few query rows
+    that the launcher runs on the split-KV decode kernel (decode_routes.SplitForward) is `decode_io`'s,
+    unless tile sizes are given (the dense kernel's traffic at those tiles).
     """
-    tiles = routes.forward_route(route_spec(shape)).tiles
+    route = routes.forward_route(route_spec(shape))
+    if isinstance(route, decode_routes.SplitForward) and block_m is None and block_n is None:
+        return decode_io(shape, machine=machine)
+    tiles = route.tiles if not isinstance(route, decode_routes.SplitForward) else routes.gluon_forward_route(
+        route_spec(shape)).tiles
     default_m, default_n = tiles.block_m, tiles.block_n
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,

@@ -7,7 +7,7 @@ import collections
 import pytest
 
 from flashattn import config as flashattn_config
-from flashattn.backends.triton import gluon
+from flashattn.backends.triton import attention, decode_routes, gluon, routes
 
 
 class Calls(list):
@@ -35,7 +35,18 @@ def spy(monkeypatch, launcher: str) -> Calls:
 
 @pytest.fixture
 def ws_calls(monkeypatch):
-    """The Gluon forward's calls (gluon.forward)."""
+    """The Gluon forward's calls (gluon.forward). The Gluon tests run that kernel at every shape: calls of
+    few query rows, which the default routes send to the split-KV forward (decode_routes.split_forward_wins;
+    test_split_forward*.py test that route), take the Gluon forward's route here, with the launchers'
+    signature cache emptied on the way in and out."""
+    real = routes.forward_route
+
+    def gluon_forward(spec):
+        route = real(spec)
+        return routes.gluon_forward_route(spec) if isinstance(route, decode_routes.SplitForward) else route
+
+    monkeypatch.setattr(routes, "forward_route", gluon_forward)
+    monkeypatch.setattr(attention, "_forward_cache", {})
     return spy(monkeypatch, "forward")
 
 

@@ -40,7 +40,7 @@ CAUSAL = (-1, 0)
 @pytest.mark.parametrize("kw", [
     dict(), dict(window=CAUSAL), dict(headdim=64, headdim_v=64),
     dict(headdim=64, headdim_v=64, window=CAUSAL),
-    dict(seqlen_q=1, seqlen_k=1, dtype="float16"), dict(seqlen_q=100, seqlen_k=1100, window=CAUSAL),
+    dict(seqlen_q=65, seqlen_k=65, dtype="float16"), dict(seqlen_q=100, seqlen_k=1100, window=CAUSAL),
     dict(seqlen_q=16384, seqlen_k=16384), dict(nheads_k=4), dict(nheads_k=1),
     # the options that are compile-time variants of the Gluon kernels, alone and together
     dict(window=(64, 0)), dict(window=(-1, 8)), dict(window=(100, 100)), dict(window=(0, 0)),
@@ -57,6 +57,28 @@ def test_calls_the_gluon_kernels_take(kw):
     spec = _spec(**kw)
     assert isinstance(routes.forward_route(spec), routes.GluonForward)
     assert isinstance(routes.backward_route(spec), routes.GluonBackward)
+
+
+@pytest.mark.parametrize("kw, split", [
+    # at most 16 query rows: the split-KV forward at any batch
+    (dict(seqlen_q=1, seqlen_k=1, dtype="float16"), True), (dict(seqlen_q=16, batch=64), True),
+    (dict(seqlen_q=4, seqlen_k=32768, nheads=32, nheads_k=1, window=CAUSAL), True),
+    (dict(seqlen_q=7, window=(100, -1), softcap=True, alibi=True), True),
+    # 17..64 rows: where the Gluon forward's (batch, head) tiles leave SMs idle
+    (dict(seqlen_q=64, nheads=32, nheads_k=8), True), (dict(seqlen_q=64, batch=8, nheads=32), False),
+    (dict(seqlen_q=17, batch=33, nheads=4), False), (dict(seqlen_q=65), False),
+    # what the decode kernel lacks (a sink, dv != d), more rows than keys, varlen: the Gluon forward
+    (dict(seqlen_q=8, sink=True), False), (dict(seqlen_q=8, seqlen_k=4), False),
+    (dict(seqlen_q=8, varlen=True, tokens_q=8), False), (dict(seqlen_q=8, headdim_v=64), False),
+], ids=str)
+def test_few_query_rows_take_the_split_kv_forward(kw, split):
+    spec = _spec(**kw)
+    route = routes.forward_route(spec)
+    assert isinstance(route, decode_routes.SplitForward if split else routes.GluonForward)
+    assert isinstance(routes.backward_route(spec), routes.GluonBackward)
+    # off Hopper (or without TMA-ready tensors) the Triton forward, as before
+    ampere = dataclasses.replace(spec, capability=(8, 0))
+    assert isinstance(routes.forward_route(ampere), routes.TritonForward)
 
 
 @pytest.mark.parametrize("kw", [

@@ -125,8 +125,8 @@ class SplitForward:
     """kernels/triton/decode.py (flash_attn_with_kvcache's kernel) for a forward of few query rows: one
     program per (batch, KV head, split of the keys, block of packed query rows), a GQA group's rows packed
     into its query blocks (FA3's pack_gqa: K and V read once per KV head, not once per query head), the
-    splits merged in the same launch. num_splits 0: decode routing's heuristic. On an explicit route
-    (`split_forward_route`) until timed against the Gluon forward."""
+    splits merged in the same launch. num_splits 0: decode routing's heuristic. The default route of the
+    calls `split_forward_wins` picks."""
 
     num_splits: int = 0
     kernel = "triton"
@@ -139,6 +139,20 @@ def takes_split_forward(spec) -> bool:
     return (not spec.varlen and not spec.dropout and not spec.sink and not spec.out_dtype
             and spec.dtype in ("float16", "bfloat16", "float32") and spec.headdim == spec.headdim_v <= 256
             and spec.seqlen_q <= min(SPLIT_FORWARD_Q, spec.seqlen_k))
+
+
+# the query rows up to which the split-KV forward beat the Gluon forward at every batch of the short suite
+SPLIT_FORWARD_ALWAYS_Q = 16
+
+
+def split_forward_wins(spec, sms: int = 132) -> bool:
+    """Whether the split-KV forward is the default route of a call the Gluon forward also takes: at most
+    SPLIT_FORWARD_ALWAYS_Q query rows, or more (up to SPLIT_FORWARD_Q) where the Gluon forward's (batch,
+    head) tiles leave SMs idle (b · h < sms). H100, the short suite (h32 d128 causal, 8 or 1 KV heads, 4K and
+    32K keys, benchmarks/results/2026-12-06-short-h100), split over Gluon TFLOP/s: 1-16 rows 1.5-11x at
+    batch 1 and 8; 64 rows 1.4-1.9x at batch 1 (32 tiles), 0.5-0.6x at batch 8 (256 tiles)."""
+    return takes_split_forward(spec) and (spec.seqlen_q <= SPLIT_FORWARD_ALWAYS_Q
+                                          or spec.batch * spec.nheads < sms)
 
 
 def split_forward_route(spec) -> SplitForward:

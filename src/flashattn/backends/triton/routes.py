@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flashattn.backends.triton.configs import TileConfig, tile_config
+from flashattn.backends.triton.decode_routes import SplitForward, split_forward_wins
 from flashattn.backends.triton.host import block_d
 from flashattn.errors import FlashAttnError
 
@@ -420,9 +421,12 @@ def reads_pages(spec: Spec, route) -> bool:
             and spec.page_size % route.tiles.block_n == 0)
 
 
-def forward_route(spec: Spec) -> TritonForward | GluonForward:
-    """The forward's default route."""
-    if takes_gluon_forward(spec) or takes_gluon_fp8_forward(spec):
+def forward_route(spec: Spec) -> TritonForward | GluonForward | SplitForward:
+    """The forward's default route: on Hopper (16-bit), the split-KV decode kernel for forwards of few query
+    rows against their keys (decode_routes.split_forward_wins), else the Gluon forward."""
+    if takes_gluon_forward(spec):
+        return SplitForward() if split_forward_wins(spec) else gluon_forward_route(spec)
+    if takes_gluon_fp8_forward(spec):
         return gluon_forward_route(spec)
     return triton_forward_route(spec)
 
