@@ -1,11 +1,12 @@
-"""Random valid calls of flash_attn's private varlen backward and of the packed rotary layers (in place),
-with their oracles (tests/fuzz_cases.py's Call and Draw)."""
+"""Random valid calls of flash_attn's private varlen backward, of the paged varlen prefill and of the packed
+rotary layers (in place), with their oracles (tests/fuzz_cases.py's Call and Draw)."""
 
 from __future__ import annotations
 
 import torch
 from fuzz_cases import Call, Draw, _compare, _heads, _options, _ref_options, _tensor
 
+import flashattn
 from flashattn import flash_attn_interface as fai
 from flashattn.layers.rotary import apply_rotary_emb_kv_, apply_rotary_emb_qkv_
 from flashattn.reference import attention_ref_varlen
@@ -90,6 +91,57 @@ def varlen_backward_call(d: Draw, env) -> Call:
         torch.testing.assert_close(softmax_d[:, rows + 128 * seq].double(), want_d, rtol=1e-4, atol=1e-4)
 
     return Call(f"varlen-private-backward-{layout}", run, check)
+
+
+# ----------------------------------------------------------------------------- paged varlen prefill
+
+
+def paged_prefill_call(d: Draw, env) -> Call:
+    """flash_attn_varlen_func with a block_table and no gradient (the paged op: the pools read in the kernel
+    where the route can, routes.reads_pages, the keys gathered otherwise): each sequence's keys on shuffled
+    pages of 16, 64, 128 or 256 with spare columns and spare pages, whose slots hold 1e4 (attending one
+    would show), against the oracle on the packed keys."""
+    batch = d.int(1, 3)
+    lens_q = [d.length(env, zero=0.15) for _ in range(batch)]
+    lens_k = [d.length(env, zero=0.1) for _ in range(batch)]
+    h, hk = _heads(d, env, batch)
+    hd = d.pick([16, 40, 64])
+    dtype = d.pick(env.dtypes)
+    page = d.pick([16, 64, 128, 256])
+    max_pages = max(max(-(-n // page) for n in lens_k), 1) + d.pick([0, 1])
+    num_pages = batch * max_pages + d.pick([0, 2])
+    table = torch.randperm(num_pages, generator=d.generator())[: batch * max_pages].view(batch, max_pages)
+    q = _tensor(d, (sum(lens_q), h, hd), dtype, env.device)
+    k, v = (_tensor(d, (sum(lens_k), hk, hd), dtype, env.device) for _ in range(2))
+    pools = []
+    for x in (k, v):
+        pool = torch.full((num_pages, page, hk, hd), 1e4, dtype=dtype, device=env.device)
+        start = 0
+        for b, n in enumerate(lens_k):
+            for p in range(-(-n // page)):
+                rows = x[start + p * page: start + min(n, (p + 1) * page)]
+                pool[int(table[b, p]), : rows.shape[0]] = rows
+            start += n
+        pools.append(pool)
+    table = table.to(torch.int32).to(env.device)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
+                               device=env.device) for n in (lens_q, lens_k))
+    mq, mk = max(lens_q), max(lens_k)
+    opts = _options(d, env, batch, h)
+    opts.pop("dropout_p", None)
+
+    def run():
+        with torch.no_grad():
+            return flashattn.flash_attn_varlen_func(q, *pools, cu_q, cu_k, mq, mk, block_table=table, **opts)
+
+    def check(out):
+        assert out.shape == (sum(lens_q), h, hd) and out.grad_fn is None
+        ref_opts = _ref_options(opts)
+        ref = attention_ref_varlen(q, k, v, cu_q, cu_k, upcast=True, **ref_opts)[0]
+        pt = attention_ref_varlen(q, k, v, cu_q, cu_k, upcast=False, **ref_opts)[0]
+        _compare(out, ref, pt, "out", 2.0)
+
+    return Call(f"paged-prefill-{page}", run, check)
 
 
 # ------------------------------------------------------------------------------ packed rotary (in place)

@@ -25,7 +25,7 @@ from fuzz_cases import (
     sparse_call,
     varlen_call,
 )
-from fuzz_cases_api import rotary_packed_call, varlen_backward_call
+from fuzz_cases_api import paged_prefill_call, rotary_packed_call, varlen_backward_call
 from fuzz_cases_decode import decode_plan_call, paged_kvcache_call
 from fuzz_cases_fp8 import fp8_call
 from fuzz_defects import BAD_CU_SEQLENS, INVALID, UNCHECKED, launch_with_bad_cu_seqlens
@@ -35,7 +35,7 @@ from flashattn.errors import FlashAttnError
 # the valid calls' makers (dense and varlen twice: the most used)
 VALID = [dense_call, dense_call, varlen_call, varlen_call, private_backward_call, kvcache_call, sparse_call,
          merge_call, rotary_call, paged_kvcache_call, decode_plan_call, fp8_call, varlen_backward_call,
-         rotary_packed_call]
+         rotary_packed_call, paged_prefill_call]
 
 
 def draw_call(r: random.Random, env: Env, invalid_share: float = 0.35) -> Call:
