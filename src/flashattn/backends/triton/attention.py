@@ -271,7 +271,8 @@ def _paged_forward(q, k, v, block_table, route, **kw):
                   kw["max_seqlen_q"], kw["max_seqlen_k"], kw["learnable_sink"],
                   out_dtype=kw["out_dtype"] if descales is not None else None, page_size=k.shape[1])
     chosen = route if route is not None else routes.forward_route(pb.spec)
-    if not routes.reads_pages(pb.spec, chosen):
+    # a table without columns holds no key: the kernel's page lookup needs one column at least
+    if not routes.reads_pages(pb.spec, chosen) or block_table.shape[1] == 0:
         k, v = paged.gather_pages(k, v, block_table, kw["cu_seqlens_k"], kw["max_seqlen_k"])
         return attention_forward(q, k, v, route=route, **kw)
     out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
