@@ -47,9 +47,10 @@ from flashattn.interface_varlen import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    paged_forward,
 )
 from flashattn.kvcache import flash_attn_with_kvcache as _flash_attn_with_kvcache
-from flashattn.ops.attention import attn_bwd, attn_fwd_paged
+from flashattn.ops.attention import attn_bwd
 from flashattn.ops.rng import NO_RNG
 
 __all__ = [
@@ -174,9 +175,8 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     with torch.no_grad():
         if block_table is not None and dropout_p == 0 and not return_softmax:
             # the pools read in place where the route can (flashattn.paged)
-            out, lse = attn_fwd_paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                      int(max_seqlen_k), float(scale), bool(causal), int(window[0]),
-                                      int(window[1]), float(softcap), alibi_slopes, None)
+            out, lse = paged_forward(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, scale, causal, window, softcap, alibi_slopes, None)
             s_dmask, rng_state = q.new_empty(0), NO_RNG
         else:
             if block_table is not None:

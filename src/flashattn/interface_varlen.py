@@ -37,6 +37,16 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return max_seqlen_q, max_seqlen_k
 
 
+def paged_forward(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                  causal, window, softcap, alibi_slopes, learnable_sink):
+    """(out, lse) of checked paged arguments without autograd (attn_fwd_paged: the pools read in the kernel
+    where the route can, flashattn.paged); softmax_scale None: 1 / sqrt(headdim)."""
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    return attn_fwd_paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                          int(max_seqlen_k), float(scale), bool(causal), int(window[0]), int(window[1]),
+                          float(softcap), alibi_slopes, learnable_sink)
+
+
 def _reads_pools(q, k, v, dropout_p, return_attn_probs, learnable_sink) -> bool:
     """A paged call that runs on its pools (attn_fwd_paged, no autograd), rather than on its keys gathered
     into the packed layout (flashattn.paged): one that needs no gradient, no dropout and no probabilities."""
@@ -95,7 +105,7 @@ def flash_attn_varlen_func(
         block_table: (batch, max_pages) int32, default None. Paged KV for varlen prefill: key p of sequence b
             (p < cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is k[block_table[b, p // page_size], p % page_size].
             A call that needs no gradient, dropout or probabilities reads the pages in the kernel where its
-            route can (16-bit, the Gluon forward, page_size a multiple of its key tile: 128 at d <= 128);
+            route can (16-bit, the Gluon forward, page_size a multiple of its key tile: 128 at d <= 192);
             the others first gather the keys into the packed layout (flashattn.paged), and gradients
             reach the pools through the gather.
         q_descale, k_descale, v_descale, out_dtype: as flash_attn_func's (an FP8 call), batch being the
@@ -121,10 +131,8 @@ def flash_attn_varlen_func(
         if not fp8 and _reads_pools(q, k, v, dropout_p, return_attn_probs, learnable_sink):
             if out_dtype is not None and out_dtype != q.dtype:
                 raise FlashAttnError(f"out_dtype is {out_dtype}; a 16-bit call returns q's dtype ({q.dtype})")
-            scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-            return attn_fwd_paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                  int(max_seqlen_k), float(scale), bool(causal), int(window[0]),
-                                  int(window[1]), float(softcap), alibi_slopes, learnable_sink)[0]
+            return paged_forward(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 softmax_scale, causal, window, softcap, alibi_slopes, learnable_sink)[0]
         k, v = paged.gather_pages(k, v, block_table, cu_seqlens_k)
     if fp8:
         return interface_fp8.attention(

@@ -128,11 +128,13 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
     that the launcher runs on the split-KV decode kernel (decode_routes.SplitForward) is `decode_io`'s,
     unless tile sizes are given (the dense kernel's traffic at those tiles).
     """
-    route = routes.forward_route(route_spec(shape))
-    if isinstance(route, decode_routes.SplitForward) and block_m is None and block_n is None:
-        return decode_io(shape, machine=machine)
-    tiles = route.tiles if not isinstance(route, decode_routes.SplitForward) else routes.gluon_forward_route(
-        route_spec(shape)).tiles
+    spec = route_spec(shape)
+    route = routes.forward_route(spec)
+    if isinstance(route, decode_routes.SplitForward):
+        if block_m is None and block_n is None:
+            return decode_io(shape, machine=machine)
+        route = routes.gluon_forward_route(spec)
+    tiles = route.tiles
     default_m, default_n = tiles.block_m, tiles.block_n
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
