@@ -45,3 +45,25 @@ def test_split_forward(split_calls, sq, sk, h, hk, d, options):
                                            alibi_slopes=torch.rand(2, h, device="cuda"))}[options]
     check_against_oracle(q, k, v, **kwargs)
     assert split_calls == [q.shape]
+
+
+def test_default_route_repeats_through_the_signature_cache(monkeypatch):
+    """A few-row forward takes the split-KV kernel by default; its repeat (the same signature) comes from the
+    forward's signature cache and still runs the decode kernel, with the same result bit for bit."""
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    calls = []
+    launcher = decode.kvcache_forward
+
+    def record(q, *args, **kwargs):
+        calls.append(q.shape)
+        return launcher(q, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "kvcache_forward", record)
+    torch.manual_seed(0)
+    q, k, v = qkv(1, 4, 4096, 32, 8, 128)
+    first = attention.attention_forward(q, k, v, softmax_scale=0.125, causal=True)
+    assert len(attention._forward_cache) == 1
+    second = attention.attention_forward(q, k, v, softmax_scale=0.125, causal=True)
+    assert calls == [q.shape, q.shape]
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])

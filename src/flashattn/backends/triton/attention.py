@@ -171,6 +171,14 @@ def _tensor_options(alibi_slopes, learnable_sink) -> tuple:
             learnable_sink is None)
 
 
+def _split_forward(q, k, v, pb, route, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    # the decode kernel over k and v as full caches of seqlen_k keys (its lse: (b, h, sq), +inf where a row
+    # sees no key, as here)
+    return decode.kvcache_forward(q, k, v, cache_len=pb.seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  num_splits=route.num_splits)
+
+
 def _remember(cache: dict, key: tuple, entry: tuple) -> None:
     if len(cache) >= _CACHED_SIGNATURES:
         cache.clear()
@@ -205,6 +213,9 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
         hit = _forward_cache.get(key)
         if hit is not None:
             pb, route, out_shape, lse_shape, prepared = hit
+            if prepared is None:  # a split-KV forward: the decode launcher keeps its own launch
+                return _split_forward(q, k, v, pb, route, softmax_scale, causal, window_size, softcap,
+                                      alibi_slopes)
             # sizes unpacked: torch.empty parses separate ints faster than a tuple (~0.6 us), or a Size (~1.3)
             out = torch.empty(*out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(*lse_shape, dtype=torch.float32, device=q.device)
@@ -217,11 +228,9 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
         route = routes.forward_route(pb.spec)
     if isinstance(route, decode_routes.SplitForward):
         decode_routes.split_forward_route(pb.spec)  # refuses a call it does not take
-        # the decode kernel over k and v as full caches of seqlen_k keys (its lse: (b, h, sq), +inf where a
-        # row sees no key, as here)
-        return decode.kvcache_forward(q, k, v, cache_len=pb.seqlen_k, softmax_scale=softmax_scale,
-                                      causal=causal, window_size=window_size, softcap=softcap,
-                                      alibi_slopes=alibi_slopes, num_splits=route.num_splits)
+        if key is not None:
+            _remember(_forward_cache, key, (pb, route, None, None, None))
+        return _split_forward(q, k, v, pb, route, softmax_scale, causal, window_size, softcap, alibi_slopes)
     out_shape = (*q.shape[:-1], pb.dv)
     out = torch.empty(out_shape, dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
     lse_shape = (pb.nheads, q.shape[0]) if pb.varlen else (pb.batch, pb.nheads, pb.seqlen_q)
