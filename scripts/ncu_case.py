@@ -1,13 +1,13 @@
 """One forward or backward call of the plain training shape, for Nsight Compute's stall and pipe sections.
 
     ncu --kernel-name regex:attn_bwd_ws --launch-skip 2 --launch-count 1 --section WarpStateStats ... \
-        python scripts/ncu_case.py D N [causal] [fwd] [cudnn] [triton] [dv=DV]
+        python scripts/ncu_case.py D N [causal] [fwd] [cudnn] [fa4] [triton] [dv=DV]
 
 b x N = 16K tokens, h = 2048 / d, bf16 (the train suite's grid); dv=DV gives V another head dim (192 with
 dv=128: the DeepSeek prefill shape). Warm-up calls come first, so the launch that
 is profiled is compiled and cached (skip 2 launches of the kernel); `triton` runs the Triton kernels' routes
 instead of the default ones; `cudnn` profiles SDPA's cuDNN backend on the same tensors instead (its kernels'
-names contain "sdpa").
+names contain "sdpa"); `fa4` FlashAttention-4's flash_attn.cute (its sm90 backward: "BackwardSm90").
 """
 
 import sys
@@ -39,7 +39,17 @@ if "triton" in sys.argv[3:]:
     from flashattn.backends.triton import routes
 
     routes.forward_route, routes.backward_route = routes.triton_forward_route, routes.triton_backward_route
-attend = cudnn if "cudnn" in sys.argv[3:] else flash_attn_func
+
+
+def fa4(q, k, v, causal):
+    """The same call through FlashAttention-4 (its wheels on the path: scripts/device_run.sh)."""
+    from flash_attn.cute.interface import flash_attn_func as fa4_func
+
+    out = fa4_func(q, k, v, causal=causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
+attend = cudnn if "cudnn" in sys.argv[3:] else fa4 if "fa4" in sys.argv[3:] else flash_attn_func
 if forward_only:
     for _ in range(3):
         out = attend(q, k, v, causal=causal)
