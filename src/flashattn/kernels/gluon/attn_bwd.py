@@ -183,7 +183,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     LOCK, _, dq_full, dq_empty = det
     handoff = None
     if LOCK is not None:
-        handoff = (dq_full, dq_empty)
+        handoff = (dq_full.index(0), dq_empty.index(0))
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     left = problem[5]
@@ -420,11 +420,11 @@ def attn_bwd_ws_kernel(
     if CU_Q is not None:
         mbarrier.init(seq_ready.index(0), count=1)
     # DETERMINISTIC: the staged dQ halves of both warpgroups, and their release by the dQ writer
-    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     if LOCK is not None:
-        mbarrier.init(dq_full, count=2)
-        mbarrier.init(dq_empty, count=1)
+        mbarrier.init(dq_full.index(0), count=2)
+        mbarrier.init(dq_empty.index(0), count=1)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
@@ -450,7 +450,7 @@ def attn_bwd_ws_kernel(
                           SPLIT)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
             (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
-                          SPLIT)),
+                          SPLIT, 1, 0)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([

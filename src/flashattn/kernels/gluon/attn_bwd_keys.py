@@ -18,8 +18,9 @@ every query tile's dQ is reduce-added once per 64 keys. Here, as in attn_bwd.py,
 Q and K go through 256-wide tiles (TMA reads zeros past d), of which the products take the first 192
 columns; dO and V through 128. The options are attn_bwd.py's compile-time variants (scores.py's band,
 softcap, ALiBi; the sink's gradient; varlen; the GQA group split) and DETERMINISTIC: each step's three
-dQ units staged in tiles of their own for attn_bwd.py's dQ writer warp, which adds them in the fixed order
-across programs (bwd_dq.dq_writer). The loader is attn_bwd.py's. Which calls come here is the routes'
+dQ units staged in tiles of their own (two sets, steps in turn) for attn_bwd.py's dQ writer warp, which
+adds them in the fixed order across programs, kept per 64 rows: two of these 32-row steps a count wait and
+a count-in (bwd_dq.dq_writer). The loader is attn_bwd.py's. Which calls come here is the routes'
 choice (routes.GluonBackward.wide_keys).
 """
 
@@ -203,13 +204,17 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
         coord = (desc_b, q_start + m0, off_h)
         if DET:
-            # unit u staged in tile u for the dQ writer, once it has read the previous step's tiles
-            dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(U0), dq_desc,
-                                    coord, sm_scale, (dka, dkb, dv), (dq_empty, (c & 1) ^ 1), True)
+            # unit u staged in tile 3 · (c % 2) + u for the dQ writer (two sets: a step's units are staged
+            # while the writer adds the last step's), once it has read step c - 2's tiles
+            t0 = 3 * b
+            dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(t0 + U0), dq_desc,
+                                    coord, sm_scale, (dka, dkb, dv), (dq_empty.index(b), ((c // 2) & 1) ^ 1),
+                                    True)
             if NU == 2:
-                dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero, dq_smem.index(U0 + 1),
-                                        dq_desc, coord, sm_scale, (dka, dkb, dv), (dq_empty, 0), False)
-            mbarrier.arrive(dq_full, count=1)
+                dka, dkb, dv = _dq_unit((U0 + 1) * UNIT, k_halves, ds_smem, b, dq_zero,
+                                        dq_smem.index(t0 + U0 + 1), dq_desc, coord, sm_scale, (dka, dkb, dv),
+                                        (dq_empty.index(b), 0), False)
+            mbarrier.arrive(dq_full.index(b), count=1)
         else:
             # this warpgroup's staging tiles in turn, by the count of its units so far
             dka, dkb, dv = _dq_unit(U0 * UNIT, k_halves, ds_smem, b, dq_zero,
@@ -272,7 +277,7 @@ def attn_bwd_keys_kernel(
 ):
     # attn_bwd.py's arguments; Q's, K's and dK's descriptors 256 wide, dO's, V's and dV's DV (<= 128) wide,
     # dQ's 64. LOCK (DETERMINISTIC): as attn_bwd.py's; its dQ writer takes the three 64-column units from
-    # staging tiles 0..2
+    # staging tiles 0..2 and 3..5 in turn
     gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     gl.static_assert(q_desc.block_type.shape[3] == 256 and do_desc.block_type.shape[3] <= 128)
@@ -286,7 +291,9 @@ def attn_bwd_keys_kernel(
     # dS (queries, keys): two steps x two warpgroups' keys; dQ staging: DQ_TILES per warpgroup
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF_N], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_TILES] + dq_desc.block_type.shape, dq_desc.layout)
+    # DETERMINISTIC: two sets of a step's three units
+    DQ_SMEM: gl.constexpr = 2 * DQ_TILES if LOCK is None else 6
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SMEM] + dq_desc.block_type.shape, dq_desc.layout)
     stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
                                            stats_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -298,12 +305,14 @@ def attn_bwd_keys_kernel(
     seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if CU_Q is not None:
         mbarrier.init(seq_ready.index(0), count=1)
-    # DETERMINISTIC: a step's three staged units (both warpgroups'), and their release by the dQ writer
-    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # DETERMINISTIC: a step's three staged units (both warpgroups'), and their release by the dQ writer, per
+    # staging set
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if LOCK is not None:
-        mbarrier.init(dq_full, count=2)
-        mbarrier.init(dq_empty, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full.index(i), count=2)
+            mbarrier.init(dq_empty.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
@@ -326,7 +335,9 @@ def attn_bwd_keys_kernel(
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
             # the writer's HEAD_DIM: the 192 columns of its three units
-            (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, 3 * UNIT, GROUP, CAUSAL, False, SPLIT)),
+            # two staging sets; the order kept per 64 rows (two steps): one count wait and one count-in
+            (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, 3 * UNIT, GROUP, CAUSAL, False, SPLIT,
+                         2, 2 * BLOCK_M)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([

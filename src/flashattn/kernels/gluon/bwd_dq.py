@@ -77,15 +77,19 @@ def _count_in(counter, lanes):
 
 @gluon.jit
 def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-               SPLIT: gl.constexpr):
+              HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
+              SPLIT: gl.constexpr, SETS: gl.constexpr = 1, COUNT_M: gl.constexpr = 0):
     """DETERMINISTIC: reduce-add each step's staged dQ tiles (HEAD_DIM's columns in units of the dQ
     descriptor's width, tile w holding unit w: attn_bwd.py's two warpgroups' halves, attn_bwd_keys.py's
     three 64-column units) in the fixed order.
     Store k of this program is step k's query tile and head, in the consumers' step order (DEFER_DQ stores
-    a step late, in the same order). At query tile m the programs add in the order of their key tiles, the
-    last first under a right edge; its counter holds how many have added, so this program waits for the
-    number of key tiles that see m and come before its own."""
+    a step late, in the same order), staged in set k % SETS (its units in tiles (k % SETS) · units + w, its
+    barriers dq_full / dq_empty index k % SETS). The order is kept per counter tile of COUNT_M rows (BLOCK_M
+    where 0; a multiple of BLOCK_M, the same for every program of a launch): at counter tile t the programs
+    add in the order of their key tiles, the last first under a right edge; its counter holds how many have
+    added, so this program waits for the number of key tiles that see a row of t and come before its own,
+    adds its steps in t, and counts in once (a wait for its adds to land and a release add, each an L2 round
+    trip: COUNT_M = 2 · BLOCK_M halves them for 32-row steps)."""
     dq_desc = args[2]
     dq_smem = args[9]
     seq_smem = args[10]
@@ -104,6 +108,8 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
         problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, LOCK is not None and (CAUSAL or right is not None))
     HEADS: gl.constexpr = GROUP // SPLIT
+    TILE: gl.constexpr = BLOCK_M if COUNT_M == 0 else COUNT_M
+    gl.static_assert(TILE % BLOCK_M == 0)
     # the staged tiles: HEAD_DIM's columns in units of the dQ descriptor's width, one tile per unit
     W: gl.constexpr = dq_desc.block_type.shape[3]
     UNITS: gl.constexpr = HEAD_DIM // W
@@ -113,27 +119,36 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
     diag = seqlen_k - seqlen_q
     lanes = _lanes()
-    steps_per_head = gl.maximum(n_m, 1)
-    for c in range(HEADS * n_m):
-        g = c // steps_per_head
+    c = 0  # the stores so far
+    for g in range(HEADS):
         off_h = head0 + g
-        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
-        # the key tiles that see query tile m0 form one run [lo, hi] (key_tile); before this one: those
-        # above it under a right edge (the last row's right edge bounds hi), else those below it
-        if CAUSAL:
-            before = gl.minimum(n_last, (m0 + BLOCK_M - 1 + diag) // BLOCK_N) - n
-        elif right is not None:
-            before = gl.minimum(n_last, (m0 + BLOCK_M - 1 + diag + right) // BLOCK_N) - n
-        elif left is not None:
-            before = n - gl.maximum(m0 + diag - left, 0) // BLOCK_N
-        else:
-            before = n
-        counter = (LOCK + off_b.to(gl.int64) * stride_lock_b + off_h.to(gl.int64) * stride_lock_h
-                   + q_start + m0)
-        _wait_count(counter, before, lanes)  # while the consumers compute the step
-        mbarrier.wait(dq_full, c & 1)
-        for w in gl.static_range(UNITS):
-            reduce_add(dq_desc, [desc_b, q_start + m0, off_h, w * W], dq_smem.index(w))
-        tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
-        mbarrier.arrive(dq_empty, count=1)
-        _count_in(counter, lanes)
+        i = 0
+        while i < n_m:
+            m0 = m_first + i * BLOCK_M
+            t0 = (m0 // TILE) * TILE
+            k = gl.minimum(n_m - i, (t0 + TILE - m0) // BLOCK_M)  # this program's steps in counter tile t0
+            # the key tiles that see a row of counter tile t0 form one run [lo, hi] (key_tile); before this
+            # one: those above it under a right edge (the tile's last row's right edge bounds hi), else those
+            # below it (its first row's left edge bounds lo)
+            if CAUSAL:
+                before = gl.minimum(n_last, (t0 + TILE - 1 + diag) // BLOCK_N) - n
+            elif right is not None:
+                before = gl.minimum(n_last, (t0 + TILE - 1 + diag + right) // BLOCK_N) - n
+            elif left is not None:
+                before = n - gl.maximum(t0 + diag - left, 0) // BLOCK_N
+            else:
+                before = n
+            counter = (LOCK + off_b.to(gl.int64) * stride_lock_b + off_h.to(gl.int64) * stride_lock_h
+                       + q_start + t0)
+            _wait_count(counter, before, lanes)  # while the consumers compute the step
+            for j in range(k):
+                st = c + j
+                mbarrier.wait(dq_full.index(st % SETS), (st // SETS) & 1)
+                for w in gl.static_range(UNITS):
+                    reduce_add(dq_desc, [desc_b, q_start + m0 + j * BLOCK_M, off_h, w * W],
+                               dq_smem.index((st % SETS) * UNITS + w))
+                tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
+                mbarrier.arrive(dq_empty.index(st % SETS), count=1)
+            _count_in(counter, lanes)
+            c += k
+            i += k
