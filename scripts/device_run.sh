@@ -63,6 +63,7 @@
 #                 Nsight Compute on one training backward (scripts/ncu_case.py; PROFILE_CASE, default the wide
 #                 heads' "192 8192 causal dv=128") for ours and for cuDNN's (and FA4's) kernel on the same
 #                 tensors: sections with source counters and the pipes, ncu-train-{ours,cudnn,fa4}.txt
+#                 (PROFILE_WHO: a subset of "ours cudnn fa4")
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py), and the
 #                 autograd engine's share, device threads on and off (scripts/autograd_host.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
@@ -225,7 +226,7 @@ CASES
     profile-training)
       case_args=${PROFILE_CASE:-192 8192 causal dv=128}
       export PYTHONPATH=$PWD/src${FA4_PATH:-}  # ncu's child process (FA4 beside it where loaded)
-      for who in ours cudnn ${FA4:+fa4}; do
+      for who in ${PROFILE_WHO:-ours cudnn ${FA4:+fa4}}; do
         extra=; regex="attn_bwd_(ws|dsplit|keys)_kernel"
         [ $who = cudnn ] && extra=cudnn && regex=sdpa
         [ $who = fa4 ] && extra=fa4 && regex=BackwardSm90
