@@ -210,6 +210,13 @@ def ws_deterministic():
     q, k, v = _qkv((sum(lens), 4, 192), (sum(lens), 2, 192), (sum(lens), 2, 128))
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, deterministic=True)
     _grad_check(out, q, k, v)
+    # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)
+    for d, dv, opts in ((256, 256, dict(causal=True)), (224, 128, dict(window_size=(50, -1)))):
+        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))
+        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
+    q, k, v = _qkv((sum(lens), 4, 256), (sum(lens), 2, 256), (sum(lens), 2, 256))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, deterministic=True)
+    _grad_check(out, q, k, v)
 
 
 def ws_features():

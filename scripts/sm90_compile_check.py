@@ -334,6 +334,17 @@ def dense_cases():
         q, k, v = _t(1, 1100, 4, d, grad=True), _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
         yield f"dense gluon deterministic 128 keys d={d} dv={dv} {opts}", partial(
             _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, deterministic=True, **opts)
+    # and on the d-split wide-head backward (attn_bwd_dsplit.py's two rounds of dQ units): d 256 and 224
+    # beside dv 256 / 128, under a right edge and without one
+    dsplit_det = [(256, 256, dict(causal=True)), (224, 128, dict(window_size=(300, -1)))]
+    for d, dv, opts in dsplit_det[:1] if QUICK else dsplit_det:
+        q, k, v = _t(1, 1100, 4, d, grad=True), _t(1, 1100, 2, d, grad=True), _t(1, 1100, 2, dv, grad=True)
+        yield f"dense gluon deterministic d-split d={d} dv={dv} {opts}", partial(
+            _on_gluon, _fwd_bwd, flash_attn_func, q, k, v, deterministic=True, **opts)
+    q, k, v = _t(208, 4, 256, grad=True), _t(208, 2, 256, grad=True), _t(208, 2, 256, grad=True)
+    yield "varlen gluon deterministic d-split d=256 causal", partial(
+        _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,
+        deterministic=True)
     q, k, v = _t(208, 4, 192, grad=True), _t(208, 2, 192, grad=True), _t(208, 2, 128, grad=True)
     yield "varlen gluon deterministic 128 keys d=192 dv=128 causal", partial(
         _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,

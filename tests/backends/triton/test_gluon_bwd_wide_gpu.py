@@ -87,7 +87,51 @@ def test_wide_backward_fp16_long(dsplit_route, ws_calls, ws_bwd_calls):
     _check(ws_calls, ws_bwd_calls, 256, *qkv_dv(1, 4097, 4097, 4, 1, 256, 256, torch.float16), causal=True)
 
 
-def test_wide_backward_deterministic_keeps_triton(ws_bwd_calls):
+DSPLIT_DETERMINISTIC = {"causal": dict(causal=True), "full": {}, "window": dict(window_size=(100, 37)),
+                        "left": dict(window_size=(300, -1))}
+
+
+@pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (1537, 2049)], ids=str)
+@pytest.mark.parametrize("d, dv, width", [(256, 256, 256), (224, 128, 256), (192, 128, 192)], ids=str)
+@pytest.mark.parametrize("name", list(DSPLIT_DETERMINISTIC))
+def test_wide_backward_deterministic(dsplit_route, ws_calls, ws_bwd_calls, name, d, dv, width, sq, sk):
+    # the dQ writer adds each step's units in two rounds (d 192: the second warpgroup's second unit alone
+    # in round 1), in the fixed order across programs: the oracle's tolerance, and bitwise the same
+    # gradients call after call (GQA: the group's heads in one program)
+    torch.manual_seed(0)
+    options = DSPLIT_DETERMINISTIC[name]
+    q, k, v = qkv_dv(2, sq, sk, 8, 2, d, dv)
+    _check(ws_calls, ws_bwd_calls, width, q, k, v, attn=lambda q, k, v: flash_attn_func(
+        q, k, v, deterministic=True, return_attn_probs=True, **options)[:2], **options)
+    assert all(r.deterministic for r in ws_bwd_calls.routes)
+    dout = torch.randn(2, sq, 8, dv, device="cuda", dtype=q.dtype)
+    runs = [torch.autograd.grad(flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v), dout)
+            for _ in range(3)]
+    for name_, a, b, c in zip("qkv", *runs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), f"d{name_} differs between deterministic calls"
+
+
+def test_wide_backward_deterministic_varlen(ws_calls, ws_bwd_calls, monkeypatch):
+    from flashattn import flash_attn_varlen_func
+
+    monkeypatch.setattr(attention, "_backward_cache", {})  # the default route: d 256 takes this kernel
+    lens = [0, 77, 1, 700, 0, 129, 300]
+    check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 2, 256, gluon_backward=True, causal=True,
+                 deterministic=True)
+    assert all(r.d_qk == 256 and r.deterministic for r in ws_bwd_calls.routes)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, 2, 2))
+    dout = torch.randn(sum(lens), 4, 256, device="cuda", dtype=torch.bfloat16)
+    runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                       deterministic=True), (q, k, v), dout)
+            for _ in range(3)]
+    for a, b in zip(runs[0], runs[1] + runs[2], strict=False):
+        assert torch.equal(a, b)
+
+
+def test_wide_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):
     q, k, v = _qkv(1, 512, 512, 2, 2, 256)
-    flash_attn_func(q, k, v, causal=True, deterministic=True).sum().backward()
+    sink = torch.zeros(2, device="cuda", requires_grad=True)
+    flash_attn_func(q, k, v, causal=True, deterministic=True, learnable_sink=sink).sum().backward()
     assert not ws_bwd_calls

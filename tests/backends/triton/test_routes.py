@@ -147,8 +147,11 @@ def test_d256_takes_the_gluon_forward_and_the_wide_gluon_backward(kw):
     assert isinstance(bwd, routes.GluonBackward)
     assert (bwd.d_qk, bwd.do_stages, bwd.tiles.block_m, bwd.tiles.block_n, bwd.tiles.num_stages) == \
         (256, 1, 64, 64, 2)
-    # no deterministic variant: the Triton backward keeps those calls
-    assert isinstance(routes.backward_route(dataclasses.replace(spec, deterministic=True)),
+    # its deterministic variant (the dQ writer's two rounds), with a learnable sink the Triton backward
+    fixed = routes.backward_route(dataclasses.replace(spec, deterministic=True, sink=False))
+    assert isinstance(fixed, routes.GluonBackward) and fixed.deterministic and fixed.d_qk == 256
+    assert fixed.group_split == 1
+    assert isinstance(routes.backward_route(dataclasses.replace(spec, deterministic=True, sink=True)),
                       routes.TritonBackward)
     if not kw.get("varlen"):
         fp8 = routes.forward_route(dataclasses.replace(spec, dtype="float8_e4m3fn", out_dtype="bfloat16",
@@ -284,14 +287,15 @@ def test_deterministic_backward_takes_the_gluon_fixed_order_variant(kw):
                                 dict(varlen=True, window=(300, -1))], ids=str)
 def test_deterministic_wide_heads_take_the_128_key_fixed_order_variant(kw):
     # d_qk 129..192 beside dv up to 128: attn_bwd_keys.py's three dQ units, staged in tiles of their own for
-    # the dQ writer, no group split; d 193..256 (the d-split kernel) keeps the Triton backward
+    # the dQ writer, no group split; d 193..256 the d-split kernel's (its two rounds of dQ units)
     spec = _spec(deterministic=True, **{"headdim": 192, "headdim_v": 128, **kw})
     route = routes.backward_route(spec)
     assert isinstance(route, routes.GluonBackward) and route.wide_keys and route.deterministic
     assert route.group_split == 1
     assert not routes.backward_route(dataclasses.replace(spec, deterministic=False)).deterministic
-    wider = dataclasses.replace(spec, headdim=256, headdim_v=256)
-    assert isinstance(routes.backward_route(wider), routes.TritonBackward)
+    wider = routes.backward_route(dataclasses.replace(spec, headdim=256, headdim_v=256))
+    assert isinstance(wider, routes.GluonBackward) and wider.d_qk == 256 and not wider.wide_keys
+    assert wider.deterministic and wider.group_split == 1
     assert isinstance(routes.backward_route(dataclasses.replace(spec, sink=True)), routes.TritonBackward)
 
 

@@ -344,13 +344,12 @@ def backward_head_groups(dq_bytes: int, nheads: int, nheads_k: int, dropout: boo
 def takes_gluon_backward(spec: Spec) -> bool:
     # d padded to 64 or 128 beside dv <= d (attn_bwd.py: every tile as wide as d's; its deterministic
     # variant only at d = dv = 64 or 128, the head dims its GPU tests run), or the wide pairs
-    # (attn_bwd_keys.py at width 192, deterministic too; attn_bwd_dsplit.py at 256, not deterministic);
-    # other head dims keep the Triton backward, and so does a
+    # (attn_bwd_keys.py at width 192, attn_bwd_dsplit.py at 256, deterministic too); other head dims keep
+    # the Triton backward, and so does a
     # deterministic call with a learnable sink, whose gradient the Gluon programs add in no fixed order
     exact = spec.headdim in GLUON_BWD_HEADDIMS and spec.headdim_v == spec.headdim
     padded = block_d(spec.headdim) in GLUON_BWD_HEADDIMS and spec.headdim_v <= spec.headdim
-    shapes = ((padded and (exact or not spec.deterministic)) or _keys_backward(spec)
-              or (_wide_backward(spec) and not spec.deterministic))
+    shapes = (padded and (exact or not spec.deterministic)) or _keys_backward(spec) or _wide_backward(spec)
     return (takes_gluon_forward(spec) and shapes and not (spec.deterministic and spec.sink)
             and dq_buffer_bytes(spec) <= DQ_BUFFER_CAP)
 
@@ -480,13 +479,15 @@ def _wide_call(spec: Spec, shapes: bool, deterministic: bool = False) -> bool:
 
 def dsplit_backward_route(spec: Spec) -> GluonBackward:
     """attn_bwd_dsplit.py's route (a program per 64 keys, the gradients split by columns) for a spec at Q/K
-    width 192 or 256 beside dv padded to 128 or 256 (GLUON_BWD_WIDE; not deterministic): the default at
-    width 256, an explicit route at 192."""
-    if not _wide_call(spec, _wide_backward(spec)):
+    width 192 or 256 beside dv padded to 128 or 256 (GLUON_BWD_WIDE): the default at width 256, an explicit
+    route at 192. Deterministic (no sink): its dQ writer's variant, each step's dQ units staged in two
+    rounds."""
+    if not _wide_call(spec, _wide_backward(spec), deterministic=True):
         raise FlashAttnError(f"the wide-head Gluon backward takes 16-bit, TMA-ready calls at d 129..256 "
-                             f"beside dv padded to 128 or 256 (192-wide Q/K beside 128 only), no dropout and "
-                             f"no deterministic order, not d {spec.headdim}, dv {spec.headdim_v}, "
-                             f"{spec.dtype}, dropout={spec.dropout}, deterministic={spec.deterministic}")
+                             f"beside dv padded to 128 or 256 (192-wide Q/K beside 128 only), no dropout, "
+                             f"and no learnable sink with a deterministic order, not d {spec.headdim}, "
+                             f"dv {spec.headdim_v}, {spec.dtype}, dropout={spec.dropout}, "
+                             f"deterministic={spec.deterministic}, sink={spec.sink}")
     tiles = tile_config("bwd_ws", 256, spec.cuda)
     # two dO stages where they fit beside two Q stages (dv = 128), else one (dv = 256, as FA3)
     do_stages = 2 if _dsplit_smem(spec, tiles, 2) <= SMEM_BYTES else 1
@@ -496,7 +497,8 @@ def dsplit_backward_route(spec: Spec) -> GluonBackward:
             f"is not a config of the wide-head Gluon backward, which takes 64 query rows, 64 keys and "
             f"the Q stages that fit {SMEM_BYTES // 1024} KiB of shared memory")
     return GluonBackward(tiles, _kv_group(spec), maxnreg=tiles.maxnreg or MAXNREG_TWO,
-                         group_split=group_split(spec), d_qk=gluon_head_dim(spec), do_stages=do_stages)
+                         group_split=group_split(spec), d_qk=gluon_head_dim(spec), do_stages=do_stages,
+                         deterministic=spec.deterministic)
 
 
 def wide_keys_backward_route(spec: Spec) -> GluonBackward:

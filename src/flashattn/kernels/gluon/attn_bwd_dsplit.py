@@ -22,8 +22,10 @@ of two steps (a warpgroup may write step c + 1's while the other still reads ste
 The options are the compile-time variants of attn_bwd.py, with the same code for the scores (scores.py):
 windows alone or with causal at any seqlen_q and seqlen_k (`key_tile` visits only the query tiles that
 see the key tile), softcap, ALiBi, learnable sinks, the packed (varlen) layout, GQA (SPLIT programs per
-key tile adding dK and dV into float32 buffers). Not DETERMINISTIC: its calls keep the Triton backward
-(routes.takes_gluon_backward). Q and K are read through tiles HEAD_DIM (256) wide, the columns past the
+key tile adding dK and dV into float32 buffers), and DETERMINISTIC (attn_bwd.py's fixed order, LOCK): the
+warpgroups stage each step's dQ units in two rounds through their staging tiles for a dQ-writer warp
+(`_dq_writer`), which adds them once the programs before it in the order have added theirs into that query
+tile. Q and K are read through tiles HEAD_DIM (256) wide, the columns past the
 head dim read as zeros, and only D_QK of them (192 or 256: the head dim rounded up to 64-column units)
 enter a product.
 """
@@ -40,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashattn.kernels.gluon.attn_bwd import dtanh, sink_step
-from flashattn.kernels.gluon.bwd_dq import reduce_add
+from flashattn.kernels.gluon.bwd_dq import count_in, count_slot, reduce_add, wait_count, warp_lanes
 from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_sequence, key_tile, program_sequence
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import transposed_probs
@@ -64,8 +66,10 @@ def _loader(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.con
     if varlen:
         t, b = key_sequence(problem, SPLIT)
         publish_tile(seq_smem, seq_ready, 0, t, b)
-    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = key_tile(problem, b, BLOCK_M,
-                                                                                   BLOCK_N, CAUSAL, SPLIT)
+    # DETERMINISTIC's launch order: each head's key tiles last first under a right edge (causal included)
+    reverse: gl.constexpr = args[16][0] is not None and (CAUSAL or problem[6] is not None)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = key_tile(
+        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
     HEADS: gl.constexpr = GROUP // SPLIT
     head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b  # varlen: the packed tensors' descriptors have one batch
@@ -111,12 +115,22 @@ def _scores(k, q_rows, D_QK: gl.constexpr, zero):
 
 
 @gluon.jit
-def _stage_dq(dq, dq_buf, dq_desc, coord, sm_scale):
-    """One 64-column unit of dQ through this warpgroup's staging tile, reduce-added at coord."""
-    tma.store_wait(0)  # the previous reduce-add has read the staging tile
+def _stage_dq(dq, dq_buf, dq_desc, coord, sm_scale, handoff, u, ROUND: gl.constexpr):
+    """One 64-column unit of dQ through this warpgroup's staging tile, reduce-added at coord.
+    DETERMINISTIC (handoff: (the rounds' dq_full, this tile's dq_empty)): staged for the dQ writer
+    instead, in the step's round ROUND (each warpgroup's first unit in round 0, its second in round 1), as
+    the tile's use u, once the writer has read use u - 1."""
+    if handoff is not None:
+        # a fresh mbarrier counts as having completed the phase before 0, so the first use does not wait
+        mbarrier.wait(handoff[1], (u & 1) ^ 1)
+    else:
+        tma.store_wait(0)  # the previous reduce-add has read the staging tile
     dq_buf.reshape([dq.shape[0], UNIT]).store(dq * sm_scale)
     fence_async_shared()
-    reduce_add(dq_desc, coord, dq_buf)
+    if handoff is not None:
+        mbarrier.arrive(handoff[0].index(ROUND), count=1)
+    else:
+        reduce_add(dq_desc, coord, dq_buf)
 
 
 @gluon.jit
@@ -223,19 +237,22 @@ def _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES: gl.cons
 
 
 @gluon.jit
-def _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty, sm_scale,
+def _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do_empty, sm_scale, handoff,
                   STAGES: gl.constexpr, DO_STAGES: gl.constexpr, Q0: gl.constexpr, QW: gl.constexpr,
                   q_zero):
-    """Step c's dQ units reduce-added (a second unit, QW = 128, issued once the first is staged: both in
-    flight beside dK and dV spilled, 64 registers more), dK and dV waited for, and the step's Q and dO
-    stages released. coord: the dQ tile's coordinates but its first column."""
+    """Step c's dQ units reduce-added, or staged for the dQ writer (handoff; `_stage_dq`) (a second unit,
+    QW = 128, issued once the first is staged: both in flight beside dK and dV spilled, 64 registers more),
+    dK and dV waited for, and the step's Q and dO stages released. coord: the dQ tile's coordinates but its
+    first column."""
     dq = warpgroup_mma_wait(2, deps=(dq,))
-    _stage_dq(dq, dq_buf, dq_desc, [coord[0], coord[1], coord[2], Q0], sm_scale)
+    _stage_dq(dq, dq_buf, dq_desc, [coord[0], coord[1], coord[2], Q0], sm_scale, handoff, c * (QW // UNIT),
+              0)
     if QW == 128:
         dq = warpgroup_mma(ds_smem.index(c % 2), k.slice(Q0 + UNIT, UNIT, dim=1), q_zero, use_acc=False,
                            is_async=True)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-        _stage_dq(dq, dq_buf, dq_desc, [coord[0], coord[1], coord[2], Q0 + UNIT], sm_scale)
+        _stage_dq(dq, dq_buf, dq_desc, [coord[0], coord[1], coord[2], Q0 + UNIT], sm_scale, handoff,
+                  2 * c + 1, 1)
     else:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     # this step's Q and dO have no reader left in this warpgroup
@@ -249,7 +266,10 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
               D_QK: gl.constexpr, WG: gl.constexpr):
     (_, smems, bars, problem, dk_desc, dv_desc, dq_desc, p_smem, ds_smem, dq_smem, pds_ready, done, scales,
-     kv_rows, kv_acc, sink, widths) = args
+     kv_rows, kv_acc, sink, det, widths) = args
+    handoff = None
+    if det[0] is not None:
+        handoff = (det[2], det[3].index(WG))
     q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
     kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready = bars
     sm_scale = scales[1]
@@ -257,8 +277,9 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
+    reverse: gl.constexpr = det[0] is not None and (CAUSAL or right is not None)  # the loader's order
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
-        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT)
+        problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
     HEADS: gl.constexpr = GROUP // SPLIT
     head0 = off_hk * GROUP + part * HEADS
     desc_b = 0 if varlen else off_b
@@ -323,7 +344,7 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
         dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
                                   K0, KW, V0, VW, Q0, q_zero)
         dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
-                               q_empty, do_empty, sm_scale, STAGES, DO_STAGES, Q0, QW, q_zero)
+                               q_empty, do_empty, sm_scale, handoff, STAGES, DO_STAGES, Q0, QW, q_zero)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     # K and V are no longer read once both warpgroups are done: their tiles stage dK and dV
@@ -380,6 +401,64 @@ def _consumer1(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
+def _dq_writer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+               D_QK: gl.constexpr):
+    """DETERMINISTIC: each step's dQ units, staged by the warpgroups in two rounds through their one tile
+    each (`_stage_dq`), reduce-added in the fixed order across programs (bwd_dq.dq_writer's, per 64-row
+    step): wait for the programs before this one at the step's query tile, add round 0's units (both
+    warpgroups' first), then round 1's (the second of each warpgroup that has one: both at D_QK 256,
+    warpgroup 1's only at 192), release the tiles read after each round, count in."""
+    dq_desc = args[6]
+    dq_smem = args[9]
+    seq_smem = args[1][5]
+    seq_ready = args[2][5]
+    problem = args[3]
+    det = args[16]
+    dq_full = det[2]
+    dq_empty = det[3]
+    left = problem[5]
+    right = problem[6]
+    varlen: gl.constexpr = problem[7] is not None
+    b = 0
+    if varlen:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        mbarrier.wait(seq_ready.index(0), 0)
+        b = gl.max(seq_smem.index(2).load(one), 0)
+    reverse: gl.constexpr = CAUSAL or right is not None  # the loader's order
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
+        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
+    HEADS: gl.constexpr = GROUP // SPLIT
+    head0 = off_hk * GROUP + part * HEADS
+    desc_b = 0 if varlen else off_b
+    n = start_n // BLOCK_N
+    n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
+    diag = seqlen_k - seqlen_q
+    lanes = warp_lanes()
+    # tile w is the warpgroup w's (_consumer0 runs warpgroup 1); its first dQ column, as `_consumer`'s Q0
+    col0 = 0
+    col1 = 128 if D_QK == 256 else 64
+    steps_per_head = gl.maximum(n_m, 1)
+    for c in range(HEADS * n_m):
+        g = c // steps_per_head
+        off_h = head0 + g
+        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        counter, before = count_slot(det, off_b, off_h, q_start, m0, BLOCK_M, n, n_last, diag, left, right,
+                                     BLOCK_N, CAUSAL)
+        wait_count(counter, before, lanes)  # while the consumers compute the step
+        for r in gl.static_range(2):
+            mbarrier.wait(dq_full.index(r), c & 1)
+            if r == 0 or D_QK == 256:
+                reduce_add(dq_desc, [desc_b, q_start + m0, off_h, col0 + r * UNIT], dq_smem.index(0))
+            reduce_add(dq_desc, [desc_b, q_start + m0, off_h, col1 + r * UNIT], dq_smem.index(1))
+            tma.store_wait(0)  # the staging tiles read: the warpgroups may write the next units
+            if r == 0 or D_QK == 256:
+                mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+        count_in(counter, lanes)
+
+
+@gluon.jit
 def attn_bwd_dsplit_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, d_qk, d_v, ALIBI, stride_alibi_b,
@@ -390,8 +469,9 @@ def attn_bwd_dsplit_kernel(
 ):
     # the arguments of attn_bwd.py's kernel, and d_qk / d_v: the head dims (the columns dK and dV have; Q's
     # and K's descriptors are 256 wide, V's and dO's DV); D_QK: d_qk rounded up to 192 or 256; stride_vm,
-    # stride_vh: DV's row and head strides (varlen; dv may differ from d). LOCK: None
-    gl.static_assert(LOCK is None)
+    # stride_vh: DV's row and head strides (varlen; dv may differ from d). LOCK (DETERMINISTIC): as
+    # attn_bwd.py's; its dQ writer takes each step's units in two rounds from the warpgroups' staging tiles
+    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
     gl.static_assert(BLOCK_M == 2 * ROWS)
     gl.static_assert((D_QK == 192 or D_QK == 256) and D_QK <= q_desc.block_type.shape[3])
     gl.static_assert(GROUP % SPLIT == 0)
@@ -428,6 +508,15 @@ def attn_bwd_dsplit_kernel(
         mbarrier.init(do_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(pds_ready.index(i), count=2)
+    # DETERMINISTIC: a round's staged units (count: the warpgroups with a unit in it), and each staging
+    # tile's release (one per use: a warpgroup waits only for its own tile's previous use)
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if LOCK is not None:
+        mbarrier.init(dq_full.index(0), count=2)
+        mbarrier.init(dq_full.index(1), count=2 if D_QK == 256 else 1)
+        for i in gl.static_range(2):
+            mbarrier.init(dq_empty.index(i), count=1)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     smems = (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem)
     bars = (kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready)
@@ -435,10 +524,18 @@ def attn_bwd_dsplit_kernel(
             p_smem, ds_smem, dq_smem, pds_ready, done, (qk_scale, sm_scale, cap_in, cap_out, ALIBI,
                                                          stride_alibi_b),
             (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
-            (d_qk, d_v))
-    # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's
-    gl.warp_specialize([
-        (_consumer0, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
-        (_consumer1, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
-        (_loader, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)),
-    ], [4, 1], [240, 24])
+            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v))
+    # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's (and the dQ writer's)
+    if LOCK is not None:
+        gl.warp_specialize([
+            (_consumer0, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+            (_consumer1, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+            (_loader, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)),
+            (_dq_writer, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+        ], [4, 1, 1], [240, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+            (_consumer1, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, D_QK)),
+            (_loader, (args, STAGES, DO_STAGES, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)),
+        ], [4, 1], [240, 24])

@@ -45,13 +45,13 @@ def store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexpr
 
 
 @gluon.jit
-def _lanes():
+def warp_lanes():
     """0..31 across the dQ writer's one warp."""
     return gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
 
 
 @gluon.jit
-def _wait_count(counter, target, lanes):
+def wait_count(counter, target, lanes):
     """Spin until the int32 counter in global memory reaches target (acquire: what was written before its
     increments is visible after), then order what follows, TMA operations included, after it."""
     ptrs = counter + lanes * 0
@@ -65,7 +65,7 @@ def _wait_count(counter, target, lanes):
 
 
 @gluon.jit
-def _count_in(counter, lanes):
+def count_in(counter, lanes):
     """Wait until this warp's TMA operations have completed, their writes included (tma.store_wait waits
     for their reads only), then add 1 to the counter with release semantics, from lane 0."""
     gl.inline_asm_elementwise(
@@ -73,6 +73,28 @@ def _count_in(counter, lanes):
         "setp.eq.u32 p, $1, 0;\n\t@p fence.proxy.async;\n\t@p red.release.gpu.global.add.s32 [$2], 1;\n\t"
         "mov.u32 $0, 0;\n\t}",
         "=r,r,l", [lanes, counter + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def count_slot(det, off_b, off_h, q_start, t0, TILE: gl.constexpr, n, n_last, diag, left, right,
+               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The counter of head off_h's counter tile of TILE rows from row t0 (det: the kernel's (LOCK, its batch
+    and head strides, ...)), and how many programs add into that tile before this one, key tile n. The key
+    tiles that see a row of the tile form one run [lo, hi] (key_tile); before this one: those above it under
+    a right edge (the tile's last row's right edge bounds hi), else those below it (its first row's left
+    edge bounds lo)."""
+    LOCK = det[0]
+    stride_lock_b, stride_lock_h = det[1]
+    if CAUSAL:
+        before = gl.minimum(n_last, (t0 + TILE - 1 + diag) // BLOCK_N) - n
+    elif right is not None:
+        before = gl.minimum(n_last, (t0 + TILE - 1 + diag + right) // BLOCK_N) - n
+    elif left is not None:
+        before = n - gl.maximum(t0 + diag - left, 0) // BLOCK_N
+    else:
+        before = n
+    counter = LOCK + off_b.to(gl.int64) * stride_lock_b + off_h.to(gl.int64) * stride_lock_h + q_start + t0
+    return counter, before
 
 
 @gluon.jit
@@ -95,8 +117,7 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     seq_smem = args[10]
     seq_ready = args[11][5]
     problem = args[13]
-    LOCK, lock_strides, dq_full, dq_empty = args[17]
-    stride_lock_b, stride_lock_h = lock_strides
+    LOCK, _, dq_full, dq_empty = args[17]
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
@@ -118,7 +139,7 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     n = start_n // BLOCK_N
     n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
     diag = seqlen_k - seqlen_q
-    lanes = _lanes()
+    lanes = warp_lanes()
     c = 0  # the stores so far
     for g in range(HEADS):
         off_h = head0 + g
@@ -127,20 +148,9 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
             m0 = m_first + i * BLOCK_M
             t0 = (m0 // TILE) * TILE
             k = gl.minimum(n_m - i, (t0 + TILE - m0) // BLOCK_M)  # this program's steps in counter tile t0
-            # the key tiles that see a row of counter tile t0 form one run [lo, hi] (key_tile); before this
-            # one: those above it under a right edge (the tile's last row's right edge bounds hi), else those
-            # below it (its first row's left edge bounds lo)
-            if CAUSAL:
-                before = gl.minimum(n_last, (t0 + TILE - 1 + diag) // BLOCK_N) - n
-            elif right is not None:
-                before = gl.minimum(n_last, (t0 + TILE - 1 + diag + right) // BLOCK_N) - n
-            elif left is not None:
-                before = n - gl.maximum(t0 + diag - left, 0) // BLOCK_N
-            else:
-                before = n
-            counter = (LOCK + off_b.to(gl.int64) * stride_lock_b + off_h.to(gl.int64) * stride_lock_h
-                       + q_start + t0)
-            _wait_count(counter, before, lanes)  # while the consumers compute the step
+            counter, before = count_slot(args[17], off_b, off_h, q_start, t0, TILE, n, n_last, diag, left,
+                                         right, BLOCK_N, CAUSAL)
+            wait_count(counter, before, lanes)  # while the consumers compute the step
             for j in range(k):
                 st = c + j
                 mbarrier.wait(dq_full.index(st % SETS), (st // SETS) & 1)
@@ -149,6 +159,6 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
                                dq_smem.index((st % SETS) * UNITS + w))
                 tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
                 mbarrier.arrive(dq_empty.index(st % SETS), count=1)
-            _count_in(counter, lanes)
+            count_in(counter, lanes)
             c += k
             i += k
