@@ -20,8 +20,9 @@ Routes of the dense and varlen attention:
             fixed-order variant, at d = dv = 64 or 128 and not with a learnable sink), at d 129..192 beside
             dv 33..128 on 128 keys a program (kernels/gluon/attn_bwd_keys.py, `GluonBackward.wide_keys`),
             and at d 193..256 beside dv padded to 128 or 256 on the wide heads' kernel
-            (kernels/gluon/attn_bwd_dsplit.py, `GluonBackward.d_qk`); neither deterministic. Else
-            `TritonBackward` (two programs: dK/dV and dQ).
+            (kernels/gluon/attn_bwd_dsplit.py, `GluonBackward.d_qk`); both deterministic too (their
+            fixed-order variants; not with a learnable sink). Else `TritonBackward` (two programs: dK/dV and
+            dQ).
 Block-sparse calls (BlockMask): `DenseBandRoute` when the mask is exactly a band (its rule, see SparseSpec),
 which then takes the routes above with the band as the window; else `SparseRoute`
 (kernels/triton/attn_sparse.py). Decode (flash_attn_with_kvcache, DecodePlan): decode_routes.py.
