@@ -31,9 +31,10 @@ def takes_gluon_backward(d: int, dv: int | None = None, deterministic: bool = Fa
     """Whether a 16-bit call at head dims (d, dv) runs a Gluon backward (written out, not asked of routes):
     attn_bwd.py at d 33..128 (tiles 64 or 128 wide) beside dv <= d, attn_bwd_keys.py at d 129..192 beside
     dv 33..128, attn_bwd_dsplit.py at Q/K width 256 (d 129..256) beside dv padded to 128 or 256; a
-    deterministic call only at d = dv = 64 or 128 (attn_bwd.py's fixed-order variant)."""
+    deterministic call at d 33..128 only at d = dv = 64 or 128 (attn_bwd.py's fixed-order variant), above
+    128 wherever the wide kernels take it (both have one)."""
     dv = dv or d
-    if deterministic:
+    if deterministic and d <= 128:
         return d in (64, 128) and dv == d
     if d <= 128:
         return 32 < d and dv <= d
