@@ -30,6 +30,7 @@ fp8 runs the FP8 forward (odd head dims, both V layouts, every option, varlen wi
 FP8 KV cache (contiguous and paged, appending across a page boundary, split).
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -210,6 +211,21 @@ def ws_deterministic():
     q, k, v = _qkv((sum(lens), 4, 192), (sum(lens), 2, 192), (sum(lens), 2, 128))
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, deterministic=True)
     _grad_check(out, q, k, v)
+    # the fixed-order variants with the GQA group split (the bench's flashattn-deterministic-split route):
+    # each part's dK and dV into kv heads of its own
+    split_default = routes.backward_route
+
+    def split_order(spec):
+        fixed = split_default(dataclasses.replace(spec, deterministic=True))
+        return dataclasses.replace(fixed, group_split=2)
+
+    routes.backward_route = split_order
+    attention._backward_cache.clear()
+    for d, dv in ((128, 128), (192, 128), (256, 256)):
+        q, k, v = _qkv((1, 300, 4, d), (1, 200, 1, d), (1, 200, 1, dv))
+        _grad_check(flash_attn_func(q, k, v, deterministic=True, causal=True), q, k, v)
+    routes.backward_route = split_default
+    attention._backward_cache.clear()
     # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)
     for d, dv, opts in ((256, 256, dict(causal=True)), (224, 128, dict(window_size=(50, -1)))):
         q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))

@@ -7,6 +7,8 @@ through route variants; gradients by the tolerance rule of tests/utils.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gluon_helpers import VARLEN_K, VARLEN_Q, check_varlen
@@ -139,6 +141,37 @@ def test_backward_deterministic_padded_head_dims(ws_bwd_calls, monkeypatch, name
     again = _grads(q, k, v, dout, deterministic=True, **options)
     for name_, a, b in zip("qkv", first, again, strict=True):
         assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+
+
+@pytest.mark.parametrize("d, dv, h, hk, split", [(128, 128, 8, 1, 4), (64, 64, 8, 2, 2), (192, 128, 8, 1, 4),
+                                                  (256, 256, 8, 2, 2)], ids=str)
+@pytest.mark.parametrize("name", ["causal", "full", "window"])
+def test_backward_deterministic_group_split(ws_bwd_calls, monkeypatch, name, d, dv, h, hk, split):
+    # the fixed-order variants of the three kernels with the GQA group split, on the explicit route the
+    # bench's flashattn-deterministic-split takes: each part adds dK and dV into kv heads of its own, summed
+    # after in a fixed order; against the oracle, and bitwise the same call after call
+    from gluon_helpers import qkv_dv
+
+    from flashattn.backends.triton import attention
+
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    real = routes.backward_route
+    monkeypatch.setattr(routes, "backward_route", lambda spec: dataclasses.replace(
+        real(dataclasses.replace(spec, deterministic=True)), group_split=split))
+    torch.manual_seed(0)
+    options = DETERMINISTIC[name]
+    q, k, v = qkv_dv(2, 1023, 700, h, hk, d, dv)
+    causal = options.get("causal", False)
+    window = options.get("window_size", (-1, -1))
+    check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
+        q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
+    assert ws_bwd_calls and all(r.deterministic and r.group_split == split for r in ws_bwd_calls.routes)
+    dout = torch.randn(2, 1023, h, dv, device="cuda", dtype=q.dtype)
+    first = _grads(q, k, v, dout, deterministic=True, **options)
+    for _ in range(2):
+        again = _grads(q, k, v, dout, deterministic=True, **options)
+        for name_, a, b in zip("qkv", first, again, strict=True):
+            assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

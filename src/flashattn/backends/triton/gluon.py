@@ -300,8 +300,12 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
         if pb.flags["GROUP"] % route.group_split:
             raise FlashAttnError(f"group_split is {route.group_split}; it must divide the GQA group "
                                  f"({pb.flags['GROUP']} query heads per kv head)")
-        # the parts' dK and dV, summed in float32, then cast into dk and dv
-        split = tuple(torch.zeros(t.shape, dtype=torch.float32, device=k.device) for t in (k, v))
+        # the parts' dK and dV, summed in float32, then cast into dk and dv; deterministic: each part adds
+        # into kv heads of its own (kv head h, part p: h · group_split + p), one contributor an element,
+        # and the parts are summed here in a fixed order
+        parts = route.group_split if route.deterministic else 1
+        split = tuple(torch.zeros((*t.shape[:-2], t.shape[-2] * parts, t.shape[-1]), dtype=torch.float32,
+                                  device=k.device) for t in (k, v))
     # the sink's gradient, added into by the programs
     dsink = None if learnable_sink is None else torch.zeros(pb.nheads, dtype=torch.float32, device=q.device)
     # deterministic: a counter per query head and row (of which each query tile's first row's is used):
@@ -317,6 +321,9 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
     prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split, learnable_sink,
                                   dsink, *lock))
     if route.group_split > 1:
+        if route.deterministic:
+            split = tuple(acc.view(*t.shape[:-1], route.group_split, t.shape[-1]).sum(-2)
+                          for acc, t in zip(split, (k, v), strict=True))
         dk.copy_(split[0])
         dv.copy_(split[1])
     return dq_acc.to(q.dtype), dk, dv, dsink, prepared

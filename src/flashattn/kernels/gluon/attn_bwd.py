@@ -55,6 +55,7 @@ from flashattn.kernels.gluon.bwd_tiles import (
     add_key_tile,
     key_sequence,
     key_tile,
+    part_heads,
     program_sequence,
     store_key_tiles,
 )
@@ -341,7 +342,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             key_row0 = off_b.to(gl.int64) * seqlen_k
             if varlen:
                 key_row0 = k_start.to(gl.int64)
-            first = (key_row0, key0, seqlen_k, off_hk, problem[0])
+            head_k, heads_k = part_heads(off_hk, part, problem[0], SPLIT, LOCK)
+            first = (key_row0, key0, seqlen_k, head_k, heads_k)
             add_key_tile(DK_ACC, dk * sm_scale, first, d_qk, 0, o_layout)
             add_key_tile(DV_ACC, dv, first, d_v, 0, o_layout)
     else:
@@ -391,7 +393,7 @@ def attn_bwd_ws_kernel(
     # b · stride_lock_b + h · stride_lock_h + m0 (varlen: b's packed first row + m0, stride_lock_b 0)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     # the split's dK/dV atomics and the sink's add in no fixed order: not with DETERMINISTIC
-    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
+    gl.static_assert(LOCK is None or SINK is None)
     gl.static_assert(GROUP % SPLIT == 0)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2

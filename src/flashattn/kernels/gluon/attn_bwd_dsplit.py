@@ -43,7 +43,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashattn.kernels.gluon.attn_bwd import dtanh, sink_step
 from flashattn.kernels.gluon.bwd_dq import count_in, count_slot, reduce_add, wait_count, warp_lanes
-from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_sequence, key_tile, program_sequence
+from flashattn.kernels.gluon.bwd_tiles import (
+    add_key_tile,
+    key_sequence,
+    key_tile,
+    part_heads,
+    program_sequence,
+)
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import transposed_probs
 
@@ -353,11 +359,11 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
     if SPLIT > 1:
         if start_n < seqlen_k:  # past the varlen list: nothing
             DK_ACC, DV_ACC = kv_acc
-            nheads_k = problem[0]
             key_row0 = off_b.to(gl.int64) * seqlen_k
             if varlen:
                 key_row0 = k_start.to(gl.int64)
-            first = (key_row0, key0, seqlen_k, off_hk, nheads_k)
+            head_k, heads_k = part_heads(off_hk, part, problem[0], SPLIT, det[0])
+            first = (key_row0, key0, seqlen_k, head_k, heads_k)
             add_key_tile(DK_ACC, dk * sm_scale, first, d_qk, K0, k_layout)
             add_key_tile(DV_ACC, dv, first, d_v, V0, v_layout)
     else:
@@ -471,7 +477,7 @@ def attn_bwd_dsplit_kernel(
     # and K's descriptors are 256 wide, V's and dO's DV); D_QK: d_qk rounded up to 192 or 256; stride_vm,
     # stride_vh: DV's row and head strides (varlen; dv may differ from d). LOCK (DETERMINISTIC): as
     # attn_bwd.py's; its dQ writer takes each step's units in two rounds from the warpgroups' staging tiles
-    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
+    gl.static_assert(LOCK is None or SINK is None)
     gl.static_assert(BLOCK_M == 2 * ROWS)
     gl.static_assert((D_QK == 192 or D_QK == 256) and D_QK <= q_desc.block_type.shape[3])
     gl.static_assert(GROUP % SPLIT == 0)

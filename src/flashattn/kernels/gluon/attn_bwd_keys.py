@@ -37,7 +37,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashattn.kernels.gluon.attn_bwd import HALF_N, _loader, dtanh, sink_step
 from flashattn.kernels.gluon.bwd_dq import dq_writer, reduce_add
-from flashattn.kernels.gluon.bwd_tiles import add_key_tile, key_tile, program_sequence, store_key_tiles
+from flashattn.kernels.gluon.bwd_tiles import (
+    add_key_tile,
+    key_tile,
+    part_heads,
+    program_sequence,
+    store_key_tiles,
+)
 from flashattn.kernels.gluon.scores import transposed_probs
 
 UNIT = gl.constexpr(64)  # dQ's columns per transposed product and reduce-add
@@ -241,7 +247,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             key_row0 = off_b.to(gl.int64) * seqlen_k
             if varlen:
                 key_row0 = k_start.to(gl.int64)
-            first = (key_row0, key0, seqlen_k, off_hk, problem[0])
+            head_k, heads_k = part_heads(off_hk, part, problem[0], SPLIT, det[0])
+            first = (key_row0, key0, seqlen_k, head_k, heads_k)
             add_key_tile(DK_ACC, dka * sm_scale, first, d_qk, 0, ka_layout)
             add_key_tile(DK_ACC, dkb * sm_scale, first, d_qk, 128, kb_layout)
             add_key_tile(DV_ACC, dv, first, d_v, 0, v_layout)
@@ -278,7 +285,7 @@ def attn_bwd_keys_kernel(
     # attn_bwd.py's arguments; Q's, K's and dK's descriptors 256 wide, dO's, V's and dV's DV (<= 128) wide,
     # dQ's 64. LOCK (DETERMINISTIC): as attn_bwd.py's; its dQ writer takes the three 64-column units from
     # staging tiles 0..2 and 3..5 in turn
-    gl.static_assert(LOCK is None or (SPLIT == 1 and SINK is None))
+    gl.static_assert(LOCK is None or SINK is None)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
     gl.static_assert(q_desc.block_type.shape[3] == 256 and do_desc.block_type.shape[3] <= 128)
     gl.static_assert(GROUP % SPLIT == 0)

@@ -97,6 +97,17 @@ def key_tile(problem, off_b, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 
 
 @gluon.jit
+def part_heads(off_hk, part, nheads_k, SPLIT: gl.constexpr, LOCK):
+    """(the head, the heads) of the float32 dK / dV buffers a part of the GQA group split adds into: kv head
+    off_hk of nheads_k, which every part adds into (atomics, in no fixed order); under DETERMINISTIC
+    (LOCK given) head off_hk · SPLIT + part of nheads_k · SPLIT, one part an element, so that each element
+    has one contributor and the parts are summed afterwards in a fixed order."""
+    if LOCK is not None:
+        return off_hk * SPLIT + part, nheads_k * SPLIT
+    return off_hk, nheads_k
+
+
+@gluon.jit
 def add_key_tile(ACC, x, tile, d, col0: gl.constexpr, layout: gl.constexpr):
     """Add a warpgroup's columns [col0, col0 + x's width) of its keys' dK or dV (x: [keys, columns] in
     `layout`) into a float32 buffer shaped like k or v (contiguous (b, sk, h_k, d), or (total_k, h_k, d)
