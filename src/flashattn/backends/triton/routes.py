@@ -211,7 +211,8 @@ class GluonBackward:
     # float32 buffers (a divisor of the GQA group; 1: one program walks the whole group, no atomics)
     group_split: int = 1
     # the dQ adds into each query tile in a fixed order (a dQ-writer warp and counters): bitwise-reproducible
-    # gradients; no group split with it
+    # gradients; with a group split, each part adds dK and dV into kv heads of its own, summed after in a
+    # fixed order (the buffers group_split times larger)
     deterministic: bool = False
     # attn_bwd_dsplit.py's kernel (wide heads): its Q/K column units (192 or 256) and dO stages (num_stages
     # counts the Q stages there); 0: attn_bwd.py's
@@ -443,7 +444,9 @@ def group_split(spec: Spec) -> int:
     TFLOP/s with one program per key tile, 366 split in 2 and 479 in 8; GQA 32/8 at 482, 500 split in 2
     and 494 in 4. Not where the float32 dK and dV buffers would pass SPLIT_BUFFER_CAP (varlen: counted over
     batch · max_seqlen_k keys, a bound on the packed ones)."""
-    if spec.deterministic:  # the parts add dK and dV in no fixed order
+    if spec.deterministic:
+        # the fixed-order split (gluon.backward: the parts' own heads, summed after) has run on no GPU yet:
+        # the bench's flashattn-deterministic-split times it on its explicit route
         return 1
     most = min(8, spec.group // 2)
     buffers = spec.batch * spec.seqlen_k * spec.nheads_k * (spec.headdim + spec.headdim_v) * 4

@@ -17,7 +17,9 @@ pair, attn_bwd.py).
     longer holds the two warpgroups in step.
     SPLIT > 1 (GQA/MQA): SPLIT programs per key tile and kv head, each over GROUP / SPLIT of the group's
     query heads, add their dK and dV into float32 buffers with atomics (FA3's GQA scheme), which the
-    launcher casts; a group of 32 heads on one program holds that program's key tile 32x as long.
+    launcher casts; a group of 32 heads on one program holds that program's key tile 32x as long. Under
+    DETERMINISTIC each part adds into kv heads of its own (`part_heads`), which the launcher sums in a
+    fixed order.
 The options are compile-time variants of this one body, as in the forward (scores.py; None when off): a
 window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key tile visiting only the
 query tiles that see it (`key_tile`) and masking only those at the band's edges; softcap (dS times
