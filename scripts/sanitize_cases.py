@@ -224,6 +224,18 @@ def ws_deterministic():
     for d, dv in ((128, 128), (192, 128), (256, 256)):
         q, k, v = _qkv((1, 300, 4, d), (1, 200, 1, d), (1, 200, 1, dv))
         _grad_check(flash_attn_func(q, k, v, deterministic=True, causal=True), q, k, v)
+
+    # attn_bwd.py's dQ writer keeping its order per 128 rows over 64-row steps (flashattn-deterministic-
+    # order128)
+    def order_rows(spec):
+        return dataclasses.replace(split_default(dataclasses.replace(spec, deterministic=True)),
+                                   dq_order_rows=128)
+
+    routes.backward_route = order_rows
+    attention._backward_cache.clear()
+    for d, opts in ((64, dict(causal=True)), (128, dict(window_size=(50, 20)))):
+        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, d))
+        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
     routes.backward_route = split_default
     attention._backward_cache.clear()
     # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)

@@ -366,6 +366,16 @@ def dense_cases():
             return dataclasses.replace(fixed, group_split=n)
         return make
 
+    # attn_bwd.py's dQ writer keeping its order per 128 rows (flashattn-deterministic-order128): d = 64 causal
+    # (64-row steps, deferred dQ) and d = 128
+    def order_rows(spec):
+        fixed = routes.backward_route(dataclasses.replace(spec, deterministic=True))
+        return dataclasses.replace(fixed, dq_order_rows=128)
+
+    for d in (64, 128):
+        q, k, v = _t(1, 700, 4, d), _t(1, 700, 2, d), _t(1, 700, 2, d)
+        yield f"dense gluon deterministic order 128 d={d} causal", partial(
+            _routes, q, k, v, routes.gluon_forward_route, order_rows, causal=True)
     for d, dv, n in ((128, 128, 4), (192, 128, 2), (256, 256, 2)) if not QUICK else ((128, 128, 4),):
         q, k, v = _t(1, 700, 8, d), _t(1, 700, 1, d), _t(1, 700, 1, dv)
         yield f"dense gluon deterministic split={n} d={d} dv={dv} causal", partial(

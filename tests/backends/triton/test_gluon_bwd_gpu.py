@@ -143,6 +143,40 @@ def test_backward_deterministic_padded_head_dims(ws_bwd_calls, monkeypatch, name
         assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
+@pytest.mark.parametrize("name", list(DETERMINISTIC))
+def test_backward_deterministic_order_per_128_rows(ws_bwd_calls, monkeypatch, name, sq, sk, d):
+    # the dQ writer keeping its order per 128 query rows over 64-row steps (the bench's
+    # flashattn-deterministic-order128): a program's first step in the middle of a counter tile, odd step
+    # counts, both orders; against the oracle, and bitwise the same call after call
+    from flashattn.backends.triton import attention
+
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    real = routes.backward_route
+
+    def order_rows(spec):
+        route = real(dataclasses.replace(spec, deterministic=True))
+        rows = 128 if route.tiles.block_m == 64 else route.tiles.block_m
+        return dataclasses.replace(route, dq_order_rows=rows)
+
+    monkeypatch.setattr(routes, "backward_route", order_rows)
+    torch.manual_seed(0)
+    options = DETERMINISTIC[name]
+    q, k, v = _qkv(2, sq, sk, 4, 2, d)
+    causal = options.get("causal", False)
+    window = options.get("window_size", (-1, -1))
+    check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
+        q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
+    assert ws_bwd_calls and all(r.deterministic and r.dq_order_rows for r in ws_bwd_calls.routes)
+    dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
+    first = _grads(q, k, v, dout, deterministic=True, **options)
+    for _ in range(2):
+        again = _grads(q, k, v, dout, deterministic=True, **options)
+        for name_, a, b in zip("qkv", first, again, strict=True):
+            assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+
+
 @pytest.mark.parametrize("d, dv, h, hk, split", [(128, 128, 8, 1, 4), (64, 64, 8, 2, 2), (192, 128, 8, 1, 4),
                                                   (256, 256, 8, 2, 2)], ids=str)
 @pytest.mark.parametrize("name", ["causal", "full", "window"])

@@ -383,7 +383,10 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
         specs = (*(_descriptor_spec(t, m, width) for t in (q, dout)),
                  *(_descriptor_spec(t, n // 2, width) for t in (k, v, dk, dv)),
                  _descriptor_spec(dq_acc, m, width // 2, "float32"), stats_spec)
-        kwargs = dict(common, HEAD_DIM=width, DEFER_DQ=route.defer_dq)
+        if route.dq_order_rows % m:
+            raise FlashAttnError(f"dq_order_rows is {route.dq_order_rows}; it must be a multiple of the "
+                                 f"backward's query rows a step ({m})")
+        kwargs = dict(common, HEAD_DIM=width, DEFER_DQ=route.defer_dq, ORDER_M=route.dq_order_rows)
     n_bhk = pb.batch * pb.nheads_k * route.group_split  # the group's parts count as heads of their own
     return Prepared(
         Bound(kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,

@@ -214,6 +214,9 @@ class GluonBackward:
     # gradients; with a group split, each part adds dK and dV into kv heads of its own, summed after in a
     # fixed order (the buffers group_split times larger)
     deterministic: bool = False
+    # deterministic, attn_bwd.py's kernel: the query rows over which its dQ writer keeps the order (a
+    # multiple of tiles.block_m: one count wait and one count-in for that many rows; 0: block_m)
+    dq_order_rows: int = 0
     # attn_bwd_dsplit.py's kernel (wide heads): its Q/K column units (192 or 256) and dO stages (num_stages
     # counts the Q stages there); 0: attn_bwd.py's
     d_qk: int = 0

@@ -379,6 +379,7 @@ def attn_bwd_ws_kernel(
     DSINK, LOCK, stride_lock_b, stride_lock_h,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
+    ORDER_M: gl.constexpr = 0,
 ):
     # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
     # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
@@ -392,9 +393,11 @@ def attn_bwd_ws_kernel(
     # which the programs add (None otherwise); n_bhk counts batch · kv heads · SPLIT. SINK: a learnable
     # sink's float32 values (h,), and DSINK the zeroed (h,) float32 its gradient is added into (None without).
     # LOCK (DETERMINISTIC; else None): zeroed int32 counters, query tile m0 of head h of batch b at
-    # b · stride_lock_b + h · stride_lock_h + m0 (varlen: b's packed first row + m0, stride_lock_b 0)
+    # b · stride_lock_b + h · stride_lock_h + m0 (varlen: b's packed first row + m0, stride_lock_b 0);
+    # ORDER_M: the rows over which the dQ writer keeps the order (a multiple of BLOCK_M; 0: BLOCK_M).
+    # SPLIT > 1 under DETERMINISTIC: DK_ACC / DV_ACC have SPLIT times the kv heads (`part_heads`)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
-    # the split's dK/dV atomics and the sink's add in no fixed order: not with DETERMINISTIC
+    # the sink's add in no fixed order: not with DETERMINISTIC
     gl.static_assert(LOCK is None or SINK is None)
     gl.static_assert(GROUP % SPLIT == 0)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
@@ -454,7 +457,7 @@ def attn_bwd_ws_kernel(
                           SPLIT)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
             (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
-                          SPLIT, 1, 0)),
+                          SPLIT, 1, ORDER_M)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
