@@ -1,6 +1,6 @@
-"""Which kernels a block-sparse call runs (backends/triton/block_sparse.py, routes.sparse_route): a mask that
-is exactly a band runs the dense attention's kernels with the band as its window (DenseBandRoute), any
-other mask the block-sparse kernels. The band must be the mask element for element, and the call through
+"""Which kernels a block-sparse call runs (backends/triton/block_sparse.py, sparse_routes.sparse_route): a
+mask that is exactly a band runs the dense attention's kernels with the band as its window (DenseBandRoute),
+any other mask the block-sparse kernels. The band must be the mask element for element, and the call through
 the dense kernels must be the dense call, bit for bit. The results against the oracle:
 tests/test_block_sparse.py (its causal and window masks take this route), tests/test_block_sparse_gpu.py."""
 
@@ -12,7 +12,7 @@ from utils import INTERPRET, LaunchRecorder, make_qkv
 
 import flashattn
 from flashattn.backends.triton import block_sparse as launchers
-from flashattn.backends.triton import routes
+from flashattn.backends.triton import sparse_routes
 from flashattn.masks import BlockMask
 
 N, BS = 83, (32, 16)
@@ -69,12 +69,12 @@ def test_other_masks_are_no_band(name):
 
 
 def test_sparse_route_of_the_spec():
-    spec = routes.SparseSpec(128, 128, 128, True, True, band=(-1, 0))
-    assert routes.sparse_route(spec) == routes.DenseBandRoute((-1, 0))
-    no_band = routes.SparseSpec(128, 128, 128, True, True)
-    assert isinstance(routes.sparse_route(no_band), routes.SparseRoute)
+    spec = sparse_routes.SparseSpec(128, 128, 128, True, True, band=(-1, 0))
+    assert sparse_routes.sparse_route(spec) == sparse_routes.DenseBandRoute((-1, 0))
+    no_band = sparse_routes.SparseSpec(128, 128, 128, True, True)
+    assert isinstance(sparse_routes.sparse_route(no_band), sparse_routes.SparseRoute)
     # the block-sparse kernels' route stays at hand for a band, to time or check them there
-    assert routes.triton_sparse_route(spec) == routes.sparse_route(no_band)
+    assert sparse_routes.triton_sparse_route(spec) == sparse_routes.sparse_route(no_band)
 
 
 needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),

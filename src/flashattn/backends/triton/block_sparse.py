@@ -1,12 +1,13 @@
 """Launchers of the block-sparse attention kernels (kernels/triton/attn_sparse.py), given their route
-(routes.sparse_route). Same signatures as backends/torch/block_sparse.py:
+(sparse_routes.sparse_route). Same signatures as backends/torch/block_sparse.py:
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
-A mask that is a band (routes.DenseBandRoute) runs the dense attention launchers with the band as window.
+A mask that is a band (sparse_routes.DenseBandRoute) runs the dense attention launchers with the band as
+its window.
 """
 
 import torch
 
-from flashattn.backends.triton import host, routes, tma
+from flashattn.backends.triton import host, sparse_routes, tma
 from flashattn.backends.triton.attention import LOG2E, attention_backward, attention_forward
 from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
@@ -44,22 +45,22 @@ def band_of(kt) -> tuple[int, int] | None:
     return (r.left, r.right)
 
 
-def _spec(q, v, kt) -> routes.SparseSpec:
+def _spec(q, v, kt) -> sparse_routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
-    return routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
+    return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
                              tma.device_facts(q.device)[0], band_of(kt))
 
 
-def default_route(q, v, kt) -> routes.SparseRoute | routes.DenseBandRoute:
-    return routes.sparse_route(_spec(q, v, kt))
+def default_route(q, v, kt) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
+    return sparse_routes.sparse_route(_spec(q, v, kt))
 
 
-def triton_route(q, v, kt) -> routes.SparseRoute:
+def triton_route(q, v, kt) -> sparse_routes.SparseRoute:
     """The block-sparse kernels' route for this call, band or not (to time or check them on a band)."""
-    return routes.triton_sparse_route(_spec(q, v, kt))
+    return sparse_routes.triton_sparse_route(_spec(q, v, kt))
 
 
-def _rule(kt, route: routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:
+def _rule(kt, route: sparse_routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:
     """(runtime ints, constexpr flags) that tell the kernels how partial blocks get their predicate: the
     mask's MaskRule when the route takes it, else the bitmask."""
     r = kt.rule
@@ -85,9 +86,9 @@ def _grid(n_bh: int, n_blocks: int, subtiles: int) -> tuple[tuple[int], tuple[in
 def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0, rng_seed=0, rng_offset=0,
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
-    routes.SparseRoute or routes.DenseBandRoute to run instead of the default one."""
+    sparse_routes.SparseRoute or sparse_routes.DenseBandRoute to run instead of the default one."""
     route = route or default_route(q, v, kt)
-    if isinstance(route, routes.DenseBandRoute):
+    if isinstance(route, sparse_routes.DenseBandRoute):
         return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
                                  softcap=softcap, dropout_p=dropout_p, rng_seed=rng_seed,
                                  rng_offset=rng_offset)
@@ -116,7 +117,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     atomics (deterministic); a band's dense backward adds dQ in a varying order, as flash_attn_func's
     default does."""
     route = route or default_route(q, v, kt)
-    if isinstance(route, routes.DenseBandRoute):
+    if isinstance(route, sparse_routes.DenseBandRoute):
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            window_size=route.window, softcap=softcap, dropout_p=dropout_p,
                                            rng_seed=rng_seed, rng_offset=rng_offset)

@@ -174,10 +174,10 @@ def sparse_routes_info(q, k, v, kt) -> dict:
 
     if backends.backend_name(q) != "triton":
         return {"route_fwd": "torch", "route_bwd": "torch"}
-    from flashattn.backends.triton import block_sparse, routes
+    from flashattn.backends.triton import block_sparse, sparse_routes
 
     route = block_sparse.default_route(q, v, kt)
-    if isinstance(route, routes.DenseBandRoute):
+    if isinstance(route, sparse_routes.DenseBandRoute):
         dense = routes_info(q, k, v, window_size=route.window)
         return {key: f"DenseBandRoute/{name}" for key, name in dense.items()}
     return {"route_fwd": type(route).__name__, "route_bwd": type(route).__name__}
