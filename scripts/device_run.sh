@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runner: what the device has to show, in named stages, in one call. Everything lands under
-# $OUT/res and comes back as one archive, $OUT/res.tgz (the device returns at most 8 files).
+# $OUT/res and comes back as one archive, $OUT/res.tgz (the device returns at most 8 files), which this script
+# writes itself, removing $OUT/res: a tar of $OUT/res after it finds no folder and leaves an empty archive
+# in the one's place.
 #
 #   FLASHATTN_GIT_SHA=$(git rev-parse HEAD) bash scripts/device_run.sh STAGE [STAGE ...]
 #
