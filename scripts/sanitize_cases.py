@@ -30,6 +30,7 @@ fp8 runs the FP8 forward (odd head dims, both V layouts, every option, varlen wi
 FP8 KV cache (contiguous and paged, appending across a page boundary, split).
 """
 
+import contextlib
 import dataclasses
 import sys
 
@@ -193,59 +194,61 @@ def ws_deterministic():
         q, k, v = _qkv((sum(lens), 4, 128), (sum(lens), 2, 128), (sum(lens), 2, 128))
         _grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
                                            deterministic=True), q, k, v)
+
+    from flashattn.backends.triton import routes
+
+    default = routes.backward_route
+
+    def fixed(**fields):
+        """The default deterministic route with some fields replaced (the bench's explicit routes)."""
+        return lambda spec: dataclasses.replace(default(dataclasses.replace(spec, deterministic=True)),
+                                                **fields)
+
     # the fixed-order variant at padded head dims, on its explicit route (the default keeps Triton there)
+    with _backward_route(routes.gluon_backward_route):
+        _fixed_order(((96, 96, dict(causal=True)), (128, 96, dict(window_size=(50, 20)))))
+    # the 128-key wide-head backward's fixed-order variant (attn_bwd_keys.py's units for the same writer)
+    _fixed_order(((192, 128, dict(causal=True)), (160, 104, dict(window_size=(50, -1)))))
+    _fixed_order_varlen(lens, cu, 192, 128)
+    # the fixed-order variants with the GQA group split (the bench's flashattn-deterministic-split route):
+    # each part's dK and dV into kv heads of its own
+    with _backward_route(fixed(group_split=2)):
+        _fixed_order(((d, dv, dict(causal=True)) for d, dv in ((128, 128), (192, 128), (256, 256))), hk=1)
+    # attn_bwd.py's dQ writer keeping its order per 128 rows over 64-row steps (flashattn-deterministic-
+    # order128)
+    with _backward_route(fixed(dq_order_rows=128)):
+        _fixed_order(((64, 64, dict(causal=True)), (128, 128, dict(window_size=(50, 20)))))
+    # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)
+    _fixed_order(((256, 256, dict(causal=True)), (224, 128, dict(window_size=(50, -1)))))
+    _fixed_order_varlen(lens, cu, 256, 256)
+
+
+@contextlib.contextmanager
+def _backward_route(make):
+    """Every backward of the block on make(spec)'s route, no signature cached by the default one."""
     from flashattn.backends.triton import attention, routes
 
     default = routes.backward_route
-    routes.backward_route = routes.gluon_backward_route
+    routes.backward_route = make
     attention._backward_cache.clear()
-    for d, dv, opts in ((96, 96, dict(causal=True)), (128, 96, dict(window_size=(50, 20)))):
-        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))
+    try:
+        yield
+    finally:
+        routes.backward_route = default
+        attention._backward_cache.clear()
+
+
+def _fixed_order(cases, hk=2):
+    """deterministic=True forward and backward at each (d, dv, options): 4 query heads over hk, sq ≠ sk."""
+    for d, dv, opts in cases:
+        q, k, v = _qkv((1, 300, 4, d), (1, 200, hk, d), (1, 200, hk, dv))
         _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
-    routes.backward_route = default
-    attention._backward_cache.clear()
-    # the 128-key wide-head backward's fixed-order variant (attn_bwd_keys.py's units for the same writer)
-    for d, dv, opts in ((192, 128, dict(causal=True)), (160, 104, dict(window_size=(50, -1)))):
-        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))
-        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
-    q, k, v = _qkv((sum(lens), 4, 192), (sum(lens), 2, 192), (sum(lens), 2, 128))
+
+
+def _fixed_order_varlen(lens, cu, d, dv):
+    q, k, v = _qkv((sum(lens), 4, d), (sum(lens), 2, d), (sum(lens), 2, dv))
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, deterministic=True)
     _grad_check(out, q, k, v)
-    # the fixed-order variants with the GQA group split (the bench's flashattn-deterministic-split route):
-    # each part's dK and dV into kv heads of its own
-    split_default = routes.backward_route
-
-    def split_order(spec):
-        fixed = split_default(dataclasses.replace(spec, deterministic=True))
-        return dataclasses.replace(fixed, group_split=2)
-
-    routes.backward_route = split_order
-    attention._backward_cache.clear()
-    for d, dv in ((128, 128), (192, 128), (256, 256)):
-        q, k, v = _qkv((1, 300, 4, d), (1, 200, 1, d), (1, 200, 1, dv))
-        _grad_check(flash_attn_func(q, k, v, deterministic=True, causal=True), q, k, v)
-
-    # attn_bwd.py's dQ writer keeping its order per 128 rows over 64-row steps (flashattn-deterministic-
-    # order128)
-    def order_rows(spec):
-        return dataclasses.replace(split_default(dataclasses.replace(spec, deterministic=True)),
-                                   dq_order_rows=128)
-
-    routes.backward_route = order_rows
-    attention._backward_cache.clear()
-    for d, opts in ((64, dict(causal=True)), (128, dict(window_size=(50, 20)))):
-        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, d))
-        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
-    routes.backward_route = split_default
-    attention._backward_cache.clear()
-    # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)
-    for d, dv, opts in ((256, 256, dict(causal=True)), (224, 128, dict(window_size=(50, -1)))):
-        q, k, v = _qkv((1, 300, 4, d), (1, 200, 2, d), (1, 200, 2, dv))
-        _grad_check(flash_attn_func(q, k, v, deterministic=True, **opts), q, k, v)
-    q, k, v = _qkv((sum(lens), 4, 256), (sum(lens), 2, 256), (sum(lens), 2, 256))
-    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, deterministic=True)
-    _grad_check(out, q, k, v)
-
 
 def ws_features():
     # each option at d = 64 (two and, past a 4K band, three consumer warpgroups), 128 and 256, GQA; among them
