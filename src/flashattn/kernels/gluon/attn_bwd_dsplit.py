@@ -49,6 +49,7 @@ from flashattn.kernels.gluon.bwd_tiles import (
     key_tile,
     part_heads,
     program_sequence,
+    writer_sequence,
 )
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import transposed_probs
@@ -426,11 +427,7 @@ def _dq_writer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
-    b = 0
-    if varlen:
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        mbarrier.wait(seq_ready.index(0), 0)
-        b = gl.max(seq_smem.index(2).load(one), 0)
+    b = writer_sequence(seq_smem, seq_ready, varlen)
     reverse: gl.constexpr = CAUSAL or right is not None  # the loader's order
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
         problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)

@@ -11,7 +11,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from flashattn.kernels.gluon.bwd_tiles import key_tile
+from flashattn.kernels.gluon.bwd_tiles import key_tile, writer_sequence
 
 
 @builtin
@@ -121,11 +121,7 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     left = problem[5]
     right = problem[6]
     varlen: gl.constexpr = problem[7] is not None
-    b = 0
-    if varlen:
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        mbarrier.wait(seq_ready.index(0), 0)
-        b = gl.max(seq_smem.index(2).load(one), 0)
+    b = writer_sequence(seq_smem, seq_ready, varlen)
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
         problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, LOCK is not None and (CAUSAL or right is not None))
     HEADS: gl.constexpr = GROUP // SPLIT

@@ -8,7 +8,7 @@ through shared memory (`program_sequence` reads it), as in the forward (schedule
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from flashattn.kernels.gluon.schedule import next_tile, sequence_of_tile, store_rows
 from flashattn.kernels.triton.common import seq_bounds  # scalar arithmetic: Gluon calls triton.jit helpers
@@ -30,6 +30,18 @@ def program_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
     b = 0
     if varlen:
         _, b = next_tile(seq_smem, seq_ready, 0)
+    return b
+
+
+@gluon.jit
+def writer_sequence(seq_smem, seq_ready, varlen: gl.constexpr):
+    """`program_sequence` for a one-warp partition (the dQ writers): the sequence the loader found, 0 in the
+    padded layout."""
+    b = 0
+    if varlen:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        mbarrier.wait(seq_ready.index(0), 0)
+        b = gl.max(seq_smem.index(2).load(one), 0)
     return b
 
 
