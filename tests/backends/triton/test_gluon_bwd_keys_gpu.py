@@ -125,5 +125,5 @@ def test_keys_backward_deterministic_varlen(keys_route, ws_calls, ws_bwd_calls):
     runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                                        deterministic=True), (q, k, v), dout)
             for _ in range(3)]
-    for a, b in zip(runs[0], runs[1] + runs[2], strict=False):
-        assert torch.equal(a, b)
+    for a, b, c in zip(*runs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

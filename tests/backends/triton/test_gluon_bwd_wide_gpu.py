@@ -126,8 +126,8 @@ def test_wide_backward_deterministic_varlen(ws_calls, ws_bwd_calls, monkeypatch)
     runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                                        deterministic=True), (q, k, v), dout)
             for _ in range(3)]
-    for a, b in zip(runs[0], runs[1] + runs[2], strict=False):
-        assert torch.equal(a, b)
+    for a, b, c in zip(*runs, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_wide_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):
