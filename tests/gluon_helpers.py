@@ -45,6 +45,15 @@ def takes_gluon_backward(d: int, dv: int | None = None, deterministic: bool = Fa
     return (width, dv_width) in ((192, 128), (256, 128), (256, 256))
 
 
+def assert_reproducible(attn, inputs, dout, calls=3):
+    """The gradients of attn(*inputs) against dout over `calls` calls, bit for bit the same."""
+    first = torch.autograd.grad(attn(*inputs), inputs, dout)
+    for _ in range(calls - 1):
+        again = torch.autograd.grad(attn(*inputs), inputs, dout)
+        for name, a, b in zip("qkv", first, again, strict=True):
+            assert torch.equal(a, b), f"d{name} differs between deterministic calls"
+
+
 def qkv(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(True)

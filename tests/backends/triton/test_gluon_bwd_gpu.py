@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from gluon_helpers import VARLEN_K, VARLEN_Q, check_varlen
+from gluon_helpers import VARLEN_K, VARLEN_Q, assert_reproducible, check_varlen
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 from test_interface import check_against_oracle
@@ -91,11 +91,6 @@ DETERMINISTIC = {"causal": dict(causal=True), "full": {}, "swa": dict(causal=Tru
                  "right": dict(window_size=(-1, 64))}
 
 
-def _grads(q, k, v, dout, **options):
-    out = flash_attn_func(q, k, v, **options)
-    return torch.autograd.grad(out, (q, k, v), dout)
-
-
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
 @pytest.mark.parametrize("name", list(DETERMINISTIC))
@@ -110,11 +105,8 @@ def test_backward_deterministic(ws_bwd_calls, name, sq, sk, d):
     assert ws_bwd_calls and all(r.deterministic for r in ws_bwd_calls.routes)
     # bitwise the same gradients, call after call
     dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
-    first = _grads(q, k, v, dout, deterministic=True, **options)
-    for _ in range(3):
-        again = _grads(q, k, v, dout, deterministic=True, **options)
-        for name_, a, b in zip("qkv", first, again, strict=True):
-            assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
+                        dout, calls=4)
 
 
 @pytest.mark.parametrize("d, dv", [(96, 96), (80, 80), (40, 40), (128, 96), (72, 64)], ids=str)
@@ -137,10 +129,8 @@ def test_backward_deterministic_padded_head_dims(ws_bwd_calls, monkeypatch, name
         q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
     assert ws_bwd_calls and all(r.deterministic for r in ws_bwd_calls.routes)
     dout = torch.randn(2, 1023, 4, dv, device="cuda", dtype=q.dtype)
-    first = _grads(q, k, v, dout, deterministic=True, **options)
-    again = _grads(q, k, v, dout, deterministic=True, **options)
-    for name_, a, b in zip("qkv", first, again, strict=True):
-        assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
+                        dout, calls=2)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -170,11 +160,8 @@ def test_backward_deterministic_order_per_128_rows(ws_bwd_calls, monkeypatch, na
         q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
     assert ws_bwd_calls and all(r.deterministic and r.dq_order_rows for r in ws_bwd_calls.routes)
     dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
-    first = _grads(q, k, v, dout, deterministic=True, **options)
-    for _ in range(2):
-        again = _grads(q, k, v, dout, deterministic=True, **options)
-        for name_, a, b in zip("qkv", first, again, strict=True):
-            assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
+                        dout, calls=3)
 
 
 @pytest.mark.parametrize("d, dv, h, hk, split", [(128, 128, 8, 1, 4), (64, 64, 8, 2, 2), (192, 128, 8, 1, 4),
@@ -201,11 +188,8 @@ def test_backward_deterministic_group_split(ws_bwd_calls, monkeypatch, name, d, 
         q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
     assert ws_bwd_calls and all(r.deterministic and r.group_split == split for r in ws_bwd_calls.routes)
     dout = torch.randn(2, 1023, h, dv, device="cuda", dtype=q.dtype)
-    first = _grads(q, k, v, dout, deterministic=True, **options)
-    for _ in range(2):
-        again = _grads(q, k, v, dout, deterministic=True, **options)
-        for name_, a, b in zip("qkv", first, again, strict=True):
-            assert torch.equal(a, b), f"d{name_} differs between two deterministic calls"
+    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
+                        dout, calls=3)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -219,11 +203,9 @@ def test_backward_deterministic_varlen(ws_calls, ws_bwd_calls, causal):
                for h in (4, 2, 2))
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, deterministic=True)
     dout = torch.randn_like(out)
-    runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
-                                                       deterministic=True), (q, k, v), dout)
-            for _ in range(3)]
-    for a, b, c in zip(*runs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_reproducible(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                                               causal=causal, deterministic=True),
+                        (q, k, v), dout)
 
 
 def test_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):

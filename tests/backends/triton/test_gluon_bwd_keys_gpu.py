@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import check_features, check_varlen, options_for, qkv_dv, vary_routes
+from gluon_helpers import assert_reproducible, check_features, check_varlen, options_for, qkv_dv, vary_routes
 
 from flashattn.backends.triton import attention
 
@@ -105,10 +105,8 @@ def test_keys_backward_deterministic(keys_route, ws_calls, ws_bwd_calls, name, d
     assert all(r.deterministic for r in ws_bwd_calls.routes)
     # bitwise the same gradients, call after call
     dout = torch.randn(2, sq, 8, dv, device="cuda", dtype=q.dtype)
-    runs = [torch.autograd.grad(flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v), dout)
-            for _ in range(3)]
-    for name_, a, b, c in zip("qkv", *runs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c), f"d{name_} differs between deterministic calls"
+    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
+                        dout)
 
 
 def test_keys_backward_deterministic_varlen(keys_route, ws_calls, ws_bwd_calls):
@@ -122,8 +120,6 @@ def test_keys_backward_deterministic_varlen(keys_route, ws_calls, ws_bwd_calls):
     q, k, v = (torch.randn(sum(lens), h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h, dim in ((4, 192), (2, 192), (2, 128)))
     dout = torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
-    runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
-                                                       deterministic=True), (q, k, v), dout)
-            for _ in range(3)]
-    for a, b, c in zip(*runs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_reproducible(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                                               causal=True, deterministic=True),
+                        (q, k, v), dout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import check_features, check_varlen, options_for, qkv_dv
+from gluon_helpers import assert_reproducible, check_features, check_varlen, options_for, qkv_dv
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 
@@ -105,10 +105,8 @@ def test_wide_backward_deterministic(dsplit_route, ws_calls, ws_bwd_calls, name,
         q, k, v, deterministic=True, return_attn_probs=True, **options)[:2], **options)
     assert all(r.deterministic for r in ws_bwd_calls.routes)
     dout = torch.randn(2, sq, 8, dv, device="cuda", dtype=q.dtype)
-    runs = [torch.autograd.grad(flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v), dout)
-            for _ in range(3)]
-    for name_, a, b, c in zip("qkv", *runs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c), f"d{name_} differs between deterministic calls"
+    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
+                        dout)
 
 
 def test_wide_backward_deterministic_varlen(ws_calls, ws_bwd_calls, monkeypatch):
@@ -123,11 +121,9 @@ def test_wide_backward_deterministic_varlen(ws_calls, ws_bwd_calls, monkeypatch)
     q, k, v = (torch.randn(sum(lens), h, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h in (4, 2, 2))
     dout = torch.randn(sum(lens), 4, 256, device="cuda", dtype=torch.bfloat16)
-    runs = [torch.autograd.grad(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
-                                                       deterministic=True), (q, k, v), dout)
-            for _ in range(3)]
-    for a, b, c in zip(*runs, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_reproducible(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                                               causal=True, deterministic=True),
+                        (q, k, v), dout)
 
 
 def test_wide_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):
