@@ -16,13 +16,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def split_calls(monkeypatch):
-    """The split-KV route wherever it takes the call; the decode launcher's calls (q's shape)."""
+def decode_calls(monkeypatch):
+    """The decode launcher's calls (q's shape), on the Triton backend, no forward signature cached."""
     monkeypatch.setattr(flashattn_config, "backend", "triton")
     monkeypatch.setattr(attention, "_forward_cache", {})
-    real = routes.forward_route
-    monkeypatch.setattr(routes, "forward_route", lambda spec: decode_routes.SplitForward()
-                        if decode_routes.takes_split_forward(spec) else real(spec))
     calls = []
     launcher = decode.kvcache_forward
 
@@ -32,6 +29,15 @@ def split_calls(monkeypatch):
 
     monkeypatch.setattr(decode, "kvcache_forward", record)
     return calls
+
+
+@pytest.fixture
+def split_calls(monkeypatch, decode_calls):
+    """The split-KV route wherever it takes the call; the decode launcher's calls (q's shape)."""
+    real = routes.forward_route
+    monkeypatch.setattr(routes, "forward_route", lambda spec: decode_routes.SplitForward()
+                        if decode_routes.takes_split_forward(spec) else real(spec))
+    return decode_calls
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (1, 4097), (7, 1023), (16, 16), (64, 1100), (33, 65)], ids=str)
@@ -47,23 +53,13 @@ def test_split_forward(split_calls, sq, sk, h, hk, d, options):
     assert split_calls == [q.shape]
 
 
-def test_default_route_repeats_through_the_signature_cache(monkeypatch):
+def test_default_route_repeats_through_the_signature_cache(decode_calls):
     """A few-row forward takes the split-KV kernel by default; its repeat (the same signature) comes from the
     forward's signature cache and still runs the decode kernel, with the same result bit for bit."""
-    monkeypatch.setattr(flashattn_config, "backend", "triton")
-    monkeypatch.setattr(attention, "_forward_cache", {})
-    calls = []
-    launcher = decode.kvcache_forward
-
-    def record(q, *args, **kwargs):
-        calls.append(q.shape)
-        return launcher(q, *args, **kwargs)
-
-    monkeypatch.setattr(decode, "kvcache_forward", record)
     torch.manual_seed(0)
     q, k, v = qkv(1, 4, 4096, 32, 8, 128)
     first = attention.attention_forward(q, k, v, softmax_scale=0.125, causal=True)
     assert len(attention._forward_cache) == 1
     second = attention.attention_forward(q, k, v, softmax_scale=0.125, causal=True)
-    assert calls == [q.shape, q.shape]
+    assert decode_calls == [q.shape, q.shape]
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
