@@ -358,28 +358,25 @@ def dense_cases():
             q, k, v = _t(1, 1100, 4, d), _t(1, 1100, 2, d), _t(1, 1100, 2, dv)
             yield f"dense gluon deterministic padded d={d} dv={dv} causal={causal}", partial(
                 _routes, q, k, v, routes.gluon_forward_route, fixed_order, causal=causal)
-    # the fixed-order variants with the GQA group split (each part's dK and dV into kv heads of its own), on
-    # the explicit route the bench's flashattn-deterministic-split takes: the three kernels
-    def split_order(n):
+    # the bench's explicit fixed-order routes: the default deterministic route with fields replaced
+    def fixed(**fields):
         def make(spec):
-            fixed = routes.backward_route(dataclasses.replace(spec, deterministic=True))
-            return dataclasses.replace(fixed, group_split=n)
+            return dataclasses.replace(routes.backward_route(dataclasses.replace(spec, deterministic=True)),
+                                       **fields)
         return make
 
     # attn_bwd.py's dQ writer keeping its order per 128 rows (flashattn-deterministic-order128): d = 64 causal
     # (64-row steps, deferred dQ) and d = 128
-    def order_rows(spec):
-        fixed = routes.backward_route(dataclasses.replace(spec, deterministic=True))
-        return dataclasses.replace(fixed, dq_order_rows=128)
-
     for d in (64, 128):
         q, k, v = _t(1, 700, 4, d), _t(1, 700, 2, d), _t(1, 700, 2, d)
         yield f"dense gluon deterministic order 128 d={d} causal", partial(
-            _routes, q, k, v, routes.gluon_forward_route, order_rows, causal=True)
+            _routes, q, k, v, routes.gluon_forward_route, fixed(dq_order_rows=128), causal=True)
+    # the GQA group split (each part's dK and dV into kv heads of its own; flashattn-deterministic-split):
+    # the three kernels
     for d, dv, n in ((128, 128, 4), (192, 128, 2), (256, 256, 2)) if not QUICK else ((128, 128, 4),):
         q, k, v = _t(1, 700, 8, d), _t(1, 700, 1, d), _t(1, 700, 1, dv)
         yield f"dense gluon deterministic split={n} d={d} dv={dv} causal", partial(
-            _routes, q, k, v, routes.gluon_forward_route, split_order(n), causal=True)
+            _routes, q, k, v, routes.gluon_forward_route, fixed(group_split=n), causal=True)
     q, k, v = _t(208, 4, 128, grad=True), _t(208, 2, 128, grad=True), _t(208, 2, 128, grad=True)
     yield "varlen gluon deterministic d=128 causal", partial(
         _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,
