@@ -11,13 +11,13 @@ import dataclasses
 
 import pytest
 import torch
-from gluon_helpers import VARLEN_K, VARLEN_Q, assert_reproducible, check_varlen
+from gluon_helpers import VARLEN_K, VARLEN_Q, assert_reproducible, assert_varlen_reproducible, check_varlen
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 from test_interface import check_against_oracle
 from utils import use_tiles
 
-from flashattn import flash_attn_func, flash_attn_varlen_func
+from flashattn import flash_attn_func
 from flashattn.backends.triton import routes
 
 pytestmark = pytest.mark.gpu
@@ -198,14 +198,7 @@ def test_backward_deterministic_varlen(ws_calls, ws_bwd_calls, causal):
     lens = [0, 77, 1, 700, 0, 129, 300]
     check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 2, 128, causal=causal, deterministic=True)
     assert all(r.deterministic for r in ws_bwd_calls.routes)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(sum(lens), h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for h in (4, 2, 2))
-    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, deterministic=True)
-    dout = torch.randn_like(out)
-    assert_reproducible(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                                               causal=causal, deterministic=True),
-                        (q, k, v), dout)
+    assert_varlen_reproducible(lens, 128, 128, causal=causal)
 
 
 def test_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):

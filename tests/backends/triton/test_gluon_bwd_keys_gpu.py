@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import assert_reproducible, check_features, check_varlen, options_for, qkv_dv, vary_routes
+from gluon_helpers import (
+    assert_reproducible,
+    assert_varlen_reproducible,
+    check_features,
+    check_varlen,
+    options_for,
+    qkv_dv,
+    vary_routes,
+)
 
 from flashattn.backends.triton import attention
 
@@ -110,16 +118,9 @@ def test_keys_backward_deterministic(keys_route, ws_calls, ws_bwd_calls, name, d
 
 
 def test_keys_backward_deterministic_varlen(keys_route, ws_calls, ws_bwd_calls):
-    from flashattn import flash_attn_varlen_func
 
     lens = [0, 77, 1, 700, 0, 129, 300]
     check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 2, 192, dv=128, gluon_backward=True, causal=True,
                  deterministic=True)
     assert all(r.wide_keys and r.deterministic for r in ws_bwd_calls.routes)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(sum(lens), h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for h, dim in ((4, 192), (2, 192), (2, 128)))
-    dout = torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16)
-    assert_reproducible(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                                               causal=True, deterministic=True),
-                        (q, k, v), dout)
+    assert_varlen_reproducible(lens, 192, 128)

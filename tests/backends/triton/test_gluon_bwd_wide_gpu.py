@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_helpers import assert_reproducible, check_features, check_varlen, options_for, qkv_dv
+from gluon_helpers import (
+    assert_reproducible,
+    assert_varlen_reproducible,
+    check_features,
+    check_varlen,
+    options_for,
+    qkv_dv,
+)
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 
@@ -110,20 +117,13 @@ def test_wide_backward_deterministic(dsplit_route, ws_calls, ws_bwd_calls, name,
 
 
 def test_wide_backward_deterministic_varlen(ws_calls, ws_bwd_calls, monkeypatch):
-    from flashattn import flash_attn_varlen_func
 
     monkeypatch.setattr(attention, "_backward_cache", {})  # the default route: d 256 takes this kernel
     lens = [0, 77, 1, 700, 0, 129, 300]
     check_varlen(ws_calls, ws_bwd_calls, lens, lens, 4, 2, 256, gluon_backward=True, causal=True,
                  deterministic=True)
     assert all(r.d_qk == 256 and r.deterministic for r in ws_bwd_calls.routes)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(sum(lens), h, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for h in (4, 2, 2))
-    dout = torch.randn(sum(lens), 4, 256, device="cuda", dtype=torch.bfloat16)
-    assert_reproducible(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                                               causal=True, deterministic=True),
-                        (q, k, v), dout)
+    assert_varlen_reproducible(lens, 256, 256)
 
 
 def test_wide_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):
