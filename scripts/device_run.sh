@@ -34,10 +34,9 @@
 #   long-backward the memory suite at 32K-128K (b1 h16 d128 causal, forward + backward: peak memory beyond the
 #                 inputs and TFLOP/s) beside the Triton backward and cuDNN: past the dQ buffer's cap the
 #                 backward runs by groups of KV heads (backends/triton/head_groups.py)
-#   deterministic the fixed-order backward's variants beside the default order: their GPU tests
-#                 (deterministic in the name), then the train suite at 4K / 16K (d 64 / 128) and the
-#                 workloads suite's causal backward rows with flashattn-deterministic, -order128 (the dQ
-#                 order per 128 rows) and -split (the GQA group split); DET_S: each bench's limit
+#   deterministic the fixed-order backward beside the default order: its GPU tests (deterministic in the
+#                 name), then the train suite at 4K / 16K (d 64 / 128) and the workloads suite's causal
+#                 backward rows with flashattn-deterministic; DET_S: each bench's limit
 #   features      the features suite (packed documents against equal batches, windows against full)
 #   workloads     the workloads suite (packed documents, windows, softcap, sinks, GQA/MQA, d=256, dv < d) beside
 #                 our Triton backward, cuDNN (and FA4); WORKLOADS_PROVIDERS: another list (the forward's
@@ -179,7 +178,7 @@ for stage in "$@"; do
         --results-log "$RES/gpu_results.log" -k deterministic tests/backends/triton > "$RES/pytest_gpu.log" 2>&1
       grep -A15 -E "^(FAILED|ERROR)" "$RES/gpu_results.log" | head -60
       cut -d' ' -f1 "$RES/gpu_results.log" | sort | uniq -c
-      det=flashattn,flashattn-deterministic,flashattn-deterministic-order128,flashattn-deterministic-split
+      det=flashattn,flashattn-deterministic
       bench "${DET_S:-150}" det-train --suite train --headdims 64,128 --modes bwd --seqlens 4096,16384 \
         --providers "$det"
       bench "${DET_S:-150}" det-workloads --suite workloads --modes bwd --causal yes --providers "$det" ;;

@@ -180,9 +180,10 @@ def ws_bwd():
 
 
 def ws_deterministic():
-    # deterministic=True on the Gluon backward: its dQ writer warp and counters, under both orders (a right
-    # edge: the last key tile first; none: the first), d = 64 (deferred dQ) and 128, GQA, and varlen with
-    # empty sequences and programs past the key-tile list
+    # deterministic=True on the Gluon backward: its dQ writer warp and counters (the order kept per 128 rows
+    # over 64-row steps, per step over 128-row ones), under both orders (a right edge: the last key tile
+    # first; none: the first), d = 64 (deferred dQ) and 128, GQA, and varlen with empty sequences and
+    # programs past the key-tile list
     for b, sq, sk, h, hk, d, opts in [(1, 200, 300, 4, 2, 128, dict(causal=True)), (2, 130, 67, 4, 2, 64, {}),
                                       (1, 300, 200, 4, 4, 64, dict(window_size=(50, 20))),
                                       (1, 257, 257, 2, 1, 128, dict(window_size=(100, -1)))]:
@@ -210,14 +211,10 @@ def ws_deterministic():
     # the 128-key wide-head backward's fixed-order variant (attn_bwd_keys.py's units for the same writer)
     _fixed_order(((192, 128, dict(causal=True)), (160, 104, dict(window_size=(50, -1)))))
     _fixed_order_varlen(lens, cu, 192, 128)
-    # the fixed-order variants with the GQA group split (the bench's flashattn-deterministic-split route):
+    # the fixed-order variants with the GQA group split forced to 2 (the default splits groups of 4 or more):
     # each part's dK and dV into kv heads of its own
     with _backward_route(fixed(group_split=2)):
         _fixed_order(((d, dv, dict(causal=True)) for d, dv in ((128, 128), (192, 128), (256, 256))), hk=1)
-    # attn_bwd.py's dQ writer keeping its order per 128 rows over 64-row steps (flashattn-deterministic-
-    # order128)
-    with _backward_route(fixed(dq_order_rows=128)):
-        _fixed_order(((64, 64, dict(causal=True)), (128, 128, dict(window_size=(50, 20)))))
     # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)
     _fixed_order(((256, 256, dict(causal=True)), (224, 128, dict(window_size=(50, -1)))))
     _fixed_order_varlen(lens, cu, 256, 256)

@@ -318,9 +318,9 @@ def dense_cases():
         yield f"paged gluon fwd d={d} dv={dv} page={page} {sorted(opts)}", partial(
             _on_gluon, flash_attn_varlen_func, q, k, v, cu, cu_p, 130, 2 * page - 1 - 70, block_table=table,
             launchers=("forward",), **opts)
-    # deterministic=True on the Gluon backward (its dQ writer warp and counters): the order under a right edge
-    # (causal; a two-sided window) and without one (full; a left edge only), d = 64 (deferred dQ) and 128,
-    # GQA, padded and varlen
+    # deterministic=True on the Gluon backward (its dQ writer warp and counters, the order kept per 128 rows
+    # over 64-row steps): the order under a right edge (causal; a two-sided window) and without one (full; a
+    # left edge only), d = 64 (deferred dQ) and 128, GQA, padded and varlen
     det = [(64, dict(causal=True)), (128, dict()), (128, dict(window_size=(300, -1))),
            (64, dict(window_size=(100, 37)))]
     for d, opts in det[:2] if QUICK else det:
@@ -358,21 +358,15 @@ def dense_cases():
             q, k, v = _t(1, 1100, 4, d), _t(1, 1100, 2, d), _t(1, 1100, 2, dv)
             yield f"dense gluon deterministic padded d={d} dv={dv} causal={causal}", partial(
                 _routes, q, k, v, routes.gluon_forward_route, fixed_order, causal=causal)
-    # the bench's explicit fixed-order routes: the default deterministic route with fields replaced
+    # the default deterministic route with fields replaced
     def fixed(**fields):
         def make(spec):
             return dataclasses.replace(routes.backward_route(dataclasses.replace(spec, deterministic=True)),
                                        **fields)
         return make
 
-    # attn_bwd.py's dQ writer keeping its order per 128 rows (flashattn-deterministic-order128): d = 64 causal
-    # (64-row steps, deferred dQ) and d = 128
-    for d in (64, 128):
-        q, k, v = _t(1, 700, 4, d), _t(1, 700, 2, d), _t(1, 700, 2, d)
-        yield f"dense gluon deterministic order 128 d={d} causal", partial(
-            _routes, q, k, v, routes.gluon_forward_route, fixed(dq_order_rows=128), causal=True)
-    # the GQA group split (each part's dK and dV into kv heads of its own; flashattn-deterministic-split):
-    # the three kernels
+    # the GQA group split (each part's dK and dV into kv heads of its own), each count forced: the three
+    # kernels
     for d, dv, n in ((128, 128, 4), (192, 128, 2), (256, 256, 2)) if not QUICK else ((128, 128, 4),):
         q, k, v = _t(1, 700, 8, d), _t(1, 700, 1, d), _t(1, 700, 1, dv)
         yield f"dense gluon deterministic split={n} d={d} dv={dv} causal", partial(

@@ -137,20 +137,12 @@ def test_backward_deterministic_padded_head_dims(ws_bwd_calls, monkeypatch, name
 @pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
 @pytest.mark.parametrize("name", list(DETERMINISTIC))
 def test_backward_deterministic_order_per_128_rows(ws_bwd_calls, monkeypatch, name, sq, sk, d):
-    # the dQ writer keeping its order per 128 query rows over 64-row steps (the bench's
-    # flashattn-deterministic-order128): a program's first step in the middle of a counter tile, odd step
-    # counts, both orders; against the oracle, and bitwise the same call after call
+    # the default deterministic route's dQ writer keeping its order per 128 query rows over 64-row steps
+    # (each 128-row step keeps it per step): a program's first step in the middle of a counter tile, odd
+    # step counts, both orders; against the oracle, and bitwise the same call after call
     from flashattn.backends.triton import attention
 
     monkeypatch.setattr(attention, "_backward_cache", {})
-    real = routes.backward_route
-
-    def order_rows(spec):
-        route = real(dataclasses.replace(spec, deterministic=True))
-        rows = 128 if route.tiles.block_m == 64 else route.tiles.block_m
-        return dataclasses.replace(route, dq_order_rows=rows)
-
-    monkeypatch.setattr(routes, "backward_route", order_rows)
     torch.manual_seed(0)
     options = DETERMINISTIC[name]
     q, k, v = _qkv(2, sq, sk, 4, 2, d)
@@ -158,7 +150,9 @@ def test_backward_deterministic_order_per_128_rows(ws_bwd_calls, monkeypatch, na
     window = options.get("window_size", (-1, -1))
     check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
         q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
-    assert ws_bwd_calls and all(r.deterministic and r.dq_order_rows for r in ws_bwd_calls.routes)
+    assert ws_bwd_calls and all(r.deterministic and r.dq_order_rows == (128 if r.tiles.block_m == 64 else 0)
+                                for r in ws_bwd_calls.routes)
+    assert any(r.dq_order_rows for r in ws_bwd_calls.routes) == (d == 128 or name != "full")
     dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
     assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
                         dout, calls=3)
@@ -168,9 +162,9 @@ def test_backward_deterministic_order_per_128_rows(ws_bwd_calls, monkeypatch, na
                                                   (256, 256, 8, 2, 2)], ids=str)
 @pytest.mark.parametrize("name", ["causal", "full", "window"])
 def test_backward_deterministic_group_split(ws_bwd_calls, monkeypatch, name, d, dv, h, hk, split):
-    # the fixed-order variants of the three kernels with the GQA group split, on the explicit route the
-    # bench's flashattn-deterministic-split takes: each part adds dK and dV into kv heads of its own, summed
-    # after in a fixed order; against the oracle, and bitwise the same call after call
+    # the fixed-order variants of the three kernels with the GQA group split (and attn_bwd.py's dQ order per
+    # 128 rows where it steps 64), each split count forced: each part adds dK and dV into kv heads of its
+    # own, summed after in a fixed order; against the oracle, and bitwise the same call after call
     from gluon_helpers import qkv_dv
 
     from flashattn.backends.triton import attention

@@ -275,11 +275,30 @@ def test_the_default_tiles_take_two_q_buffers_where_they_fit():
 @pytest.mark.parametrize("kw", [dict(), dict(window=CAUSAL, nheads=32, nheads_k=1), dict(varlen=True)],
                          ids=str)
 def test_deterministic_backward_takes_the_gluon_fixed_order_variant(kw):
-    # its dQ adds in a fixed order, and no group split (whose dK/dV atomics have none)
+    # its dQ adds in a fixed order, kept per 128 rows over 64-row steps; the group split as the default
+    # order's (each part's dK/dV into kv heads of its own)
     spec = _spec(deterministic=True, **kw)
     route = routes.backward_route(spec)
-    assert isinstance(route, routes.GluonBackward) and route.deterministic and route.group_split == 1
-    assert not routes.backward_route(_spec(**kw)).deterministic
+    default = routes.backward_route(_spec(**kw))
+    assert isinstance(route, routes.GluonBackward) and route.deterministic
+    assert route.group_split == default.group_split == (8 if spec.group == 32 else 1)
+    assert route.dq_order_rows == (128 if route.tiles.block_m == 64 else 0)
+    assert not default.deterministic and default.dq_order_rows == 0
+
+
+def test_deterministic_dq_order_per_128_rows_on_64_row_steps():
+    # d = 64 without a mask steps 128 rows (one step: the order per step), the others 64
+    for d, window, rows in ((64, (-1, -1), 0), (64, CAUSAL, 128), (128, CAUSAL, 128), (128, (-1, -1), 128)):
+        route = routes.backward_route(_spec(headdim=d, headdim_v=d, window=window, deterministic=True))
+        assert route.tiles.block_m == (64 if rows else 128) and route.dq_order_rows == rows
+
+
+def test_the_deterministic_group_split_counts_its_buffers_once_a_part():
+    # each part adds into kv heads of its own: 8 parts of MQA 32/1 at 64K keys (8 x 64 MiB) pass the cap,
+    # 2 (128 MiB) fit; the default order's atomics share one buffer and keep 8
+    spec = _spec(nheads=32, nheads_k=1, seqlen_q=65536, seqlen_k=65536, window=CAUSAL)
+    assert routes.gluon_backward_route(spec).group_split == 8
+    assert routes.gluon_backward_route(dataclasses.replace(spec, deterministic=True)).group_split == 4
 
 
 @pytest.mark.parametrize("kw", [dict(window=CAUSAL), dict(headdim=160, headdim_v=104),
@@ -287,15 +306,17 @@ def test_deterministic_backward_takes_the_gluon_fixed_order_variant(kw):
                                 dict(varlen=True, window=(300, -1))], ids=str)
 def test_deterministic_wide_heads_take_the_128_key_fixed_order_variant(kw):
     # d_qk 129..192 beside dv up to 128: attn_bwd_keys.py's three dQ units, staged in tiles of their own for
-    # the dQ writer, no group split; d 193..256 the d-split kernel's (its two rounds of dQ units)
+    # the dQ writer, the default order's group split; d 193..256 the d-split kernel's (its two rounds of dQ
+    # units)
     spec = _spec(deterministic=True, **{"headdim": 192, "headdim_v": 128, **kw})
     route = routes.backward_route(spec)
     assert isinstance(route, routes.GluonBackward) and route.wide_keys and route.deterministic
-    assert route.group_split == 1
+    split = routes.backward_route(dataclasses.replace(spec, deterministic=False)).group_split
+    assert route.group_split == split == (8 if spec.group == 32 else 1) and route.dq_order_rows == 0
     assert not routes.backward_route(dataclasses.replace(spec, deterministic=False)).deterministic
     wider = routes.backward_route(dataclasses.replace(spec, headdim=256, headdim_v=256))
     assert isinstance(wider, routes.GluonBackward) and wider.d_qk == 256 and not wider.wide_keys
-    assert wider.deterministic and wider.group_split == 1
+    assert wider.deterministic and wider.group_split == split
     assert isinstance(routes.backward_route(dataclasses.replace(spec, sink=True)), routes.TritonBackward)
 
 

@@ -444,17 +444,15 @@ def group_split(spec: Spec) -> int:
     min(8, group / 2), so that each program walks two or more of the group's query heads. On the H200
     (benchmarks/results/2026-12-02-workloads-fa4, b2 N8K d128 causal) MQA 32/1 ran its backward at 295
     TFLOP/s with one program per key tile, 366 split in 2 and 479 in 8; GQA 32/8 at 482, 500 split in 2
-    and 494 in 4. Not where the float32 dK and dV buffers would pass SPLIT_BUFFER_CAP (varlen: counted over
-    batch · max_seqlen_k keys, a bound on the packed ones)."""
-    if spec.deterministic:
-        # the fixed-order split (gluon.backward: the parts' own heads, summed after) has run on no GPU yet:
-        # the bench's flashattn-deterministic-split times it on its explicit route
-        return 1
+    and 494 in 4. Deterministic calls split the same (on the H100, 2026-12-06-deterministic-variants-h100:
+    MQA 32/1 7.89 ms against 12.6 unsplit, GQA 32/8 6.79 against 7.62), each part adding into kv heads of
+    its own, so their buffers count once per part. Not where the float32 dK and dV buffers would pass
+    SPLIT_BUFFER_CAP (varlen: counted over batch · max_seqlen_k keys, a bound on the packed ones)."""
     most = min(8, spec.group // 2)
     buffers = spec.batch * spec.seqlen_k * spec.nheads_k * (spec.headdim + spec.headdim_v) * 4
-    if most < 2 or buffers > SPLIT_BUFFER_CAP:
-        return 1
-    return max(n for n in range(1, most + 1) if spec.group % n == 0)
+    fits = [n for n in range(2, most + 1)
+            if spec.group % n == 0 and buffers * (n if spec.deterministic else 1) <= SPLIT_BUFFER_CAP]
+    return max(fits, default=1)
 
 
 def gluon_backward_route(spec: Spec) -> GluonBackward:
@@ -470,9 +468,13 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
     tiles = tile_config("bwd_ws", width, spec.cuda, causal=spec.banded or spec.softcap or spec.alibi)
     # 64-row steps at d = 64 compute each step's dQ one step late: the four dS^T buffers this needs leave no
     # shared memory for 128-row steps
+    # deterministic: the dQ writer keeps its order per 128 rows over 64-row steps (one count wait and one
+    # count-in per two steps): on the H100 (2026-12-06-deterministic-variants-h100) d64 causal 4K ran at
+    # 354 TFLOP/s against 270 per step, 16K 415 against 308, d128 causal 409 / 475 against 374 / 442
+    order_rows = 128 if spec.deterministic and tiles.block_m == 64 else 0
     return GluonBackward(tiles, _kv_group(spec), defer_dq=width == 64 and tiles.block_m == 64,
                          maxnreg=tiles.maxnreg or MAXNREG_TWO, group_split=group_split(spec),
-                         deterministic=spec.deterministic)
+                         deterministic=spec.deterministic, dq_order_rows=order_rows)
 
 
 def _wide_call(spec: Spec, shapes: bool, deterministic: bool = False) -> bool:

@@ -6,9 +6,7 @@ launch order head by head), `flashattn-ws-tiles` (the Gluon forward on one progr
 its persistent grid), `flashattn-fwd-k{32,64,64s3,128}` (the Gluon forward on key steps of that width and
 2 or 3 K/V stages, with the Q buffers that fit beside them), `flashattn-bwd-split{2,4,8}` (the Gluon
 backward's GQA group in parts),
-`flashattn-deterministic` (its fixed-order dQ variant), `flashattn-deterministic-order128` (that variant
-keeping its order per 128 query rows), `flashattn-deterministic-split` (that variant with the GQA group
-split, each part's dK and dV summed in a fixed order); through the
+`flashattn-deterministic` (its fixed-order dQ variant, as deterministic=True takes it); through the
 public call, every option included, `flashattn-triton-bwd` (with the
 Triton backward); and `torch-backend` (its pure-PyTorch backend)."""
 
@@ -185,32 +183,6 @@ def _split_forward(spec):
     return decode_routes.SplitForward() if decode_routes.takes_split_forward(spec) else r.forward_route(spec)
 
 
-def _deterministic_split(spec):
-    """The deterministic backward route with the group split the default order takes (routes.group_split
-    of the call without deterministic=True)."""
-    from flashattn.backends.triton import routes as r
-
-    route = r.backward_route(dataclasses.replace(spec, deterministic=True))
-    if not isinstance(route, r.GluonBackward):
-        return route
-    split = r.group_split(dataclasses.replace(spec, deterministic=False))
-    return dataclasses.replace(route, group_split=split)
-
-
-def _deterministic_order(rows: int) -> Callable:
-    """The deterministic backward route, attn_bwd.py's with its dQ order kept per `rows` query rows where
-    its steps divide them."""
-    from flashattn.backends.triton import routes as r
-
-    def make(spec):
-        route = r.backward_route(dataclasses.replace(spec, deterministic=True))
-        if not isinstance(route, r.GluonBackward) or route.d_qk or rows % route.tiles.block_m:
-            return route
-        return dataclasses.replace(route, dq_order_rows=rows)
-
-    return make
-
-
 def _group_split(n: int) -> Callable:
     """The default backward route, its Gluon one with the GQA group split into gcd(n, group) parts."""
     import math
@@ -281,16 +253,6 @@ def _providers() -> list[Provider]:
                      dataclasses.replace(spec, deterministic=True))),
                  "this project's default routes with the Gluon backward's fixed-order dQ variant, as "
                  "deterministic=True takes it (plain attention; A/B timing)"),
-        Provider("flashattn-deterministic-order128",
-                 routed(r.forward_route, _deterministic_order(128)),
-                 "the fixed-order variant with the dQ writer's order kept per 128 query rows (one count wait "
-                 "and one count-in per 128 rows) where its steps are 64 rows (attn_bwd.py; plain attention; "
-                 "A/B timing)"),
-        Provider("flashattn-deterministic-split",
-                 routed(r.forward_route, _deterministic_split),
-                 "the fixed-order variant with the GQA group split as the default order splits it, each "
-                 "part adding dK and dV into kv heads of its own, summed after in a fixed order (plain "
-                 "attention; A/B timing)"),
         *(Provider(f"flashattn-fwd-k{n}{'s3' if stages == 3 else ''}",
                    routed(_forward_keys(n, stages), r.backward_route),
                    f"this project's Gluon forward on {n}-key steps over {stages} K/V stages, the Q buffers "
