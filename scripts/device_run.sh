@@ -67,8 +67,9 @@
 #   profile-training
 #                 Nsight Compute on one training backward (scripts/ncu_case.py; PROFILE_CASE, default the wide
 #                 heads' "192 8192 causal dv=128") for ours and for cuDNN's (and FA4's) kernel on the same
-#                 tensors: sections with source counters and the pipes, ncu-train-{ours,cudnn,fa4}.txt
-#                 (PROFILE_WHO: a subset of "ours cudnn fa4")
+#                 tensors: sections with source counters and the pipes, ncu-train-{ours,cudnn,fa4}.txt, and
+#                 each SASS instruction's stall samples and shared wavefronts, sass-train-*.csv (read them
+#                 with scripts/ncu_hotspots.py) (PROFILE_WHO: a subset of "ours cudnn fa4")
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py), and the
 #                 autograd engine's share, device threads on and off (scripts/autograd_host.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
@@ -244,10 +245,15 @@ CASES
         extra=; regex="attn_bwd_(ws|dsplit|keys)_kernel"
         [ $who = cudnn ] && extra=cudnn && regex=sdpa
         [ $who = fa4 ] && extra=fa4 && regex=BackwardSm90
+        # one report, read twice: the sections as text, and the stall samples and shared-memory wavefronts
+        # per SASS instruction (the source page; the report itself is too large to come back)
         timeout 200 ncu --clock-control none --kernel-name "regex:$regex" --launch-skip 2 --launch-count 1 \
-          --print-details all --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section InstructionStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-          --section SourceCounters python3 scripts/ncu_case.py $case_args $extra > "$RES/ncu-train-$who.txt" 2>&1
+          --section SourceCounters -o "/tmp/ncu-$who" -f python3 scripts/ncu_case.py $case_args $extra \
+          > "$RES/ncu-run-$who.txt" 2>&1
+        ncu -i "/tmp/ncu-$who.ncu-rep" --print-details all > "$RES/ncu-train-$who.txt" 2>&1
+        ncu -i "/tmp/ncu-$who.ncu-rep" --page source --csv --print-source sass > "$RES/sass-train-$who.csv" 2>&1
         echo "-- $who: $case_args"
         grep -E "^ +(Duration|Compute \(SM\) Throughput|L2 Cache Throughput|Issue Slots Busy|Stall Long)" \
           "$RES/ncu-train-$who.txt" | head -8
