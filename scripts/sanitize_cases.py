@@ -215,6 +215,10 @@ def ws_deterministic():
     # each part's dK and dV into kv heads of its own
     with _backward_route(fixed(group_split=2)):
         _fixed_order(((d, dv, dict(causal=True)) for d, dv in ((128, 128), (192, 128), (256, 256))), hk=1)
+    # the default split of packed documents' GQA groups (8 heads over 1: 4 parts)
+    q, k, v = _qkv((sum(lens), 8, 128), (sum(lens), 1, 128), (sum(lens), 1, 128))
+    _grad_check(flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                       deterministic=True), q, k, v)
     # the d-split wide-head backward's (attn_bwd_dsplit.py's two rounds of units for its own writer)
     _fixed_order(((256, 256, dict(causal=True)), (224, 128, dict(window_size=(50, -1)))))
     _fixed_order_varlen(lens, cu, 256, 256)

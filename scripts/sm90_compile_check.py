@@ -371,10 +371,12 @@ def dense_cases():
         q, k, v = _t(1, 700, 8, d), _t(1, 700, 1, d), _t(1, 700, 1, dv)
         yield f"dense gluon deterministic split={n} d={d} dv={dv} causal", partial(
             _routes, q, k, v, routes.gluon_forward_route, fixed(group_split=n), causal=True)
-    q, k, v = _t(208, 4, 128, grad=True), _t(208, 2, 128, grad=True), _t(208, 2, 128, grad=True)
-    yield "varlen gluon deterministic d=128 causal", partial(
-        _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,
-        deterministic=True)
+    # packed documents, 4 heads over 2 and (the default split of deterministic calls) 8 over 1
+    for h, hk in ((4, 2), (8, 1)) if not QUICK else ((4, 2),):
+        q, k, v = _t(208, h, 128, grad=True), _t(208, hk, 128, grad=True), _t(208, hk, 128, grad=True)
+        yield f"varlen gluon deterministic d=128 h={h} hk={hk} causal", partial(
+            _on_gluon, _fwd_bwd, flash_attn_varlen_func, q, k, v, cu, cu, 130, 130, causal=True,
+            deterministic=True)
     # S_dmask (return_attn_probs with dropout): its key tiles are 128, 64 and 32 wide by head dim
     for d in (32, 64, 128, 256):
         q, k, v = _t(2, 150, 4, d), _t(2, 190, 2, d), _t(2, 190, 2, d)

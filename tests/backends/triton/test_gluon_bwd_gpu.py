@@ -195,6 +195,17 @@ def test_backward_deterministic_varlen(ws_calls, ws_bwd_calls, causal):
     assert_varlen_reproducible(lens, 128, 128, causal=causal)
 
 
+@pytest.mark.parametrize("d, h, hk", [(128, 8, 1), (64, 16, 4)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_deterministic_varlen_group_split(ws_calls, ws_bwd_calls, causal, d, h, hk):
+    # packed documents of a GQA group the default deterministic route splits (each part's dK and dV into kv
+    # heads of its own over the packed keys, summed after), with empty and one-row sequences
+    lens = [0, 77, 1, 700, 0, 129, 300]
+    check_varlen(ws_calls, ws_bwd_calls, lens, lens, h, hk, d, causal=causal, deterministic=True)
+    assert all(r.deterministic and r.group_split > 1 for r in ws_bwd_calls.routes)
+    assert_varlen_reproducible(lens, d, d, causal=causal, h=h, hk=hk)
+
+
 def test_backward_deterministic_with_a_sink_keeps_triton(ws_bwd_calls):
     q, k, v = _qkv(1, 512, 512, 2, 2, 128)
     sink = torch.randn(2, device="cuda", requires_grad=True)
