@@ -86,6 +86,35 @@ def test_workspace_counters_return_to_zero(monkeypatch):
     assert smaller._workspace is ws and smaller.route.num_splits <= plan.route.num_splits
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's workspace lives on the CPU")
+def test_calls_without_a_plan_share_their_streams_workspace(monkeypatch):
+    # flash_attn_with_kvcache's launches take their stream's workspace (no allocation and no zeroing per
+    # call), grown for a larger launch and left with its counters at 0; the same results as a workspace of
+    # the call's own (what a call under CUDA graph capture allocates)
+    from flashattn import config
+    from flashattn.backends.triton import decode
+
+    monkeypatch.setattr(config, "backend", "triton")
+    monkeypatch.setattr(decode, "_stream_workspaces", {})
+
+    def call(a, splits):
+        return flash_attn_with_kvcache(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["rotary_cos"],
+                                       a["rotary_sin"], a["cache_seqlens"], block_table=a["block_table"],
+                                       causal=True, num_splits=splits, return_softmax_lse=True)
+
+    outs, sizes = [], []
+    for seed, splits in ((0, 3), (1, 2), (2, 4)):
+        outs.append(call(_inputs(seed), splits))
+        (ws,) = decode._stream_workspaces.values()
+        assert ws.counters.numel() >= B * HK and torch.count_nonzero(ws.counters) == 0
+        sizes.append(ws.partials.numel())
+    assert sizes[0] == sizes[1] < sizes[2]  # kept for the 2-split launch, grown for the 4-split one
+    monkeypatch.setattr(decode, "stream_workspace", lambda *args: None)
+    for (seed, splits), (out, lse) in zip(((0, 3), (1, 2), (2, 4)), outs, strict=True):
+        fresh, fresh_lse = call(_inputs(seed), splits)
+        assert torch.equal(out, fresh) and torch.equal(lse, fresh_lse)
+
+
 def test_replan_changes_only_what_is_asked():
     plan = _plan()
     other = plan.replan(batch=4, max_seqlen_k=32)

@@ -204,6 +204,33 @@ def test_cuda_graph_capture(b, cap, page):
     torch.testing.assert_close(out, expect, rtol=0, atol=0)
 
 
+def test_eager_calls_on_two_streams_keep_a_workspace_each():
+    """Eager calls take their stream's split workspace (backends/triton/decode.py, stream_workspace): calls
+    on two streams at once, each with launches of several splits in flight, give the single-stream results
+    bit for bit, and each stream holds a workspace of its own whose counters the kernel left at 0."""
+    from flashattn.backends.triton import decode
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, cap = 1, 16384
+    k = torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen)
+    v = torch.randn(b, cap, HK, D, device="cuda", dtype=DT, generator=gen)
+    qs = [torch.randn(b, 1, H, D, device="cuda", dtype=DT, generator=gen) for _ in range(8)]
+    expect = [flash_attn_with_kvcache(q, k, v) for q in qs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [None] * len(qs)
+    torch.cuda.synchronize()
+    for i, q in enumerate(qs):
+        with torch.cuda.stream(streams[i % 2]):
+            outs[i] = flash_attn_with_kvcache(q, k, v)
+    torch.cuda.synchronize()
+    for out, ref in zip(outs, expect, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    keys = {(torch.cuda.current_device(), s.cuda_stream) for s in streams}
+    assert keys <= set(decode._stream_workspaces)
+    for key in keys:
+        assert torch.count_nonzero(decode._stream_workspaces[key].counters) == 0
+
+
 def test_torch_compile_fullgraph():
     gen = torch.Generator(device="cuda").manual_seed(7)
     b, cap = 2, 1024

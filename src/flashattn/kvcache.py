@@ -13,6 +13,7 @@ import numbers
 from torch import Tensor
 
 from flashattn import _validate, _validate_cache, config
+from flashattn.backends import STREAM_WORKSPACE
 from flashattn.errors import FlashAttnError
 from flashattn.ops import kvcache as kvcache_ops
 from flashattn.ops import registry
@@ -172,7 +173,7 @@ def flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, None if seqlens_is_int else cache_seqlens,
             cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale,
             softmax_scale=checked[0], causal=bool(causal), window_size=checked[1:3], softcap=checked[3],
-            rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits)))
+            rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits)), STREAM_WORKSPACE)
         if len(_calls) >= _CACHED_SIGNATURES:
             _calls.clear()
         _calls[key] = launch
@@ -227,7 +228,7 @@ def _cache_len(cache_seqlens, capacity: int, s_new: int, k_cache, block_table) -
 class Launch:
     """A checked call signature and its prepared launch (kvcache_ops.prepare): called with a call's tensors,
     it checks what varies from call to call (an int cache_seqlens; the device indices if asked) and launches
-    once. workspace: a DecodePlan's own (None: the stream's)."""
+    once. workspace: a DecodePlan's own, or flash_attn_with_kvcache's STREAM_WORKSPACE (the stream's)."""
 
     __slots__ = ("capacity", "s_new", "prepared", "workspace")
 

@@ -20,6 +20,9 @@ from flashattn.errors import FlashAttnError
 
 BACKENDS = config.BACKENDS
 _modules: dict = {}
+# a prepared decode launch's workspace argument (kvcache_forward's DecodeLaunch): take the current stream's,
+# kept between calls, rather than allocate one (a backend without workspaces ignores it)
+STREAM_WORKSPACE = "stream"
 
 
 def backend_name(t: torch.Tensor) -> str:

@@ -15,10 +15,12 @@ outputs and launches. `prepare` makes one; `kvcache_forward` keeps one per signa
 flashattn.kvcache and flashattn.decode_plan keep their own.
 
 Splits merge inside the kernel through a workspace: fp32 partials and one counter per row of programs, which
-must be 0 when a launch starts. A DecodePlan brings its own `Workspace` (the kernel leaves its counters at 0,
-so it serves launch after launch, in order on one stream); a call without one allocates its partials and
-zeroed counters, so that it holds no state between calls: nothing to race on between streams, nothing
-allocated in a CUDA graph's pool that outlives the graph's own bookkeeping.
+must be 0 when a launch starts. The kernel leaves its counters at 0, so a workspace serves launch after launch
+in order on one stream: a DecodePlan brings its own; flash_attn_with_kvcache's eager calls take their
+stream's (workspace=STREAM_WORKSPACE, `stream_workspace`: no allocation and no zeroing kernel per call);
+the other calls (the registered op's, which torch.compile's CUDA graphs run, and any under CUDA graph
+capture) allocate their partials and zeroed counters, so that they hold no state between calls: graphs may
+replay on several streams at once, and nothing allocated in a graph's pool may outlive its bookkeeping.
 
 An FP8 cache (e4m3 k_cache/v_cache with float32 descales k_descale/v_descale, (1,) or (b, h_k)) is the
 kernel's FP8_CACHE variant; its tiles are routed for the cache's element size.
@@ -29,7 +31,8 @@ computation in plain torch.
 
 import torch
 
-from flashattn import config
+from flashattn import _internals, config
+from flashattn.backends import STREAM_WORKSPACE
 from flashattn.backends.triton import decode_routes, host, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.merge import sm_count
@@ -59,6 +62,34 @@ class Workspace:
 
     def fits(self, floats: int, counters: int) -> bool:
         return self.partials.numel() >= floats and self.counters.numel() >= counters
+
+
+_stream_workspaces: dict = {}
+
+
+def stream_workspace(device: torch.device, floats: int, counters: int) -> Workspace | None:
+    """The workspace of launches that bring none: one per CUDA device and stream (launches on a stream run
+    one after another, and each leaves the counters at 0), grown to the largest launch it has served; None
+    while the stream is capturing a CUDA graph (the caller allocates its own). The interpreter runs each
+    launch to its end before the next, so a CPU device keeps one."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        index = device.index if device.index is not None else _internals.current_device()
+        key = (index, _internals.raw_stream(index))
+    else:
+        key = (device.type,)
+    workspace = _stream_workspaces.get(key)
+    if workspace is None or not workspace.fits(floats, counters):
+        if workspace is not None:
+            floats = max(floats, workspace.partials.numel())
+            counters = max(counters, workspace.counters.numel())
+        elif len(_stream_workspaces) >= _CACHED_SIGNATURES:
+            # streams come and go; a dropped workspace's memory is reused by its own stream only, after its
+            # launches (the caching allocator's blocks are per stream)
+            _stream_workspaces.clear()
+        workspace = _stream_workspaces[key] = Workspace(device, floats, counters)
+    return workspace
 
 
 def _window(causal: bool, window_size) -> tuple[int, int]:
@@ -123,6 +154,8 @@ class DecodeLaunch:
         # sizes unpacked: torch.empty parses separate ints faster than a tuple
         out = torch.empty(*self.out_shape, dtype=q.dtype, device=device)
         lse = torch.empty(*self.lse_shape, dtype=torch.float32, device=device)
+        if workspace is STREAM_WORKSPACE:
+            workspace = stream_workspace(device, self.floats, self.counters) if self.counters else None
         if not self.counters:
             work = counters = q
         elif workspace is None:
