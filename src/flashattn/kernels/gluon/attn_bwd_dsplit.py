@@ -42,14 +42,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashattn.kernels.gluon.attn_bwd import dtanh, sink_step
-from flashattn.kernels.gluon.bwd_dq import count_in, count_slot, reduce_add, wait_count, warp_lanes
+from flashattn.kernels.gluon.bwd_dq import (
+    count_in,
+    count_slot,
+    reduce_add,
+    wait_count,
+    warp_lanes,
+    writer_tile,
+)
 from flashattn.kernels.gluon.bwd_tiles import (
     add_key_tile,
     key_sequence,
     key_tile,
     part_heads,
     program_sequence,
-    writer_sequence,
 )
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import transposed_probs
@@ -426,17 +432,9 @@ def _dq_writer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.
     dq_empty = det[3]
     left = problem[5]
     right = problem[6]
-    varlen: gl.constexpr = problem[7] is not None
-    b = writer_sequence(seq_smem, seq_ready, varlen)
-    reverse: gl.constexpr = CAUSAL or right is not None  # the loader's order
-    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
-        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
+    off_b, head0, desc_b, m_first, n_m, q_start, n, n_last, diag = writer_tile(
+        problem, seq_smem, seq_ready, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)
     HEADS: gl.constexpr = GROUP // SPLIT
-    head0 = off_hk * GROUP + part * HEADS
-    desc_b = 0 if varlen else off_b
-    n = start_n // BLOCK_N
-    n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
-    diag = seqlen_k - seqlen_q
     lanes = warp_lanes()
     # tile w is the warpgroup w's (_consumer0 runs warpgroup 1); its first dQ column, as `_consumer`'s Q0
     col0 = 0

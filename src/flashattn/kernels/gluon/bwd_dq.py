@@ -98,6 +98,23 @@ def count_slot(det, off_b, off_h, q_start, t0, TILE: gl.constexpr, n, n_last, di
 
 
 @gluon.jit
+def writer_tile(problem, seq_smem, seq_ready, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    """A dQ writer's program as its consumers see it (key_tile in the fixed order's launch order: the last key
+    tile first under a right edge): (batch, its part's first query head, the dQ descriptor's batch, first
+    query row, query tiles, the sequence's first query row, the key tile's index, the last key tile's, and
+    seqlen_k - seqlen_q)."""
+    varlen: gl.constexpr = problem[7] is not None
+    b = writer_sequence(seq_smem, seq_ready, varlen)
+    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
+        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, CAUSAL or problem[6] is not None)
+    head0 = off_hk * GROUP + part * (GROUP // SPLIT)
+    desc_b = 0 if varlen else off_b
+    return (off_b, head0, desc_b, m_first, n_m, q_start, start_n // BLOCK_N, gl.cdiv(seqlen_k, BLOCK_N) - 1,
+            seqlen_k - seqlen_q)
+
+
+@gluon.jit
 def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               SPLIT: gl.constexpr, SETS: gl.constexpr = 1, COUNT_M: gl.constexpr = 0):
@@ -117,24 +134,17 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     seq_smem = args[10]
     seq_ready = args[11][5]
     problem = args[13]
-    LOCK, _, dq_full, dq_empty = args[17]
+    _, _, dq_full, dq_empty = args[17]
     left = problem[5]
     right = problem[6]
-    varlen: gl.constexpr = problem[7] is not None
-    b = writer_sequence(seq_smem, seq_ready, varlen)
-    off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
-        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, LOCK is not None and (CAUSAL or right is not None))
+    off_b, head0, desc_b, m_first, n_m, q_start, n, n_last, diag = writer_tile(
+        problem, seq_smem, seq_ready, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)
     HEADS: gl.constexpr = GROUP // SPLIT
     TILE: gl.constexpr = BLOCK_M if COUNT_M == 0 else COUNT_M
     gl.static_assert(TILE % BLOCK_M == 0)
     # the staged tiles: HEAD_DIM's columns in units of the dQ descriptor's width, one tile per unit
     W: gl.constexpr = dq_desc.block_type.shape[3]
     UNITS: gl.constexpr = HEAD_DIM // W
-    head0 = off_hk * GROUP + part * HEADS
-    desc_b = 0 if varlen else off_b
-    n = start_n // BLOCK_N
-    n_last = gl.cdiv(seqlen_k, BLOCK_N) - 1
-    diag = seqlen_k - seqlen_q
     lanes = warp_lanes()
     c = 0  # the stores so far
     for g in range(HEADS):
