@@ -95,6 +95,9 @@ DETERMINISTIC = {"causal": dict(causal=True), "full": {}, "swa": dict(causal=Tru
 @pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
 @pytest.mark.parametrize("name", list(DETERMINISTIC))
 def test_backward_deterministic(ws_bwd_calls, name, sq, sk, d):
+    # the dQ writer keeping its order per 128 query rows over 64-row steps (per step over 128-row ones): a
+    # program's first step in the middle of a counter tile, odd step counts, both orders; against the
+    # oracle, and bitwise the same call after call
     torch.manual_seed(0)
     options = DETERMINISTIC[name]
     q, k, v = _qkv(2, sq, sk, 4, 2, d)
@@ -102,8 +105,9 @@ def test_backward_deterministic(ws_bwd_calls, name, sq, sk, d):
     window = options.get("window_size", (-1, -1))
     check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
         q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
-    assert ws_bwd_calls and all(r.deterministic for r in ws_bwd_calls.routes)
-    # bitwise the same gradients, call after call
+    assert ws_bwd_calls and all(r.deterministic and r.dq_order_rows == (128 if r.tiles.block_m == 64 else 0)
+                                for r in ws_bwd_calls.routes)
+    assert any(r.dq_order_rows for r in ws_bwd_calls.routes) == (d == 128 or name != "full")
     dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
     assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
                         dout, calls=4)
@@ -131,31 +135,6 @@ def test_backward_deterministic_padded_head_dims(ws_bwd_calls, monkeypatch, name
     dout = torch.randn(2, 1023, 4, dv, device="cuda", dtype=q.dtype)
     assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
                         dout, calls=2)
-
-
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("sq, sk", [(1023, 1023), (113, 1023), (1023, 113), (2049, 1537)])
-@pytest.mark.parametrize("name", list(DETERMINISTIC))
-def test_backward_deterministic_order_per_128_rows(ws_bwd_calls, monkeypatch, name, sq, sk, d):
-    # the default deterministic route's dQ writer keeping its order per 128 query rows over 64-row steps
-    # (each 128-row step keeps it per step): a program's first step in the middle of a counter tile, odd
-    # step counts, both orders; against the oracle, and bitwise the same call after call
-    from flashattn.backends.triton import attention
-
-    monkeypatch.setattr(attention, "_backward_cache", {})
-    torch.manual_seed(0)
-    options = DETERMINISTIC[name]
-    q, k, v = _qkv(2, sq, sk, 4, 2, d)
-    causal = options.get("causal", False)
-    window = options.get("window_size", (-1, -1))
-    check_against_oracle(q, k, v, causal=causal, window_size=window, attn=lambda q, k, v: flash_attn_func(
-        q, k, v, causal=causal, window_size=window, deterministic=True, return_attn_probs=True)[:2])
-    assert ws_bwd_calls and all(r.deterministic and r.dq_order_rows == (128 if r.tiles.block_m == 64 else 0)
-                                for r in ws_bwd_calls.routes)
-    assert any(r.dq_order_rows for r in ws_bwd_calls.routes) == (d == 128 or name != "full")
-    dout = torch.randn(2, sq, 4, d, device="cuda", dtype=q.dtype)
-    assert_reproducible(lambda q, k, v: flash_attn_func(q, k, v, deterministic=True, **options), (q, k, v),
-                        dout, calls=3)
 
 
 @pytest.mark.parametrize("d, dv, h, hk, split", [(128, 128, 8, 1, 4), (64, 64, 8, 2, 2), (192, 128, 8, 1, 4),
