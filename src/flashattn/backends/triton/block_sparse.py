@@ -48,7 +48,7 @@ def band_of(kt) -> tuple[int, int] | None:
 def _spec(q, v, kt) -> sparse_routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
     return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
-                             tma.device_facts(q.device)[0], band_of(kt))
+                                    tma.device_facts(q.device)[0], band_of(kt))
 
 
 def default_route(q, v, kt) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
