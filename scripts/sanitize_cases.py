@@ -2,7 +2,7 @@
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
         [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_padded]
-        [ws_paged] [fp8] [softcap_wide]
+        [ws_paged] [ws_pack] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -20,7 +20,8 @@ persistent programs taking several tiles, padded and varlen. ws_wide_bwd runs th
 ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the default at width 192;
 ws_deterministic covers its fixed-order variant).
 ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_paged runs the Gluon forward on
-page pools through a block table, entries outside the pool included.
+page pools through a block table, entries outside the pool included. ws_pack runs the Gluon forward with
+GQA groups packed into its query tiles (padded groups, a group wider than a warpgroup's rows, every option).
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -490,6 +491,32 @@ def fp8():
                                               causal=True, num_splits=splits, k_descale=kd, v_descale=vd)
                 assert torch.isfinite(out).all()
     torch.cuda.synchronize()
+
+
+def ws_pack():
+    from flashattn.backends.triton import attention, routes
+
+    # the Gluon forward with GQA groups packed into its tiles (routes.gqa_pack): groups padded to a power of
+    # two (6 -> 8, whose extra rows must read zeros and never be stored), a group past HALF_M (128: tiles of
+    # one position's heads), rows without keys (sq > sk, causal), every option; each call on the packed route
+    # explicitly (few rows take the split-KV forward by default)
+    for (h, hk), (sq, sk), d, options in (((8, 2), (64, 300), 128, dict(causal=True)),
+                                          ((12, 2), (17, 1023), 64, dict(window_size=(100, 37), softcap=20.0)),
+                                          ((128, 1), (3, 200), 128, dict(causal=True)),
+                                          ((6, 2), (50, 40), 256, dict(causal=True)),
+                                          ((12, 2), (40, 113), 192, dict(causal=True))):
+        q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        spec = attention.spec_of(q, k, v, **options)
+        route = routes.gluon_forward_route(spec)
+        assert route.pack > 1, route
+        opts = dict(options, causal=options.get("causal", False))
+        extra = dict(alibi_slopes=torch.rand(2, h, device="cuda"),
+                     learnable_sink=torch.randn(h, device="cuda")) if d == 64 else {}
+        out, _ = attention.attention_forward(q, k, v, softmax_scale=d ** -0.5, route=route, **opts,
+                                             **extra)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
 
 
 def softcap_wide():

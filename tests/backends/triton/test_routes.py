@@ -296,6 +296,40 @@ def test_the_half_diagonal_step_follows_a_right_edge(window, half):
     assert routes.forward_route(_spec(window=window)).half_diag is half
 
 
+@pytest.mark.parametrize("kw, pack", [
+    # few query rows: the group's heads fill the tile (padded to a power of two)
+    (dict(seqlen_q=64, batch=8, nheads=32, nheads_k=8), 4),
+    (dict(seqlen_q=64, batch=8, nheads=32, nheads_k=1), 32),
+    (dict(seqlen_q=17, batch=33, nheads=12, nheads_k=2), 8), (dict(seqlen_q=1, nheads=128, nheads_k=1), 128),
+    (dict(seqlen_q=100, nheads=16, nheads_k=2, window=CAUSAL), 8),
+    (dict(seqlen_q=64, nheads=6, nheads_k=2, window=(100, 37), softcap=True, alibi=True, sink=True), 4),
+    # rows that fill their tiles unpacked (0.9 of the packed share or more), no group, or no packed variant
+    (dict(seqlen_q=1000, nheads=16, nheads_k=2), 1), (dict(seqlen_q=2048), 1), (dict(seqlen_q=128), 1),
+    (dict(seqlen_q=64, nheads=4, nheads_k=4), 1), (dict(seqlen_q=64, varlen=True, tokens_q=640), 1),
+    (dict(seqlen_q=64, nheads=512, nheads_k=1), 1),
+], ids=str)
+def test_the_gluon_forward_packs_a_gqa_group_where_it_fills_the_tiles(kw, pack):
+    route = routes.gluon_forward_route(_spec(**kw))
+    assert route.pack == pack
+    if pack > 1:
+        # the half step's halves assume a row per position
+        assert not route.half_diag
+
+
+def test_fp8_forwards_keep_their_groups_unpacked():
+    spec = _spec(seqlen_q=64, nheads=32, nheads_k=8, dtype="float8_e4m3fn", out_dtype="bfloat16")
+    assert not routes.takes_gqa_pack(spec) and routes.gluon_forward_route(spec).pack == 1
+
+
+def test_packed_launch_groups_count_kv_heads():
+    # under a band the launch order groups work items so that their keys fit the L2 budget: a packed item
+    # streams its kv head's keys whole
+    spec = _spec(seqlen_q=64, seqlen_k=65536, batch=8, nheads=32, nheads_k=8, window=CAUSAL)
+    route = routes.gluon_forward_route(spec)
+    assert route.pack == 4
+    assert route.lpt_group == max(1, routes.L2_BUDGET // (65536 * 256 * 2))
+
+
 @pytest.mark.parametrize("window, consumers", [
     ((1023, 0), 2), ((1023, 1024), 2), ((4095, 4096), 3), ((-1, 8), 3), ((64, -1), 3), (CAUSAL, 3),
     ((-1, -1), 3),

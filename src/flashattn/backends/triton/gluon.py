@@ -59,6 +59,25 @@ def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> 
     return list(t.shape), list(t.stride()), [1, rows, 1, cols], _shared_layout(rows, cols, dtype_name)
 
 
+@functools.lru_cache(maxsize=32)
+def _packed_layout(rows: int, heads: int, cols: int, dtype_name: str):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, heads, cols], getattr(gl, dtype_name))
+
+
+def _packed_spec(t, group: int, pack: int, cols: int) -> tuple:
+    """_descriptor_spec of a (batch, seqlen, heads, d) tensor t as the (batch, seqlen, heads_k, group, d)
+    view of FA3's pack_gqa (routes.gqa_pack): blocks of HALF_M rows, HALF_M // pack positions x `pack` heads
+    of a group (`pack`: the group padded to a power of two; the rows past the group read as zeros and are
+    clipped from the stores), or HALF_M of one position's heads where pack is larger."""
+    b, n, h, d = t.shape
+    heads = min(pack, HALF_M)
+    rows = HALF_M // heads
+    return ([b, n, h // group, group, d], [t.stride(0), t.stride(1), group * t.stride(2), t.stride(2), 1],
+            [1, rows, 1, heads, cols], _packed_layout(rows, heads, cols, _GLUON_DTYPES[t.dtype]))
+
+
 _GLUON_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
 
 
@@ -229,10 +248,12 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     from flashattn.kernels.gluon.attn_fwd import attn_fwd_ws_kernel
 
     tiles = route.tiles
-    n_bh = pb.batch * pb.nheads
+    # packed (route.pack > 1): a work item per (batch, kv head) and tile of its group's packed rows
+    heads = pb.nheads // pb.flags["GROUP"] if route.pack > 1 else pb.nheads
+    n_bh = pb.batch * heads
     # varlen: at most every sequence's tiles at max_seqlen_q (the kernel reads the exact count), and one
     # program even when no sequence has a row
-    n_work = max(host.cdiv(pb.seqlen_q, tiles.block_m) * n_bh, 1)
+    n_work = max(host.cdiv(pb.seqlen_q * route.pack, tiles.block_m) * n_bh, 1)
     n_programs = min(n_work, sm_count(q.device)) if route.persistent else n_work
     # Q's and K's head dim padded to the route's width (TMA reads the columns past d as zeros), their
     # descriptors as wide or, at a width that is not a power of two (192), 64 columns wide, the kernel
@@ -244,18 +265,23 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     # V's and O's as wide as dv's padded width (TMA reads zeros past dv and clips O's stores there)
     dv_width = host.block_d(pb.dv)
     v_spec = _kmajor_spec(v, tiles.block_n) if fp8 else _descriptor_spec(v, tiles.block_n, dv_width)
-    specs = (_descriptor_spec(q, HALF_M, chunk), _descriptor_spec(k, tiles.block_n, chunk), v_spec,
-             _descriptor_spec(out, HALF_M, dv_width))
+    if route.pack > 1:
+        group = pb.flags["GROUP"]
+        q_spec = _packed_spec(q, group, route.pack, chunk)
+        o_spec = _packed_spec(out, group, route.pack, dv_width)
+    else:
+        q_spec, o_spec = _descriptor_spec(q, HALF_M, chunk), _descriptor_spec(out, HALF_M, dv_width)
+    specs = (q_spec, _descriptor_spec(k, tiles.block_n, chunk), v_spec, o_spec)
     causal, left, right = band_args(pb)
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_RELEASE=route.defer_release,
-                  HALF_DIAG=route.half_diag, TREES=route.trees, Q_BUFS=route.q_buffers, num_warps=4,
-                  maxnreg=route.maxnreg)
+                  HALF_DIAG=route.half_diag, TREES=route.trees, Q_BUFS=route.q_buffers, PACK=route.pack,
+                  num_warps=4, maxnreg=route.maxnreg)
     # the LSE: (batch, nheads, seqlen_q), or (nheads, total_q) under varlen
     lse_strides = (0, lse.stride(0)) if pb.varlen else (lse.stride(0), lse.stride(1))
     return Prepared(
         Bound(attn_fwd_ws_kernel, (n_programs,), kwargs), specs,
-        (*lse_strides, pb.nheads, *_lengths(pb, q, k), pb.scalars[0], n_bh, route.lpt_group, left, right,
+        (*lse_strides, heads, *_lengths(pb, q, k), pb.scalars[0], n_bh, route.lpt_group, left, right,
          *softcap_args(pb)),
     )
 

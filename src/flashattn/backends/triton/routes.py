@@ -181,6 +181,9 @@ class GluonForward:
     half_diag: bool = False
     trees: int = 3  # bit 0: the row max as a register tree (else a chain); bit 1: the per-lane row sums
     maxnreg: int = MAXNREG_TWO
+    # FA3's pack_gqa: > 1, a query tile holds a GQA group's heads side by side (the group padded to this
+    # power of two), so K and V stream once per group and few query rows still fill a tile (`gqa_pack`)
+    pack: int = 1
     kernel = "gluon"
 
 
@@ -372,21 +375,47 @@ def _stream_group(spec: Spec) -> int:
     return lpt_group(spec, spec.batch * spec.nheads, stream)
 
 
+def takes_gqa_pack(spec: Spec) -> bool:
+    """A call whose GQA group the Gluon forward can pack into its query tiles: a group (of up to 256 heads),
+    16-bit, the padded layout (a varlen sequence's last rows go by masked stores, which take one head)."""
+    return 1 < spec.group <= 256 and spec.element_size == 2 and not spec.varlen
+
+
+def gqa_pack(spec: Spec, block_m: int) -> int:
+    """The Gluon forward's pack (GluonForward.pack) for a spec it takes: the GQA group padded to a power of
+    two where packing fills the query tiles better, FA3's rule: the share of a tile's rows that hold a
+    query row, unpacked below 0.9 of the packed one's (64 query rows of 32 heads over 8 KV heads: half of
+    each 128-row tile unpacked, all of it packed, and K/V read once per group instead of four times); else 1.
+    """
+    if not takes_gqa_pack(spec):
+        return 1
+    pack = 1 << (spec.group - 1).bit_length()
+    rows = spec.seqlen_q
+    plain = rows / (-(-rows // block_m) * block_m)
+    packed = rows * spec.group / (-(-rows * pack // block_m) * block_m)
+    return pack if plain < 0.9 * packed else 1
+
+
 def gluon_forward_route(spec: Spec) -> GluonForward:
     """The Gluon forward's route for a spec it takes (takes_gluon_forward)."""
     tiles = gluon_forward_tiles(spec)
+    pack = gqa_pack(spec, tiles.block_m)
     three = tiles.block_m == 3 * HALF_M
     # tree reductions: +5% with two consumers at d=64 1K causal, -2 to -4% with three. The half-diagonal
     # step wherever the band has a right edge: a warpgroup's last key tile then often has its upper half
     # masked for all its rows, as under causal masking (on 128-key tiles: the step splits one in halves)
     # (not for FP8: its V tiles are K-major, and the half step's half of one would be a slice through the
     # middle of each 128-byte swizzle row, which a wgmma operand cannot start at)
-    half_diag = spec.window[1] >= 0 and tiles.block_n == 128 and spec.element_size == 2
+    # (nor packed: the half step's rows are one position each)
+    half_diag = spec.window[1] >= 0 and tiles.block_n == 128 and spec.element_size == 2 and pack == 1
     width = gluon_head_dim(spec)
     q_buffers = gluon_q_buffers(spec, tiles, width)
-    return GluonForward(tiles, _stream_group(spec), width, q_buffers, defer_release=q_buffers == 2,
+    # packed, a work item streams its KV head's keys whole (a group's heads share them)
+    group = (lpt_group(spec, spec.batch * spec.nheads_k, spec.seqlen_k * (spec.headdim + spec.headdim_v)
+                       * spec.element_size) if pack > 1 else _stream_group(spec))
+    return GluonForward(tiles, group, width, q_buffers, defer_release=q_buffers == 2,
                         half_diag=half_diag, trees=0 if three else 3,
-                        maxnreg=tiles.maxnreg or (MAXNREG_THREE if three else MAXNREG_TWO))
+                        maxnreg=tiles.maxnreg or (MAXNREG_THREE if three else MAXNREG_TWO), pack=pack)
 
 
 def triton_forward_route(spec: Spec) -> TritonForward:

@@ -231,6 +231,10 @@ def _providers() -> list[Provider]:
                  "this project's default routes with forwards of at most 64 query rows (no more than keys) "
                  "on the split-KV decode kernel, a GQA group's rows packed (decode_routes.SplitForward; "
                  "A/B timing)"),
+        Provider("flashattn-unpacked", routed(_replace(r.forward_route, r.GluonForward, pack=1),
+                                              r.backward_route),
+                 "this project's default routes with the Gluon forward's GQA groups unpacked, a query tile "
+                 "per head (instead of FA3's pack_gqa where routes.gqa_pack takes it; A/B timing)"),
         Provider("flashattn-bwd-dsplit", routed(r.forward_route, _dsplit_backward),
                  "this project's default routes with the d_qk 129..192 / dv 65..128 backward on 64 keys a "
                  "program, the gradients split by columns (attn_bwd_dsplit.py), instead of 128 "

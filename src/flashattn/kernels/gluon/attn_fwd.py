@@ -78,7 +78,7 @@ def _qk(q_smem, qi, k_smem, stage, s_zero, N: gl.constexpr, BLOCK_N: gl.constexp
     wgmma per column chunk of Q and K, into one accumulator. A head dim that is not a power of two (192) is
     held as 64-wide chunks (a tile's shape must be a power of two); the others as one chunk. Each wgmma is
     its own group: a wait that leaves one group outstanding after a later PV has retired all of them."""
-    CW: gl.constexpr = q_smem.shape[4]
+    CW: gl.constexpr = k_smem.shape[4]  # K's chunks: Q's may be 5-D (the packed GQA tiles)
     s = s_zero
     for ch in gl.static_range(NCH):
         k = k_smem.index(stage * NCH + ch).reshape([BLOCK_N, CW])
@@ -130,7 +130,7 @@ def _half_last_step(q_smem, qi, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_emp
     flight as in the main loop. Returns (acc, m_i, l_i) with the last PV done."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
-    NCH: gl.constexpr = HEAD_DIM // q_smem.shape[4]
+    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_N, KW])
     rows_h: gl.constexpr = gl.SliceLayout(1, h_layout)
@@ -172,7 +172,7 @@ def _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_
     one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (the half-diagonal step, always
     masked)."""
     KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
-    NCH: gl.constexpr = HEAD_DIM // q_smem.shape[4]
+    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, N, KW])
     rows: gl.constexpr = m_i.type.layout
@@ -199,7 +199,7 @@ def _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              HALF_DIAG: gl.constexpr, TREES: gl.constexpr, WG: gl.constexpr):
+              HALF_DIAG: gl.constexpr, TREES: gl.constexpr, PACK: gl.constexpr, WG: gl.constexpr):
     (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features, problem,
      out_rows, fp8) = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
@@ -216,7 +216,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, KW])
     # V's and O's head dim: HEAD_DIM or narrower (HEAD_DIM is Q's and K's, padded to the tile's width)
-    HEAD_DIM_V: gl.constexpr = o_desc.block_type.shape[3]
+    HEAD_DIM_V: gl.constexpr = o_desc.block_type.shape[4 if PACK > 1 else 3]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM_V, KW])
     # P from registers: 32 bits of it per register lane (two 16-bit values, four e4m3 ones)
@@ -224,7 +224,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                  k_width=32 // dtype.primitive_bitwidth)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
-    NCH: gl.constexpr = HEAD_DIM // q_smem.shape[4]  # Q's and K's column chunks (_qk)
+    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]  # Q's and K's column chunks (_qk)
     Q_BUFS: gl.constexpr = q_smem.shape[0] // (CONSUMERS * NCH)
 
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
@@ -234,7 +234,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         # rows, keys and lengths count within the tile's sequence (varlen: q_start is its first row in the
         # packed tensors)
         off_b, off_h, off_hk, start_m, n_start, n_k, q_start, _, len_q, len_k = tile(t, b, problem, GROUP,
-                                                                                   BLOCK_M, BLOCK_N, CAUSAL)
+                                                                                   BLOCK_M, BLOCK_N, CAUSAL,
+                                                                                   PACK)
         diag = len_k - len_q
         # the band's edges (scores.py), None where unbounded; CAUSAL's right edge is the diagonal
         diag_r = None
@@ -246,18 +247,27 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         if left is not None:
             diag_l = diag - left
         row0 = start_m + WG * HALF_M
-        offs_q = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        # each row's position (the masks' query index) and its head's offset from off_h: under PACK a
+        # position's heads are adjacent rows, the padded group's last ones (past GROUP) computed, not stored
+        offs_q = rows // PACK
+        heads = rows % PACK
         # tiles in [unmasked_from, unmasked_to) need no predicate for any row of this warpgroup: the first
         # row sees every key before unmasked_to, the last every key from unmasked_from
         unmasked_to = len_k
         if diag_r is not None:
-            unmasked_to = gl.minimum(unmasked_to, row0 + diag_r + 1)
+            unmasked_to = gl.minimum(unmasked_to, row0 // PACK + diag_r + 1)
         unmasked_from = None
         if diag_l is not None:
-            unmasked_from = row0 + (HALF_M - 1) + diag_l
+            unmasked_from = (row0 + HALF_M - 1) // PACK + diag_l
         slope = None
         if ALIBI is not None:
-            slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
+            if PACK > 1:
+                # a slope per row ([HALF_M, 1], beside the scores): the rows are of several heads
+                slope = (gl.load(ALIBI + off_b * stride_alibi_b + off_h + gl.minimum(heads, GROUP - 1))
+                         * LOG2E)[:, None]
+            else:
+                slope = gl.load(ALIBI + off_b * stride_alibi_b + off_h) * LOG2E
         tile_scores = scores
         if Q_SCALE is not None:
             # q's and k's descales scale every score of this (batch, head)
@@ -355,7 +365,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         l_tot = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, s_layout))
         if SINK is not None:
             # the sink is one more logit in every row's denominator, with no value
-            sink = gl.load(SINK + off_h) * LOG2E
+            if PACK > 1:
+                sink = gl.load(SINK + off_h + gl.minimum(heads, GROUP - 1)) * LOG2E
+            else:
+                sink = gl.load(SINK + off_h) * LOG2E
             m_fin = gl.maximum(m_i, sink)
             alpha = gl.exp2(m_i - m_fin)
             l_tot = l_tot * alpha + gl.exp2(sink - m_fin)
@@ -373,7 +386,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             gl.store(LSE + off_h.to(gl.int64) * stride_lse_h + q_start + offs_q, lse, mask=offs_q < len_q)
         else:
             lse_rows = LSE + off_b.to(gl.int64) * stride_lse_b
-            gl.store(lse_rows + off_h.to(gl.int64) * stride_lse_h + offs_q, lse, mask=offs_q < len_q)
+            lse_ptrs = lse_rows + (off_h + heads).to(gl.int64) * stride_lse_h + offs_q
+            gl.store(lse_ptrs, lse, mask=(offs_q < len_q) & (heads < GROUP))
         # the Q rows are no longer read: their shared memory stages O for the TMA store, which clips rows
         # past seqlen_q; the buffer returns to the loader once the store has read it. DEFER_RELEASE waits
         # for that under the next tile's first QK^T instead of here (the loader needs the buffer back only
@@ -399,6 +413,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             else:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [0, q_start + row0, off_h, 0], o_buf)
+        elif PACK > 1:
+            # O as (batch, seqlen, heads_k, the group, dv): the store clips the padded group's rows
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_b, row0 // PACK, off_hk, row0 % PACK, 0], o_buf)
         else:
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], o_buf)
@@ -414,24 +432,30 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, 0)
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr,
+               PACK: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, PACK,
+              0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr,
+               PACK: gl.constexpr):
     # a worker partition: the loader's arguments first
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, PACK,
+              1)
 
 
 @gluon.jit
 def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr):
+               DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr,
+               PACK: gl.constexpr):
     # the third consumer warpgroup of 192-row tiles
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, 2)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, PACK,
+              2)
 
 
 @gluon.jit
@@ -445,7 +469,7 @@ def attn_fwd_ws_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
-    Q_BUFS: gl.constexpr = 2,
+    Q_BUFS: gl.constexpr = 2, PACK: gl.constexpr = 1,
 ):
     # options, None when off: left / right, the window's sides (CAUSAL: right = 0, and `right` is None);
     # cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at b · stride_alibi_b
@@ -465,24 +489,30 @@ def attn_fwd_ws_kernel(
     # an FP8 V is K-major: the half step would slice its tiles through their swizzled rows
     gl.static_assert(not HALF_DIAG or q_desc.dtype.primitive_bitwidth != 8, "no half step with FP8")
     # O is staged in Q's buffer (FP8: its own): its head dim (V's) at most Q's
-    gl.static_assert(o_desc.block_type.shape[3] <= HEAD_DIM)
+    gl.static_assert(o_desc.block_type.shape[4 if PACK > 1 else 3] <= HEAD_DIM)
     # the flags go to the partitions inline: a tuple bound to a name holds tensors, not constexprs
     # two consumer warpgroups of 64 rows, or three (BLOCK_M = 192, FA3's choice at d = 64). Three
     # have 160 registers each (ptxas holds each partition to its setmaxnreg share): not enough for QK^T, P and
     # O in flight at once, so they run serial steps
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3))
+    # PACK > 1 (FA3's pack_gqa, schedule.tile): q_desc and o_desc are over (batch, seqlen, heads_k, the
+    # group, d) views, each warpgroup's tile HALF_M // PACK positions x PACK heads of the group (PACK: GROUP
+    # padded to a power of two), or HALF_M heads of one position where PACK is larger; nheads and n_bh count
+    # kv heads. The padded layout, 16-bit, no half step (its halves assume one row a position)
+    gl.static_assert((PACK == 1) or ((CU_Q is None) and (not HALF_DIAG)
+                                     and q_desc.dtype.primitive_bitwidth == 16))
     if CU_Q is not None:
         n_work = gl.load(PLAN + n_bh // nheads) * nheads
     else:
-        n_work = gl.cdiv(seqlen_q, BLOCK_M) * n_bh
+        n_work = gl.cdiv(seqlen_q * PACK, BLOCK_M) * n_bh
 
     dtype: gl.constexpr = q_desc.dtype
     # Q_BUFS query tiles (2: the current one and the next one's prefetch; 1 where shared memory is short,
     # the next tile's Q then loading once this one's O is stored) x the consumers' rows x the column chunks
     # of Q and K: HEAD_DIM // the descriptors' width (3 at d = 192, else 1)
-    NCH: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[3]
-    gl.static_assert(NCH * q_desc.block_type.shape[3] == HEAD_DIM)
+    NCH: gl.constexpr = HEAD_DIM // k_desc.block_type.shape[3]
+    gl.static_assert(NCH * k_desc.block_type.shape[3] == HEAD_DIM)
     # DEFER_RELEASE returns a Q buffer under the next tile's first QK^T, which needs the next tile's Q loaded
     gl.static_assert((Q_BUFS == 2) | ((Q_BUFS == 1) & (not DEFER_RELEASE)))
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS * NCH] + q_desc.block_type.shape,
@@ -533,20 +563,20 @@ def attn_fwd_ws_kernel(
         # per consumer thread and 24 for the loader's
         gl.warp_specialize([
             (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG,
-                          TREES)),
+                          TREES, PACK)),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                          HALF_DIAG, TREES)),
-            (loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+                          HALF_DIAG, TREES, PACK)),
+            (loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, PACK)),
         ], [4, 1], [240, 24])
     else:
         # 128 x 16 warps fills the register file: 160 for the two worker consumers, 24 for the loader, and
         # what is left (168) for the default partition's consumer
         gl.warp_specialize([
             (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG,
-                          TREES)),
+                          TREES, PACK)),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                          HALF_DIAG, TREES)),
+                          HALF_DIAG, TREES, PACK)),
             (_consumer2, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                          HALF_DIAG, TREES)),
-            (loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL)),
+                          HALF_DIAG, TREES, PACK)),
+            (loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, PACK)),
         ], [4, 4, 1], [160, 160, 24])

@@ -25,10 +25,10 @@ def _page_of(pages, page_cap, off_b, pos):
 
 @gluon.jit
 def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+            HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, PACK: gl.constexpr):
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tile_smem, bars, problem, pages = loader_args
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
-    CW: gl.constexpr = q_desc.block_type.shape[3]  # the columns of a Q or K chunk
+    CW: gl.constexpr = k_desc.block_type.shape[3]  # the columns of a Q or K chunk
     NCH: gl.constexpr = HEAD_DIM // CW
     Q_BUFS: gl.constexpr = q_smem.shape[0] // (CONSUMERS * NCH)
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
@@ -41,7 +41,8 @@ def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
     while t < n_work:
         b = sequence_of(t, problem)
         off_b, off_h, off_hk, start_m, n_start, n_k, q_start, k_start, _, _ = tile(t, b, problem, GROUP,
-                                                                                  BLOCK_M, BLOCK_N, CAUSAL)
+                                                                                  BLOCK_M, BLOCK_N, CAUSAL,
+                                                                                  PACK)
         # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
         # rows past its end are the next sequence's (the consumers mask and never store them)
         desc_b = 0 if varlen else off_b
@@ -55,8 +56,14 @@ def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
         for w in gl.static_range(CONSUMERS):
             for ch in gl.static_range(NCH):
                 row = q_start + start_m + w * HALF_M
-                tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, ch * CW], q_ready.index(qb),
-                                                q_smem.index((CONSUMERS * qb + w) * NCH + ch))
+                buf = q_smem.index((CONSUMERS * qb + w) * NCH + ch)
+                if PACK > 1:
+                    # q as (batch, seqlen, heads_k, the group, d): a block of positions x the group's heads
+                    at = [desc_b, row // PACK, off_hk, row % PACK, ch * CW]
+                    tma.async_copy_global_to_shared(q_desc, at, q_ready.index(qb), buf)
+                else:
+                    tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, ch * CW], q_ready.index(qb),
+                                                    buf)
         # the first key tile's (page, row) in the descriptors' first two dims: (batch, key) unpaged; paged,
         # each tile's page is read a tile ahead, so its load's latency overlaps the ring's waits
         kv_b = desc_b

@@ -50,11 +50,16 @@ def sequence_of(t, problem):
 
 @gluon.jit
 def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-         CAUSAL: gl.constexpr):
+         CAUSAL: gl.constexpr, PACK: gl.constexpr = 1):
     """(batch, head, kv head, first query row, first key, key tiles, the sequence's first query and key rows
     in the packed tensors, its query and key lengths) of work item t, of sequence b under varlen. Rows and
     keys count from the sequence's start; the key tiles are those some row of the tile sees: [n_start,
-    n_start + n_k · BLOCK_N)."""
+    n_start + n_k · BLOCK_N).
+    PACK > 1 (FA3's pack_gqa, padded layout): a tile's rows are a GQA group's query heads side by side, row
+    r holding position r // PACK of head `head` + r % PACK (PACK: the group padded to a power of two, its
+    rows past the group computed and never stored); work items count (batch, kv head) pairs (problem's
+    nheads is the kv heads'), the returned head is the group's first and the first query row is a packed
+    row."""
     (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
      PAGE_CAP) = problem
     if CU_Q is not None:
@@ -75,27 +80,35 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     else:
         q_start = 0
         k_start = 0
-        n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        n_tiles = gl.cdiv(seqlen_q * PACK, BLOCK_M)
         off_bh, rank = grouped_program(t, n_bh, n_tiles, lpt_group)
         off_b = off_bh // nheads
         off_h = off_bh % nheads
+    off_hk = off_h // GROUP
+    if PACK > 1:
+        off_hk = off_h
+        off_h = off_hk * GROUP
     # rank 0 is the last query tile, the one with the most keys under causal masking
     start_m = (n_tiles - 1 - rank) * BLOCK_M
+    # the tile's positions [pos0, pos_end): its rows', or under PACK its packed rows' (a position's heads are
+    # adjacent rows)
+    pos0 = start_m // PACK
+    pos_end = (start_m + BLOCK_M - 1) // PACK + 1
     # the last row's last key (+ 1), and the first row's first key
     if CAUSAL:
-        n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+        n_end = gl.minimum(gl.maximum(pos_end + seqlen_k - seqlen_q, 0), seqlen_k)
     elif right is not None:
-        n_end = gl.minimum(gl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q + right, 0), seqlen_k)
+        n_end = gl.minimum(gl.maximum(pos_end + seqlen_k - seqlen_q + right, 0), seqlen_k)
     else:
         n_end = seqlen_k
     n_k = gl.cdiv(n_end, BLOCK_N)
     n_start = 0
     if left is not None:
         # clamped before dividing: // truncates toward 0
-        first = gl.maximum(start_m + seqlen_k - seqlen_q - left, 0) // BLOCK_N
+        first = gl.maximum(pos0 + seqlen_k - seqlen_q - left, 0) // BLOCK_N
         n_k = gl.maximum(n_k - first, 0)
         n_start = first * BLOCK_N
-    return off_b, off_h, off_h // GROUP, start_m, n_start, n_k, q_start, k_start, seqlen_q, seqlen_k
+    return off_b, off_h, off_hk, start_m, n_start, n_k, q_start, k_start, seqlen_q, seqlen_k
 
 
 @gluon.jit
