@@ -21,7 +21,8 @@ ws_keys the same cases on the 128-key wide-head backward (attn_bwd_keys.py, the 
 ws_deterministic covers its fixed-order variant).
 ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_paged runs the Gluon forward on
 page pools through a block table, entries outside the pool included. ws_pack runs the Gluon forward with
-GQA groups packed into its query tiles (padded groups, a group wider than a warpgroup's rows, every option).
+GQA groups packed into its query tiles (padded groups, a group wider than a warpgroup's rows, every option,
+varlen).
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -494,14 +495,17 @@ def fp8():
 
 
 def ws_pack():
+    import itertools
+
     from flashattn.backends.triton import attention, routes
 
     # the Gluon forward with GQA groups packed into its tiles (routes.gqa_pack): groups padded to a power of
     # two (6 -> 8, whose extra rows must read zeros and never be stored), a group past HALF_M (128: tiles of
     # one position's heads), rows without keys (sq > sk, causal), every option; each call on the packed route
     # explicitly (few rows take the split-KV forward by default)
+    band = dict(window_size=(100, 37), softcap=20.0)
     for (h, hk), (sq, sk), d, options in (((8, 2), (64, 300), 128, dict(causal=True)),
-                                          ((12, 2), (17, 1023), 64, dict(window_size=(100, 37), softcap=20.0)),
+                                          ((12, 2), (17, 1023), 64, band),
                                           ((128, 1), (3, 200), 128, dict(causal=True)),
                                           ((6, 2), (50, 40), 256, dict(causal=True)),
                                           ((12, 2), (40, 113), 192, dict(causal=True))):
@@ -517,6 +521,18 @@ def ws_pack():
                                              **extra)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
+    # varlen: sequences ending inside a warpgroup's rows (masked stores of a position's heads), empty ones
+    lens_q, lens_k = [0, 17, 64, 5, 40, 1], [5, 30, 64, 900, 0, 200]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32, device="cuda")
+                  for ls in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), 12, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    call = dict(causal=True, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    route = routes.gluon_forward_route(attention.spec_of(q, k, v, **call))
+    assert route.pack == 8, route
+    out, _ = attention.attention_forward(q, k, v, softmax_scale=0.1, cu_seqlens_k=cu_k, route=route, **call)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
 
 
 def softcap_wide():

@@ -4,7 +4,8 @@ GluonForward.pack) on a Hopper GPU (``pytest -m gpu``).
 A packed tile's row r is position r // pack of the group's head r % pack, pack being the group padded to a
 power of two: groups of 2 to 128 heads (3, 5 and 6 padded, their extra rows computed and never stored; 128 as
 several tiles of one position's heads), few and odd query rows, sq != sk both ways, every band and option,
-each head dim width. Every case asserts that the call took the packed route (so a change in the routing rule
+each head dim width, and the varlen layout (a sequence's last positions stored a position's heads at a time,
+empty sequences). Every case asserts that the call took the packed route (so a change in the routing rule
 cannot turn these into tests of the unpacked kernel) and checks the output, the LSE and the gradients (the
 backward reads the packed forward's LSE) against the oracle.
 """
@@ -15,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from gluon_helpers import check_features, options_for, qkv_dv, takes_gluon_backward
+from gluon_helpers import check_features, check_varlen, options_for, qkv_dv, takes_gluon_backward
 from gluon_helpers import qkv as _qkv
 from test_interface import check_against_oracle
 
@@ -89,3 +90,19 @@ def test_packed_and_unpacked_agree():
     for route in (packed, dataclasses.replace(packed, pack=1)):
         out[route.pack] = attention.attention_forward(q, k, v, softmax_scale=0.1, causal=False, route=route)
     assert torch.equal(out[4][0], out[1][0]) and torch.equal(out[4][1], out[1][1])
+
+
+# short sequences (mean 24 rows), empty ones, one ending on each kind of tile boundary
+PACKED_VARLEN_Q = [0, 1, 17, 64, 5, 33, 0, 2, 40, 32, 16, 80]
+PACKED_VARLEN_K = [5, 1, 30, 64, 900, 0, 3, 200, 40, 100, 16, 300]
+
+
+@pytest.mark.parametrize("features", ["causal", "plain", "swa+alibi_bh+sink", "window+softcap"])
+@pytest.mark.parametrize("h, hk, pack", [(8, 2, 4), (12, 2, 8), (32, 1, 32), (64, 1, 64)],
+                         ids=["gqa4", "gqa6", "mqa32", "mqa64"])
+def test_packed_varlen(ws_calls, ws_bwd_calls, features, h, hk, pack):
+    torch.manual_seed(0)
+    options = {"causal": dict(causal=True), "plain": {}}.get(features) or options_for(len(PACKED_VARLEN_Q), h,
+                                                                                      features)
+    check_varlen(ws_calls, ws_bwd_calls, PACKED_VARLEN_Q, PACKED_VARLEN_K, h, hk, 128, **options)
+    _packed(ws_calls, pack)

@@ -305,8 +305,11 @@ def test_the_half_diagonal_step_follows_a_right_edge(window, half):
     (dict(seqlen_q=64, nheads=6, nheads_k=2, window=(100, 37), softcap=True, alibi=True, sink=True), 4),
     # rows that fill their tiles unpacked (0.9 of the packed share or more), no group, or no packed variant
     (dict(seqlen_q=1000, nheads=16, nheads_k=2), 1), (dict(seqlen_q=2048), 1), (dict(seqlen_q=128), 1),
-    (dict(seqlen_q=64, nheads=4, nheads_k=4), 1), (dict(seqlen_q=64, varlen=True, tokens_q=640), 1),
-    (dict(seqlen_q=64, nheads=512, nheads_k=1), 1),
+    (dict(seqlen_q=64, nheads=4, nheads_k=4), 1), (dict(seqlen_q=64, nheads=512, nheads_k=1), 1),
+    # varlen: at the sequences' mean length, groups up to 64 (a tile's rows whole positions)
+    (dict(seqlen_q=300, varlen=True, batch=10, tokens_q=640, nheads=8), 4),
+    (dict(seqlen_q=3000, varlen=True, batch=2, tokens_q=4000, nheads=8), 1),
+    (dict(seqlen_q=30, varlen=True, batch=10, tokens_q=200, nheads=128, nheads_k=1), 1),
 ], ids=str)
 def test_the_gluon_forward_packs_a_gqa_group_where_it_fills_the_tiles(kw, pack):
     route = routes.gluon_forward_route(_spec(**kw))

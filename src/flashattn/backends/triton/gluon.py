@@ -178,7 +178,8 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     varlen = (None,) * 7
     if pb.varlen:
         streamed = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in streamed)
-        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m, q.shape[0])
+        # packed GQA tiles (route.pack, which divides block_m under varlen): block_m // pack positions each
+        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m // route.pack, q.shape[0])
         varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1), pb.dv)
     pages = (None,) * 5
     if block_table is not None:

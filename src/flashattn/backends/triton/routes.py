@@ -376,9 +376,9 @@ def _stream_group(spec: Spec) -> int:
 
 
 def takes_gqa_pack(spec: Spec) -> bool:
-    """A call whose GQA group the Gluon forward can pack into its query tiles: a group (of up to 256 heads),
-    16-bit, the padded layout (a varlen sequence's last rows go by masked stores, which take one head)."""
-    return 1 < spec.group <= 256 and spec.element_size == 2 and not spec.varlen
+    """A call whose GQA group the Gluon forward can pack into its query tiles: a group of up to 256 heads (64
+    under varlen, where a tile's rows are whole positions, block_m // pack of them), 16-bit."""
+    return 1 < spec.group <= (HALF_M if spec.varlen else 256) and spec.element_size == 2
 
 
 def gqa_pack(spec: Spec, block_m: int) -> int:
@@ -386,11 +386,12 @@ def gqa_pack(spec: Spec, block_m: int) -> int:
     two where packing fills the query tiles better, FA3's rule: the share of a tile's rows that hold a
     query row, unpacked below 0.9 of the packed one's (64 query rows of 32 heads over 8 KV heads: half of
     each 128-row tile unpacked, all of it packed, and K/V read once per group instead of four times); else 1.
+    Varlen: at the sequences' mean length.
     """
     if not takes_gqa_pack(spec):
         return 1
     pack = 1 << (spec.group - 1).bit_length()
-    rows = spec.seqlen_q
+    rows = max(1, spec.tokens_q // max(spec.batch, 1)) if spec.varlen else spec.seqlen_q
     plain = rows / (-(-rows // block_m) * block_m)
     packed = rows * spec.group / (-(-rows * pack // block_m) * block_m)
     return pack if plain < 0.9 * packed else 1

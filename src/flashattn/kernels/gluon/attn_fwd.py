@@ -383,7 +383,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             out = out * gl.load(V_SCALE + off_b * stride_vsb + off_hk * stride_vsh)
         if CU_Q is not None:
             # the (nheads, total_q) LSE of the packed layout
-            gl.store(LSE + off_h.to(gl.int64) * stride_lse_h + q_start + offs_q, lse, mask=offs_q < len_q)
+            lse_ptrs = LSE + (off_h + heads).to(gl.int64) * stride_lse_h + q_start + offs_q
+            gl.store(lse_ptrs, lse, mask=(offs_q < len_q) & (heads < GROUP))
         else:
             lse_rows = LSE + off_b.to(gl.int64) * stride_lse_b
             lse_ptrs = lse_rows + (off_h + heads).to(gl.int64) * stride_lse_h + offs_q
@@ -406,10 +407,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         o_tile = o_buf.reshape([HALF_M, HEAD_DIM_V])
         o_tile.store(out.to(o_desc.dtype))
         if CU_Q is not None:
-            if row0 + HALF_M > len_q:
+            if (row0 + HALF_M - 1) // PACK >= len_q:
                 # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
                 # sequence's: the rows inside go from the staging buffer by masked stores
-                store_rows(o_tile, O, q_start + row0, len_q - row0, off_h, stride_om, stride_oh, d_v)
+                first = row0 // PACK  # the warpgroup's first position
+                store_rows(o_tile, O, q_start + first, len_q - first, off_h, stride_om, stride_oh, d_v, PACK,
+                           GROUP)
+            elif PACK > 1:
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [0, q_start + row0 // PACK, off_hk, row0 % PACK, 0],
+                                                o_buf)
             else:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(o_desc, [0, q_start + row0, off_h, 0], o_buf)
@@ -498,10 +505,11 @@ def attn_fwd_ws_kernel(
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3))
     # PACK > 1 (FA3's pack_gqa, schedule.tile): q_desc and o_desc are over (batch, seqlen, heads_k, the
     # group, d) views, each warpgroup's tile HALF_M // PACK positions x PACK heads of the group (PACK: GROUP
-    # padded to a power of two), or HALF_M heads of one position where PACK is larger; nheads and n_bh count
-    # kv heads. The padded layout, 16-bit, no half step (its halves assume one row a position)
-    gl.static_assert((PACK == 1) or ((CU_Q is None) and (not HALF_DIAG)
-                                     and q_desc.dtype.primitive_bitwidth == 16))
+    # padded to a power of two), or HALF_M heads of one position where PACK is larger (padded layout only:
+    # a varlen sequence's last rows are stored a position's heads at a time); nheads and n_bh count kv
+    # heads. 16-bit, no half step (its halves assume one row a position)
+    gl.static_assert((PACK == 1) or ((not HALF_DIAG) and q_desc.dtype.primitive_bitwidth == 16
+                                     and (CU_Q is None or PACK <= HALF_M)))
     if CU_Q is not None:
         n_work = gl.load(PLAN + n_bh // nheads) * nheads
     else:

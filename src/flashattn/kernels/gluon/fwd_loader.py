@@ -59,7 +59,9 @@ def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
                 buf = q_smem.index((CONSUMERS * qb + w) * NCH + ch)
                 if PACK > 1:
                     # q as (batch, seqlen, heads_k, the group, d): a block of positions x the group's heads
-                    at = [desc_b, row // PACK, off_hk, row % PACK, ch * CW]
+                    # (start_m, a packed row, counts within the sequence; q_start, a position, does not)
+                    packed = start_m + w * HALF_M
+                    at = [desc_b, q_start + packed // PACK, off_hk, packed % PACK, ch * CW]
                     tma.async_copy_global_to_shared(q_desc, at, q_ready.index(qb), buf)
                 else:
                     tma.async_copy_global_to_shared(q_desc, [desc_b, row, off_h, ch * CW], q_ready.index(qb),

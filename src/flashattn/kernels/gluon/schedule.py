@@ -55,11 +55,11 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     in the packed tensors, its query and key lengths) of work item t, of sequence b under varlen. Rows and
     keys count from the sequence's start; the key tiles are those some row of the tile sees: [n_start,
     n_start + n_k · BLOCK_N).
-    PACK > 1 (FA3's pack_gqa, padded layout): a tile's rows are a GQA group's query heads side by side, row
-    r holding position r // PACK of head `head` + r % PACK (PACK: the group padded to a power of two, its
-    rows past the group computed and never stored); work items count (batch, kv head) pairs (problem's
+    PACK > 1 (FA3's pack_gqa): a tile's rows are a GQA group's query heads side by side, row r holding
+    position r // PACK of head `head` + r % PACK (PACK: the group padded to a power of two, its rows past
+    the group computed and never stored); work items count (batch or sequence, kv head) pairs (problem's
     nheads is the kv heads'), the returned head is the group's first and the first query row is a packed
-    row."""
+    row (varlen: PLAN counts each sequence's tiles of packed rows)."""
     (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
      PAGE_CAP) = problem
     if CU_Q is not None:
@@ -73,7 +73,7 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
             seqlen_k = gl.minimum(gl.maximum(gl.load(CU_K + b + 1) - gl.load(CU_K + b), 0), PAGE_CAP)
         else:
             k_start, seqlen_k = seq_bounds(CU_K, b, seqlen_k, True)
-        n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        n_tiles = gl.cdiv(seqlen_q * PACK, BLOCK_M)
         rank = t // nheads - gl.load(PLAN + b)
         off_b = b
         off_h = t % nheads
@@ -142,13 +142,16 @@ def next_tile(tile_smem, tile_ready, i):
 
 
 @gluon.jit
-def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh, n_cols=None):
+def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh, n_cols=None, PACK: gl.constexpr = 1,
+               GROUP: gl.constexpr = 1):
     """Rows [0, n_rows) of a warpgroup's staged [rows, d] tile (shared memory) to O's rows from `row` on, of
     head off_h: 16 bytes a thread and store, no row past n_rows (and no column past n_cols, where given: a
     tile wider than what is left of the row's columns); where a packed sequence ends inside a tile,
     whose TMA store would write the next sequence's rows (the forward's O, the backward's dK and dV). Masked
     stores straight from the accumulator's registers, with a 64-bit address per element, spilled 0.4 KB at
-    d = 128."""
+    d = 128. PACK > 1 (the forward's packed GQA tiles, their first row a position's first head): tile row r
+    is O's row `row` + r // PACK of head off_h + r % PACK, n_rows counting positions, heads past GROUP
+    not stored."""
     ROWS: gl.constexpr = tile.shape[0]
     D: gl.constexpr = tile.shape[1]
     VEC: gl.constexpr = 16 // tile.dtype.primitive_bitwidth * 8  # elements in 16 bytes
@@ -157,8 +160,12 @@ def store_rows(tile, O, row, n_rows, off_h, stride_om, stride_oh, n_cols=None):
     gl.thread_barrier()
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ptrs = O + (row + rows).to(gl.int64)[:, None] * stride_om + off_h * stride_oh + cols[None, :]
-    inside = (rows[:, None] < n_rows) & (cols[None, :] < D)
+    pos = rows // PACK
+    heads = off_h + rows % PACK
+    ptrs = O + (row + pos).to(gl.int64)[:, None] * stride_om + heads[:, None] * stride_oh + cols[None, :]
+    inside = (pos[:, None] < n_rows) & (cols[None, :] < D)
+    if PACK > GROUP:
+        inside = inside & (rows[:, None] % PACK < GROUP)
     if n_cols is not None:
         inside = inside & (cols[None, :] < n_cols)
     gl.store(ptrs, tile.load(layout), mask=inside)
