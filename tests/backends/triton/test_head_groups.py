@@ -46,15 +46,24 @@ def split_small_calls(monkeypatch):
     """The Triton backend, and a record of attention_backward's calls through the module (q's shape): the
     groups', and the whole call's where the op layer looks it up there."""
     monkeypatch.setattr(flashattn_config, "backend", "triton")
-    calls = []
     real = attention.attention_backward
 
     def counting(*args, **kwargs):
         calls.append(args[1].shape)
+        calls.grads.append(kwargs.get("grads"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attention, "attention_backward", counting)
+    calls = _Calls()
     return calls
+
+
+class _Calls(list):
+    """q's shape of each call; `grads`: the gradient views each was given to write into (or None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads = []
 
 
 def _grads(fn, inputs, seed=0):
@@ -75,8 +84,13 @@ def test_grouped_backward_equals_the_whole_one(split_small_calls, monkeypatch, a
     inputs = (q, k, v, sink)
     _caps(monkeypatch, q.numel() * 4 // 2)  # two groups
     grouped = _grads(lambda: flash_attn_func(q, k, v, **options), inputs)
-    # two groups of one KV head and its two query heads, each a call of its own
+    # two groups of one KV head and its two query heads, each a call of its own, writing its gradients
+    # straight into the whole call's (views of its heads: no copy)
     assert [s[2] for s in split_small_calls if s[2] < 4] == [2, 2]
+    views = [g for g, s in zip(split_small_calls.grads, split_small_calls, strict=True) if s[2] < 4]
+    assert all(g is not None and g[0].shape[2] == 2 and g[1].shape[2] == 1 for g in views)
+    assert views[0][0].data_ptr() != views[1][0].data_ptr()
+    assert views[0][0].untyped_storage().data_ptr() == views[1][0].untyped_storage().data_ptr()
     monkeypatch.setattr(routes, "DQ_BUFFER_CAP", 1 << 40)
     whole = _grads(lambda: flash_attn_func(q, k, v, **options), inputs)
     for g, w in zip(grouped, whole, strict=True):
@@ -123,3 +137,5 @@ def test_parts_of_a_kv_heads_query_heads(split_small_calls, monkeypatch, heads_k
     check_against_oracle(q, k, v, wrt=(q, k, v, sink), causal=True, softcap=5.0, learnable_sink=sink,
                          alibi_slopes=torch.rand(2, 4))
     assert [s[2] for s in split_small_calls if s[2] < 4] == [4 // parts] * parts
+    # parts of a KV head's query heads sum their dK and dV: given no views
+    assert all(g is None for g, s in zip(split_small_calls.grads, split_small_calls, strict=True) if s[2] < 4)

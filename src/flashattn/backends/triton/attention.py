@@ -326,8 +326,10 @@ def attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, out_dtype
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                        learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None, deterministic=False, route=None):
+                       max_seqlen_k=None, deterministic=False, route=None, grads=None):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
+    grads: (dq, dk, dv) to write them into instead of new tensors (head_groups.py's views of the whole
+    call's gradients), each 16-byte aligned with a contiguous last dim and 16-byte aligned strides.
 
     The Gluon backward adds dQ in a varying order unless `deterministic`, which takes its fixed-order
     variant (routes.GluonBackward.deterministic; with a learnable sink the Triton programs, where every
@@ -349,8 +351,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         # the kernels read the LSE and D (allocated like it, contiguous) with one pair of strides
         lse = lse.contiguous()
     key = None
-    if route is None and not deterministic and _cacheable(q, (q, k, v, dout), cu_seqlens_q, softmax_scale,
-                                                          window_size):
+    # gradients written into given views: not cached (the prepared launch keeps the gradients' strides)
+    if route is None and grads is None and not deterministic and _cacheable(
+            q, (q, k, v, dout), cu_seqlens_q, softmax_scale, window_size):
         key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
                k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
                out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
@@ -369,8 +372,12 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
                   (dout,))
     if route is None:
         route = routes.backward_route(pb.spec)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if grads is not None:
+        dq_out, dk, dv = grads
+    else:
+        dq_out = None
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     cu_q = cu_seqlens_q if pb.varlen else q
     cu_k = cu_seqlens_k if pb.varlen else q
     alibi, stride_alibi = _alibi_args(alibi_slopes, q)
@@ -406,11 +413,11 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         dq, dk, dv, dsink, prepared = gluon.backward(
             pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, alibi_slopes=alibi_slopes,
             learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            stats_row0=stats_row0)
+            stats_row0=stats_row0, dq_out=dq_out)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
         return dq, dk, dv, dsink
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq_out is None else dq_out
     has_sink = learnable_sink is not None
     # per-row shares of the sink gradient, written by the dQ role (which has P and dP in fp32)
     dsink_rows = torch.zeros_like(lse) if has_sink else lse

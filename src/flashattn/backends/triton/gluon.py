@@ -308,9 +308,10 @@ def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
              prepared: Prepared | None = None, alibi_slopes=None, learnable_sink=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, stats_row0=None) -> tuple:
-    """dq, dk and dv (dk and dv filled: attention_backward's contract) and the sink's gradient ((h,) float32,
-    or None without learnable_sink), with the warp-specialised backward; stats and dq_acc: as
+             cu_seqlens_k=None, stats_row0=None, dq_out=None) -> tuple:
+    """dq, dk and dv (dk and dv filled: attention_backward's contract; dq written into dq_out where given)
+    and the sink's gradient ((h,) float32, or None without learnable_sink), with the warp-specialised
+    backward; stats and dq_acc: as
     `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Varlen (pb.varlen,
     cu_seqlens and stats_row0 given, see `backward_buffers`): the packed tensors go to the descriptors as one
     batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, dk,
@@ -353,7 +354,8 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
                           for acc, t in zip(split, (k, v), strict=True))
         dk.copy_(split[0])
         dv.copy_(split[1])
-    return dq_acc.to(q.dtype), dk, dv, dsink, prepared
+    dq = dq_acc.to(q.dtype) if dq_out is None else dq_out.copy_(dq_acc)
+    return dq, dk, dv, dsink, prepared
 
 
 @functools.cache

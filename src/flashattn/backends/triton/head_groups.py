@@ -9,6 +9,9 @@ heads (with their query heads) give the whole call's gradients bit for bit: head
 head's dK and dV summing over its own query heads only. Where a KV head's share alone passes the cap (MQA,
 a few KV heads of wide groups), its query heads go in parts whose dK and dV are summed in float32. Not with
 dropout: its random stream is indexed by head.
+Each group writes its gradients straight into the whole call's (views of its heads) where those views suit
+the kernels' stores, so that a group adds no gradient copies to the peak: at 128K tokens of 16 heads of
+128, three 32 MiB tensors a group.
 """
 
 import torch
@@ -33,15 +36,20 @@ def backward_by_head_groups(backward, groups: int, dout, q, k, v, out, lse, *, a
         part = [t.narrow(axis, h0, hn) for t in (dout, q)] + [t.narrow(axis, k0, kn) for t in (k, v)]
         alibi = None if alibi_slopes is None else alibi_slopes.narrow(alibi_slopes.dim() - 1, h0, hn)
         sink = None if learnable_sink is None else learnable_sink.narrow(0, h0, hn)
+        whole = hn >= per_kv
+        views = (dq.narrow(axis, h0, hn), dk.narrow(axis, k0, kn), dv.narrow(axis, k0, kn))
+        grads = views if whole and all(_storable(t) for t in views) else None
         gq, gk, gv, gsink = backward(*part, out.narrow(axis, h0, hn), lse.narrow(lse_axis, h0, hn),
                                      alibi_slopes=alibi, learnable_sink=sink, cu_seqlens_q=cu_seqlens_q,
-                                     **options)
-        dq.narrow(axis, h0, hn).copy_(gq)
+                                     grads=grads, **options)
         if gsink is not None:
             dsinks.append(gsink)
-        if hn >= per_kv:
-            dk.narrow(axis, k0, kn).copy_(gk)
-            dv.narrow(axis, k0, kn).copy_(gv)
+        if grads is not None:
+            continue
+        views[0].copy_(gq)
+        if whole:
+            views[1].copy_(gk)
+            views[2].copy_(gv)
             continue
         # a part of KV head k0's query heads: its dK and dV summed in float32 until the last part
         summed = (gk.float(), gv.float()) if h0 % per_kv == 0 else (summed[0].add_(gk), summed[1].add_(gv))
@@ -49,3 +57,11 @@ def backward_by_head_groups(backward, groups: int, dout, q, k, v, out, lse, *, a
             dk.narrow(axis, k0, 1).copy_(summed[0])
             dv.narrow(axis, k0, 1).copy_(summed[1])
     return dq, dk, dv, torch.cat(dsinks) if dsinks else None
+
+
+def _storable(t: torch.Tensor) -> bool:
+    """A gradient view the kernels can write in place (a TMA store's needs): 16-byte aligned, its last dim
+    contiguous, the other strides 16-byte multiples."""
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
