@@ -34,7 +34,7 @@
 #                 suite's (forward, causal)
 #   long-backward the memory suite at 32K-128K (b1 h16 d128 causal, forward + backward: peak memory beyond the
 #                 inputs and TFLOP/s) beside the Triton backward and cuDNN: past the dQ buffer's cap the
-#                 backward runs by groups of KV heads (backends/triton/head_groups.py)
+#                 backward runs by groups of KV heads (backends/triton/head_groups.py); LONG_SEQLENS: a subset
 #   deterministic the fixed-order backward beside the default order: its GPU tests (deterministic in the
 #                 name), then the train suite at 4K / 16K (d 64 / 128) and the workloads suite's causal
 #                 backward rows with flashattn-deterministic; DET_S: each bench's limit
@@ -168,7 +168,7 @@ for stage in "$@"; do
       bench "${PAGED_S:-150}" paged-features --suite features --modes fwd --causal yes \
         --providers "flashattn-varlen,flashattn-paged,flashattn-paged-gather" ;;
     long-backward)
-      bench "${LONG_S:-300}" long --suite memory --seqlens 32768,65536,131072 \
+      bench "${LONG_S:-300}" long --suite memory --seqlens "${LONG_SEQLENS:-32768,65536,131072}" \
         --providers "flashattn,flashattn-triton-bwd,sdpa-cudnn" ;;
     workloads)
       bench "${WORKLOADS_S:-240}" workloads --suite workloads --modes fwd,bwd \
