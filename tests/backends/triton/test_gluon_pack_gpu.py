@@ -19,6 +19,7 @@ import torch
 from gluon_helpers import check_features, check_varlen, options_for, qkv_dv, takes_gluon_backward
 from gluon_helpers import qkv as _qkv
 from test_interface import check_against_oracle
+from utils import use_tiles
 
 from flashattn.backends.triton import attention, routes
 
@@ -68,6 +69,17 @@ def test_packed_window_edges(ws_calls, window):
     # a tile of 16 positions x 4 heads: band edges inside one position's rows and across tiles
     check_against_oracle(*_qkv(2, 64, 1100, 8, 2, 64), window_size=window)
     _packed(ws_calls, 4)
+
+
+@pytest.mark.parametrize("features", ["causal", "swa+alibi_bh+sink", "window+softcap"])
+def test_packed_three_consumers(ws_calls, ws_bwd_calls, monkeypatch, features):
+    # 192-row tiles (three consumer warpgroups, serial steps): 48 positions x 4 heads a tile
+    use_tiles(monkeypatch, "fwd_ws=192,128,4,3")
+    torch.manual_seed(0)
+    options = dict(causal=True) if features == "causal" else options_for(2, 8, features)
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, 100, 700, 8, 2, 64), **options)
+    _packed(ws_calls, 4)
+    assert {route.tiles.block_m for route in ws_calls.routes} == {192}
 
 
 def test_packed_strided_inputs(ws_calls):
