@@ -65,6 +65,8 @@ CASES = [  # (lq, lk, h, hk, d, dv, page, options)
     ([200, 390], [700, 390], 4, 2, 192, 128, 128, dict(causal=True)),
     ([129, 300], [640, 300], 2, 1, 256, 256, 128, dict(window_size=(64, 64))),
     ([64, 1], [0, 129], 4, 2, 96, 96, 128, {}),
+    # short sequences of a GQA group: the packed tiles (routes.gqa_pack) over pages
+    ([17, 40, 5], [600, 300, 1000], 8, 2, 128, 128, 128, dict(causal=True)),
 ]
 
 
