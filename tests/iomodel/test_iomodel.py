@@ -68,6 +68,19 @@ def test_forward_hand_count():
     assert est.detail["kv_passes_no_l2"] == 2 and est.detail["kv_passes_l2"] == 1
 
 
+def test_packed_gqa_forward_hand_count():
+    # batch 32 of 64 query rows of 8 heads over 2 KV heads against 4096 keys, d = 128 (the Gluon forward's
+    # call: b · h >= 132): the route packs each KV head's 4 query heads into 2 tiles of 128 rows
+    # (routes.gqa_pack), each streaming the KV head's 32 key tiles once; unpacked, each query head's one
+    # 64-row tile (half empty) would stream them
+    shape = AttnShape(32, 8, 64, 128, nheads_k=2, seqlen_k=4096)
+    est = forward_io(shape)
+    assert est.detail["pack"] == 4 and est.detail["tiles"] == 32 * 2 * 2 * 32
+    assert est.flops == 32 * 2 * 2 * 32 * 2 * (2 * 128 * 128 * 128)
+    assert est.flops == est.flops_convention  # every packed row a query row
+    assert est.detail["kv_passes_no_l2"] == 2  # two tiles per KV head, unpacked four
+
+
 def test_causal_forward_hand_count():
     # m-block 0 (rows 0..127) sees keys 0..127: one K/V tile; m-block 1 sees both: 3 of 4 tiles.
     est = forward_io(AttnShape(1, 1, 256, 64, causal=True))
@@ -145,15 +158,20 @@ def test_ws_backward_follows_the_launcher():
     assert ws_backward_tiles(AttnShape(2, 4, 1024, 64, density=0.5)) is None  # block-sparse: its own kernel
     # the 128K-token memory case: its 1 GiB float32 dQ buffer passes the cap (the whole call's route is the
     # Triton backward), so the launcher runs it by groups of KV heads (routes.backward_head_groups): 16 of one
-    # head, each on the warp-specialised backward with a 64 MiB buffer, its gradients copied into the whole
+    # head, each on the warp-specialised backward with a 64 MiB buffer, writing its gradients into the whole
+    # ones in place (no copy, and the group's own gradients not at the peak twice)
     big = AttnShape(1, 16, 131072, 128, causal=True)
     assert ws_backward_tiles(big) is None
     est, one = backward_io(big), backward_io(AttnShape(1, 1, 131072, 128, causal=True))
     assert est.detail["groups"] == 16
-    assert [p.name for p in leaves(est)][:4] == ["bwd.preprocess", "bwd.ws", "bwd.postprocess", "bwd.copy"]
+    assert [p.name for p in leaves(est)][:3] == ["bwd.preprocess", "bwd.ws", "bwd.postprocess"]
+    assert "bwd.copy" not in [p.name for p in leaves(est)]
     assert est.flops == 16 * one.flops and est.flops_convention == 2.5 * forward_io(big).flops_convention
     grads = 3 * 131072 * 16 * 128 * 2  # dq, dk, dv
-    assert est.peak_extra_bytes == grads + one.peak_extra_bytes < grads + 200 * 2**20
+    assert est.peak_extra_bytes == grads + one.peak_extra_bytes - grads // 16 < grads + 100 * 2**20
+    # MQA at that size: one KV head's query heads in parts, each part's gradients copied (dK, dV summed)
+    mqa = backward_io(AttnShape(1, 16, 131072, 128, causal=True, nheads_k=1))
+    assert "bwd.copy" in [p.name for p in leaves(mqa)]
     triton = backward_io(big, kernel="triton")
     assert [p.name for p in triton.parts] == ["bwd.preprocess", "bwd.dkdv", "bwd.dq"]
     with pytest.raises(ValueError, match="kernel must be"):

@@ -106,14 +106,18 @@ def _span(lo: int, hi: int, block: int) -> tuple[int, int]:
     return (lo // block, cdiv(hi, block)) if hi > lo else (0, 0)
 
 
-def _query_major(shape: AttnShape, block_m: int, block_n: int, machine: Machine, ctas_per_sm: int) -> _Stream:
-    """K/V streamed by programs over (m-block, query head): the forward and the dQ kernel."""
+def _query_major(shape: AttnShape, block_m: int, block_n: int, machine: Machine, ctas_per_sm: int,
+                 pack: int = 1) -> _Stream:
+    """K/V streamed by programs over (m-block, query head): the forward and the dQ kernel. pack > 1 (the
+    Gluon forward's packed GQA tiles): the m-blocks are of a kv head's packed rows (position r // pack of
+    head r % pack), one program each for the whole group."""
     sq, sk = shape.seqlen_q, shape.seqlen_k
-    spans = [_span(*shape.visible_keys(i * block_m, min(sq, (i + 1) * block_m)), block_n)
-             for i in range(cdiv(sq, block_m))]
+    rows = sq * pack
+    spans = [_span(*shape.visible_keys(i * block_m // pack, min(sq, ((i + 1) * block_m - 1) // pack + 1)),
+                   block_n) for i in range(cdiv(rows, block_m))]
     # grid = (m-blocks, b*h): the query heads of one GQA group are adjacent on axis 1, so their programs are
     # one contiguous run sharing the kv head.
-    programs = [[s] for _ in range(shape.group) for s in spans]
+    programs = [[s] for _ in range(1 if pack > 1 else shape.group) for s in spans]
     row_bytes = 2 * shape.headdim * shape.dtype_bytes
     return _stream(_blocks(sk, block_n), programs, row_bytes, density=shape.density,
                    n_groups=shape.batch * shape.nheads_k, concurrency=machine.sms * ctas_per_sm,
@@ -139,7 +143,8 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
     block_m, block_n = block_m or default_m, block_n or default_n
     b, h, hk, sq, sk, d, e = (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen_q, shape.seqlen_k,
                               shape.headdim, shape.dtype_bytes)
-    kv = _query_major(shape, block_m, block_n, machine, ctas_per_sm)
+    pack = route.pack if isinstance(route, routes.GluonForward) else 1
+    kv = _query_major(shape, block_m, block_n, machine, ctas_per_sm, pack)
     row = 2 * d * e
     q_bytes = b * h * sq * d * e
     out_bytes = q_bytes + b * h * sq * LSE_BYTES
@@ -154,7 +159,7 @@ def forward_io(shape: AttnShape, *, block_m: int | None = None, block_n: int | N
         peak_extra_bytes=out_bytes,
         detail=dict(tiles=b * hk * kv.tiles, kv_passes_no_l2=b * hk * kv.rows_no_l2 * row / kv_once,
                     kv_passes_l2=b * hk * kv.rows_l2 * row / kv_once, l2_fits=kv.fits,
-                    block_m=block_m, block_n=block_n),
+                    block_m=block_m, block_n=block_n, pack=pack),
     )
 
 
@@ -217,18 +222,22 @@ def _ws_backward_io(shape: AttnShape, block_m: int, block_n: int, machine: Machi
 
 def _grouped_backward_io(shape: AttnShape, groups: int, machine: Machine, ctas_per_sm: int) -> IOEstimate:
     """A backward whose float32 dQ buffer would pass routes.DQ_BUFFER_CAP, as the launcher runs it: one group
-    of query heads at a time (routes.backward_head_groups) with its KV heads (or one KV head, parts of its
-    query heads each), each group's gradients then copied into the whole ones (parts summed in float32,
-    not modelled: a KV head's K/V-sized traffic). Peak: the whole gradients beside one group's peak."""
+    of query heads at a time (routes.backward_head_groups) with its KV heads, writing its gradients into
+    the whole ones in place; or one KV head's query heads in parts, each part's gradients then copied (the
+    parts' dK and dV summed in float32, not modelled: a KV head's K/V-sized traffic). Peak: the whole
+    gradients beside one group's peak (less its own gradients where written in place)."""
     nheads = shape.nheads // groups
     part = replace(shape, nheads=nheads, nheads_k=max(nheads // shape.group, 1))
     one = backward_io(part, machine=machine, ctas_per_sm=ctas_per_sm)
     b, d, e = shape.batch, shape.headdim, shape.dtype_bytes
     grads = (b * shape.nheads * shape.seqlen_q + 2 * b * shape.nheads_k * shape.seqlen_k) * d * e
+    kw = dict(flops_convention=round(2.5 * shape.convention_flops()), groups=groups)
+    if nheads >= shape.group:
+        own = (b * part.nheads * part.seqlen_q + 2 * b * part.nheads_k * part.seqlen_k) * d * e
+        return combine("bwd", [one] * groups, peak_extra_bytes=grads + one.peak_extra_bytes - own, **kw)
     copy = IOEstimate("bwd.copy", bytes_read=grads // groups, bytes_written=grads // groups, flops=0,
                       peak_extra_bytes=0)
-    return combine("bwd", [one, copy] * groups, peak_extra_bytes=grads + one.peak_extra_bytes,
-                   flops_convention=round(2.5 * shape.convention_flops()), groups=groups)
+    return combine("bwd", [one, copy] * groups, peak_extra_bytes=grads + one.peak_extra_bytes, **kw)
 
 
 def backward_io(shape: AttnShape, *, block_m1: int | None = None, block_n1: int | None = None,
