@@ -65,7 +65,7 @@ CASES = [  # (lq, lk, h, hk, d, dv, page, options)
     ([200, 390], [700, 390], 4, 2, 192, 128, 128, dict(causal=True)),
     ([129, 300], [640, 300], 2, 1, 256, 256, 128, dict(window_size=(64, 64))),
     ([64, 1], [0, 129], 4, 2, 96, 96, 128, {}),
-    # short sequences of a GQA group: the packed tiles (routes.gqa_pack) over pages
+    # short sequences of a GQA group (the packed tiles' case: test_paged_packed_gqa)
     ([17, 40, 5], [600, 300, 1000], 8, 2, 128, 128, 128, dict(causal=True)),
 ]
 
@@ -123,3 +123,21 @@ def test_paged_bad_entries_clamped(pools_read):
         out = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 200, 600, block_table=bad)
         ref = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 200, 600, block_table=clamped)
     assert pools_read == [bad, clamped] and torch.equal(out, ref)
+
+
+def test_paged_packed_gqa(pools_read, monkeypatch):
+    """The Gluon forward's packed GQA tiles (routes.gluon_forward_route(spec, packed=True)) over pages: bit
+    for bit the packed layout's call on the same route."""
+    real = routes.gluon_forward_route
+    monkeypatch.setattr(routes, "gluon_forward_route", lambda spec, packed=True: real(spec, packed=packed))
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    q, k, v, k_pool, v_pool, table, cu_q, cu_k = _paged([17, 40, 5], [600, 300, 1000], 8, 2, 128, 128, 128)
+    spec = dataclasses.replace(attention.spec_of(q, k_pool[0], v_pool[0], cu_seqlens_q=cu_q, max_seqlen_q=40,
+                                                 max_seqlen_k=1000, causal=True), page_size=128)
+    route = routes.forward_route(spec)
+    assert route.pack == 4 and routes.reads_pages(spec, route)
+    with torch.no_grad():
+        out = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 40, 1000, block_table=table, causal=True)
+        ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 1000, causal=True)
+    assert pools_read == [table, None]
+    assert torch.equal(out, ref)

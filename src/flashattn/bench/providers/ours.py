@@ -183,6 +183,14 @@ def _split_forward(spec):
     return decode_routes.SplitForward() if decode_routes.takes_split_forward(spec) else r.forward_route(spec)
 
 
+def _packed_forward(spec):
+    """The Gluon forward's packed route (routes.gluon_forward_route(spec, packed=True)) where it takes the
+    call, else the default forward route."""
+    from flashattn.backends.triton import routes as r
+
+    return r.gluon_forward_route(spec, packed=True) if r.takes_gluon_forward(spec) else r.forward_route(spec)
+
+
 def _group_split(n: int) -> Callable:
     """The default backward route, its Gluon one with the GQA group split into gcd(n, group) parts."""
     import math
@@ -231,10 +239,10 @@ def _providers() -> list[Provider]:
                  "this project's default routes with forwards of at most 64 query rows (no more than keys) "
                  "on the split-KV decode kernel, a GQA group's rows packed (decode_routes.SplitForward; "
                  "A/B timing)"),
-        Provider("flashattn-unpacked", routed(_replace(r.forward_route, r.GluonForward, pack=1),
-                                              r.backward_route),
-                 "this project's default routes with the Gluon forward's GQA groups unpacked, a query tile "
-                 "per head (instead of FA3's pack_gqa where routes.gqa_pack takes it; A/B timing)"),
+        Provider("flashattn-packed", routed(_packed_forward, r.backward_route),
+                 "this project's default routes with the Gluon forward's GQA group packed into its query "
+                 "tiles where routes.gqa_pack takes it (FA3's pack_gqa; a forward of few query rows that "
+                 "the default sends to the split-KV kernel too; A/B timing)"),
         Provider("flashattn-bwd-dsplit", routed(r.forward_route, _dsplit_backward),
                  "this project's default routes with the d_qk 129..192 / dv 65..128 backward on 64 keys a "
                  "program, the gradients split by columns (attn_bwd_dsplit.py), instead of 128 "
