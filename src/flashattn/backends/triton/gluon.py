@@ -37,12 +37,13 @@ from flashattn.backends.triton.routes import HALF_M, GluonBackward, GluonForward
 from flashattn.errors import FlashAttnError
 
 
-@functools.lru_cache(maxsize=32)
-def _shared_layout(rows: int, cols: int, dtype_name: str):
-    # cached: building it costs ~15 us of host time, and every launch asks for 4-7 of them
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple, dtype_name: str):
+    """The wgmma-ready shared layout of a TMA block of this shape. Cached: building it costs ~15 us of host
+    time, and every launch asks for 4-7 of them."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, cols], getattr(gl, dtype_name))
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, dtype_name))
 
 
 @functools.cache
@@ -56,14 +57,8 @@ def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> 
     type). The same for every tensor of t's shape, strides and dtype: a prepared launch keeps it."""
     if dtype_name is None:
         dtype_name = _GLUON_DTYPES[t.dtype]
-    return list(t.shape), list(t.stride()), [1, rows, 1, cols], _shared_layout(rows, cols, dtype_name)
-
-
-@functools.lru_cache(maxsize=32)
-def _packed_layout(rows: int, heads: int, cols: int, dtype_name: str):
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, heads, cols], getattr(gl, dtype_name))
+    block = (1, rows, 1, cols)
+    return list(t.shape), list(t.stride()), list(block), _shared_layout(block, dtype_name)
 
 
 def _packed_spec(t, group: int, pack: int, cols: int) -> tuple:
@@ -74,18 +69,12 @@ def _packed_spec(t, group: int, pack: int, cols: int) -> tuple:
     b, n, h, d = t.shape
     heads = min(pack, HALF_M)
     rows = HALF_M // heads
+    block = (1, rows, 1, heads, cols)
     return ([b, n, h // group, group, d], [t.stride(0), t.stride(1), group * t.stride(2), t.stride(2), 1],
-            [1, rows, 1, heads, cols], _packed_layout(rows, heads, cols, _GLUON_DTYPES[t.dtype]))
+            list(block), _shared_layout(block, _GLUON_DTYPES[t.dtype]))
 
 
 _GLUON_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
-
-
-@functools.lru_cache(maxsize=32)
-def _kmajor_layout(rows: int, cols: int):
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl.float8e4nv)
 
 
 def kmajor_v(v, varlen: bool):
@@ -102,8 +91,8 @@ def kmajor_v(v, varlen: bool):
 
 
 def _kmajor_spec(vt, block_n: int) -> tuple:
-    dv = vt.shape[2]
-    return list(vt.shape), list(vt.stride()), [1, 1, dv, block_n], _kmajor_layout(dv, block_n)
+    block = (1, 1, vt.shape[2], block_n)
+    return list(vt.shape), list(vt.stride()), list(block), _shared_layout(block, "float8e4nv")
 
 
 class Prepared:

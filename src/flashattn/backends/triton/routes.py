@@ -370,9 +370,12 @@ def _dsplit_smem(spec: Spec, tiles: TileConfig, do_stages: int) -> int:
     return q + do_stages * m * dv * e + n * (256 + dv) * e + 4 * m * n * e + 2 * m * 64 * 4
 
 
-def _stream_group(spec: Spec) -> int:
-    stream = spec.seqlen_k * (spec.headdim + spec.headdim_v) * spec.element_size // spec.group
-    return lpt_group(spec, spec.batch * spec.nheads, stream)
+def _stream_group(spec: Spec, pack: int = 1) -> int:
+    """The forwards' launch-order group: work items per query head, each streaming its share of the kv
+    head's keys; packed (pack > 1), per kv head, each streaming them whole."""
+    heads = spec.nheads_k if pack > 1 else spec.nheads
+    stream = spec.seqlen_k * (spec.headdim + spec.headdim_v) * spec.element_size * spec.nheads_k // heads
+    return lpt_group(spec, spec.batch * heads, stream)
 
 
 def takes_gqa_pack(spec: Spec) -> bool:
@@ -413,10 +416,7 @@ def gluon_forward_route(spec: Spec, packed: bool = False) -> GluonForward:
     half_diag = spec.window[1] >= 0 and tiles.block_n == 128 and spec.element_size == 2 and pack == 1
     width = gluon_head_dim(spec)
     q_buffers = gluon_q_buffers(spec, tiles, width)
-    # packed, a work item streams its KV head's keys whole (a group's heads share them)
-    group = (lpt_group(spec, spec.batch * spec.nheads_k, spec.seqlen_k * (spec.headdim + spec.headdim_v)
-                       * spec.element_size) if pack > 1 else _stream_group(spec))
-    return GluonForward(tiles, group, width, q_buffers, defer_release=q_buffers == 2,
+    return GluonForward(tiles, _stream_group(spec, pack), width, q_buffers, defer_release=q_buffers == 2,
                         half_diag=half_diag, trees=0 if three else 3,
                         maxnreg=tiles.maxnreg or (MAXNREG_THREE if three else MAXNREG_TWO), pack=pack)
 

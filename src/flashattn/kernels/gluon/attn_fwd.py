@@ -406,27 +406,22 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 o_buf = q_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
         o_tile = o_buf.reshape([HALF_M, HEAD_DIM_V])
         o_tile.store(out.to(o_desc.dtype))
-        if CU_Q is not None:
-            if (row0 + HALF_M - 1) // PACK >= len_q:
-                # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
-                # sequence's: the rows inside go from the staging buffer by masked stores
-                first = row0 // PACK  # the warpgroup's first position
-                store_rows(o_tile, O, q_start + first, len_q - first, off_h, stride_om, stride_oh, d_v, PACK,
-                           GROUP)
-            elif PACK > 1:
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [0, q_start + row0 // PACK, off_hk, row0 % PACK, 0],
+        first = row0 // PACK  # the warpgroup's first position
+        if CU_Q is not None and (row0 + HALF_M - 1) // PACK >= len_q:
+            # the sequence ends inside this warpgroup's rows, and a TMA store would write the next
+            # sequence's: the rows inside go from the staging buffer by masked stores
+            store_rows(o_tile, O, q_start + first, len_q - first, off_h, stride_om, stride_oh, d_v, PACK,
+                       GROUP)
+        else:
+            # varlen: the packed tensors' descriptor has one batch (q_start is 0 in the padded layout)
+            desc_b = 0 if CU_Q is not None else off_b
+            fence_async_shared()
+            if PACK > 1:
+                # O as (batch, seqlen, heads_k, the group, dv): the store clips the padded group's rows
+                tma.async_copy_shared_to_global(o_desc, [desc_b, q_start + first, off_hk, row0 % PACK, 0],
                                                 o_buf)
             else:
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [0, q_start + row0, off_h, 0], o_buf)
-        elif PACK > 1:
-            # O as (batch, seqlen, heads_k, the group, dv): the store clips the padded group's rows
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_b, row0 // PACK, off_hk, row0 % PACK, 0], o_buf)
-        else:
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], o_buf)
+                tma.async_copy_shared_to_global(o_desc, [desc_b, q_start + first, off_h, 0], o_buf)
         if not DEFER_RELEASE:
             tma.store_wait(0)
             mbarrier.arrive(q_empty.index(qb), count=1)
