@@ -63,3 +63,39 @@ def test_split_forward_against_the_oracle(split_route, dtype, sq, sk, h, hk, d, 
                                            alibi_slopes=torch.rand(2, h))}[options]
     check_against_oracle(q, k, v, **kwargs)
     assert split_route["decode_kernel"] == 1 and "attn_fwd_kernel" not in split_route
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set at process start")
+def test_split_forward_keeps_the_streams_workspace(monkeypatch, launches):
+    """Its split partials and counters live in the stream's workspace (decode.stream_workspace): no
+    allocation and no zeroing per call, grown for a launch that needs more, the counters left at 0; the
+    results bit for bit those of a workspace allocated per call."""
+    from flashattn import flash_attn_func
+    from flashattn.backends.triton import decode
+
+    monkeypatch.setattr(flashattn_config, "backend", "triton")
+    monkeypatch.setattr(decode, "_stream_workspaces", {})
+    splits = {}
+    monkeypatch.setattr(routes, "forward_route",
+                        lambda spec: decode_routes.SplitForward(num_splits=splits["n"]))
+
+    def call(seed, n, sk):
+        splits["n"] = n
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 3, 4, 32, generator=g, dtype=torch.float16)
+        k, v = (torch.randn(2, sk, 2, 32, generator=g, dtype=torch.float16) for _ in range(2))
+        return flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
+
+    cases = ((0, 2, 64), (1, 2, 48), (2, 4, 96))
+    outs, sizes = [], []
+    for seed, n, sk in cases:
+        outs.append(call(seed, n, sk))
+        (ws,) = decode._stream_workspaces.values()
+        assert torch.count_nonzero(ws.counters) == 0
+        sizes.append(ws.partials.numel())
+    assert sizes[0] == sizes[1] < sizes[2]  # kept for the second 2-split call, grown for the 4-split one
+    assert launches["decode_kernel"] == 3
+    monkeypatch.setattr(decode, "stream_workspace", lambda *args: None)
+    for (seed, n, sk), (out, lse) in zip(cases, outs, strict=True):
+        fresh, fresh_lse = call(seed, n, sk)
+        assert torch.equal(out, fresh) and torch.equal(lse, fresh_lse)

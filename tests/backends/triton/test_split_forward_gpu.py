@@ -63,3 +63,32 @@ def test_default_route_repeats_through_the_signature_cache(decode_calls):
     second = attention.attention_forward(q, k, v, softmax_scale=0.125, causal=True)
     assert decode_calls == [q.shape, q.shape]
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_split_forward_in_a_cuda_graph(decode_calls):
+    """Eager calls keep their split partials in the stream's workspace; a captured call allocates its own in
+    the graph's pool (decode.stream_workspace is None while capturing), so replays with new inputs equal
+    eager calls bit for bit, and the stream's workspace is left as it was."""
+    torch.manual_seed(0)
+    q, k, v = (t.detach() for t in qkv(1, 4, 4096, 32, 8, 128))
+    eager = attention.attention_forward(q, k, v, softmax_scale=0.125, causal=True)
+    workspaces = dict(decode._stream_workspaces)
+    static = (q.clone(), k.clone(), v.clone())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention.attention_forward(*static, softmax_scale=0.125, causal=True)  # warm up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention.attention_forward(*static, softmax_scale=0.125, causal=True)
+    for seed in range(3):
+        torch.manual_seed(seed + 1)
+        fresh = tuple(t.detach() for t in qkv(1, 4, 4096, 32, 8, 128))
+        for dst, src in zip(static, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        expected = attention.attention_forward(*fresh, softmax_scale=0.125, causal=True)
+        assert torch.equal(captured[0], expected[0]) and torch.equal(captured[1], expected[1])
+    assert all(decode._stream_workspaces.get(key) is ws for key, ws in workspaces.items())
+    assert len(decode_calls) == 3 + 3 and eager[0].shape == q.shape

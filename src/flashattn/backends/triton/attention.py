@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flashattn import config, paged
+from flashattn.backends import STREAM_WORKSPACE
 from flashattn.backends.triton import decode, decode_routes, gluon, head_groups, host, routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.launch import Bound, launch
@@ -173,10 +174,10 @@ def _tensor_options(alibi_slopes, learnable_sink) -> tuple:
 
 def _split_forward(q, k, v, pb, route, softmax_scale, causal, window_size, softcap, alibi_slopes):
     # the decode kernel over k and v as full caches of seqlen_k keys (its lse: (b, h, sq), +inf where a row
-    # sees no key, as here)
+    # sees no key, as here); its split partials in the stream's workspace (none while a graph is captured)
     return decode.kvcache_forward(q, k, v, cache_len=pb.seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                  num_splits=route.num_splits)
+                                  num_splits=route.num_splits, workspace=STREAM_WORKSPACE)
 
 
 def _remember(cache: dict, key: tuple, entry: tuple) -> None:

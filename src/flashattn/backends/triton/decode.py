@@ -17,8 +17,9 @@ flashattn.kvcache and flashattn.decode_plan keep their own.
 Splits merge inside the kernel through a workspace: fp32 partials and one counter per row of programs, which
 must be 0 when a launch starts. The kernel leaves its counters at 0, so a workspace serves launch after launch
 in order on one stream: a DecodePlan brings its own; flash_attn_with_kvcache's eager calls take their
-stream's (workspace=STREAM_WORKSPACE, `stream_workspace`: no allocation and no zeroing kernel per call);
-the other calls (the registered op's, which torch.compile's CUDA graphs run, and any under CUDA graph
+stream's (workspace=STREAM_WORKSPACE, `stream_workspace`: no allocation and no zeroing kernel per call), as
+do the split-KV forwards of few-row attention calls (backends/triton/attention.py) outside graph capture; the
+other calls (the registered kvcache op's, which torch.compile's CUDA graphs run, and any under CUDA graph
 capture) allocate their partials and zeroed counters, so that they hold no state between calls: graphs may
 replay on several streams at once, and nothing allocated in a graph's pool may outlive its bookkeeping.
 
@@ -258,8 +259,9 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
                     cache_len=0, cache_batch_idx=None, cache_leftpad=None, block_table=None, *,
                     softmax_scale: float, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
                     alibi_slopes=None, rotary_interleaved: bool = True, num_splits: int = 0, key_mask=None,
-                    k_descale=None, v_descale=None):
-    """See the module docstring for shapes; returns (out, lse)."""
+                    k_descale=None, v_descale=None, workspace=None):
+    """See the module docstring for shapes; returns (out, lse). workspace: None (a launch that splits
+    allocates its own) or STREAM_WORKSPACE (the stream's, `stream_workspace`)."""
     key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
            v_cache.shape, v_cache.stride(), v_cache.dtype,
            _sig(k), _sig(v), _sig(rotary_cos), _sig(rotary_sin), cache_seqlens is None,
@@ -277,7 +279,8 @@ def kvcache_forward(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary
             _launches.clear()
         _launches[key] = launch
     return launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len,
-                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask, k_descale, v_descale)
+                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_mask, k_descale, v_descale,
+                  workspace)
 
 
 def plan_route(batch: int, nheads: int, nheads_k: int, seqlen_q: int, headdim: int, dtype: torch.dtype,
