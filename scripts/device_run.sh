@@ -18,7 +18,8 @@
 #   fuzz-memcheck the fuzz's GPU sample under compute-sanitizer memcheck (tests/test_fuzz.py's GPU test: 150
 #                 calls in 4 shards side by side; each log ends with the call that faulted, if one did)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
-#                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_PROVIDERS: another list)
+#                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_MODES: fwd or bwd alone;
+#                 TRAIN_PROVIDERS: another list, flashattn-baseline among them with .baseline carried)
 #   ab-workloads  the workloads suite beside another revision of this tree in the same process (provider
 #                 flashattn-baseline: `bash scripts/vendor_tree.sh REV flashattn_base`, carry .baseline) and FA4
 #   padded-heads  head dims below the Gluon kernels' tile widths (d 40, 80, 96, dv < d): their forced-route
@@ -155,8 +156,10 @@ for stage in "$@"; do
       bench "${PADDED_S:-240}" padded --suite train --headdims 80,96 --modes fwd,bwd --seqlens 4096,16384 \
         --providers "flashattn,flashattn-gluon,sdpa-cudnn$FA4" ;;
     train-table)
-      bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 --modes fwd,bwd \
-        ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
+      # .baseline/src on the path: TRAIN_PROVIDERS may name flashattn-baseline (scripts/vendor_tree.sh)
+      PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src bench "${TRAIN_S:-330}" train --suite train --headdims 64,128 \
+        --modes "${TRAIN_MODES:-fwd,bwd}" ${TRAIN_SEQLENS:+--seqlens "$TRAIN_SEQLENS"} \
+        --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
     short)
       bench "${SHORT_S:-240}" short --suite short \
         --providers "flashattn,flashattn-short-split,flashattn-packed,sdpa-cudnn$FA4" ;;

@@ -59,6 +59,7 @@ from flashattn.kernels.gluon.bwd_tiles import (
     key_tile,
     part_heads,
     program_sequence,
+    step_rows,
     store_key_tiles,
 )
 from flashattn.kernels.gluon.schedule import publish_tile
@@ -251,9 +252,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     # this head's share of the sink's gradient so far, per key (SINK)
     sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
     for c in range(n_steps):
-        g = c // steps_per_head
-        off_h = head0 + g
-        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        off_h, m0, head_done = step_rows(c, steps_per_head, head0, m_first, BLOCK_M, HEADS)
         s = c % STAGES
         b = c % NBUF
         offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -283,7 +282,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             # the LSE read again from shared memory (ALiBi under causal masking has folded a bias into
             # `lse`; and holding `lse` this far spilled 0.4 KB more at d = 64)
             sink_acc = sink_step(sink_acc, pt, dpt, stats_rows.index(2 * s).load(row_layout), inside, SINK,
-                                 DSINK, off_h, c % steps_per_head == steps_per_head - 1, s_layout)
+                                 DSINK, off_h, head_done, s_layout)
         delta = stats_rows.index(2 * s + 1).load(row_layout)
         if varlen:
             delta = gl.where(inside, delta, 0.0)

@@ -56,6 +56,7 @@ from flashattn.kernels.gluon.bwd_tiles import (
     key_tile,
     part_heads,
     program_sequence,
+    step_rows,
 )
 from flashattn.kernels.gluon.schedule import publish_tile, store_rows
 from flashattn.kernels.gluon.scores import transposed_probs
@@ -173,18 +174,9 @@ def _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES: gl.constexpr, WG: gl.cons
 
 
 @gluon.jit
-def _step_rows(c, rows, BLOCK_M: gl.constexpr):
-    """Step c's query head, first query row, and whether it is its head's last step."""
-    steps_per_head, head0, m_first = rows[1], rows[2], rows[3]
-    g = c // steps_per_head
-    i = c - g * steps_per_head
-    return head0 + g, m_first + i * BLOCK_M, i == steps_per_head - 1
-
-
-@gluon.jit
 def _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink, STAGES: gl.constexpr,
               BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr,
-              s_layout: gl.constexpr):
+              s_layout: gl.constexpr, HEADS: gl.constexpr):
     """Step c's Pᵀ and dSᵀ (keys × this warpgroup's rows, float32) from its finished Sᵀ and dPᵀ, and the
     sink's gradient summed over them. diag_r, diag_l: the band's edges (None where unbounded)."""
     stats_rows, _, _, _, off_b = rows
@@ -192,7 +184,7 @@ def _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink, ST
     qk_scale, _, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     SINK, DSINK = sink
     row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector along Sᵀ's columns (the query rows)
-    off_h, m0, head_done = _step_rows(c, rows, BLOCK_M)
+    off_h, m0, head_done = step_rows(c, rows[1], rows[2], rows[3], BLOCK_M, HEADS)
     row0 = m0 + WG * ROWS  # this warpgroup's first query row
     offs_q = row0 + gl.arange(0, ROWS, layout=row_layout)
     slope = None
@@ -351,8 +343,8 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
         dpt = _issue_dp(c, do_smem, v_smem, do_ready, DO_STAGES, WG, s_zero)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
         pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
-                                      STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout)
-        off_h, m0, _last = _step_rows(c, rows, BLOCK_M)
+                                      STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout, HEADS)
+        off_h, m0, _last = step_rows(c, rows[1], rows[2], rows[3], BLOCK_M, HEADS)
         _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
         dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
                                   K0, KW, V0, VW, Q0, q_zero)

@@ -42,6 +42,7 @@ from flashattn.kernels.gluon.bwd_tiles import (
     key_tile,
     part_heads,
     program_sequence,
+    step_rows,
     store_key_tiles,
 )
 from flashattn.kernels.gluon.scores import transposed_probs
@@ -156,9 +157,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     n_steps = HEADS * n_m
     steps_per_head = gl.maximum(n_m, 1)
     for c in range(n_steps):
-        g = c // steps_per_head
-        off_h = head0 + g
-        m0 = m_first + (c - g * steps_per_head) * BLOCK_M
+        off_h, m0, head_done = step_rows(c, steps_per_head, head0, m_first, BLOCK_M, HEADS)
         s = c % STAGES
         b = c % 2
         offs_q = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -190,7 +189,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_v), do, dv, is_async=True)
         if SINK is not None:
             sink_acc = sink_step(sink_acc, pt, dpt, stats_rows.index(2 * s).load(row_layout), inside, SINK,
-                                 DSINK, off_h, c % steps_per_head == steps_per_head - 1, s_layout)
+                                 DSINK, off_h, head_done, s_layout)
         delta = stats_rows.index(2 * s + 1).load(row_layout)
         if varlen:
             delta = gl.where(inside, delta, 0.0)
