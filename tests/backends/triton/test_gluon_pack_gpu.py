@@ -123,7 +123,7 @@ PACKED_VARLEN_K = [5, 1, 30, 64, 900, 0, 3, 200, 40, 100, 16, 300]
                          ids=["gqa4", "gqa6", "mqa32", "mqa64"])
 def test_packed_varlen(ws_calls, ws_bwd_calls, features, h, hk, pack):
     torch.manual_seed(0)
-    options = {"causal": dict(causal=True), "plain": {}}.get(features) or options_for(len(PACKED_VARLEN_Q), h,
-                                                                                      features)
+    simple = {"causal": dict(causal=True), "plain": {}}
+    options = simple[features] if features in simple else options_for(len(PACKED_VARLEN_Q), h, features)
     check_varlen(ws_calls, ws_bwd_calls, PACKED_VARLEN_Q, PACKED_VARLEN_K, h, hk, 128, **options)
     _packed(ws_calls, pack)
