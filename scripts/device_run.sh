@@ -26,8 +26,8 @@
 #                 GPU tests, memcheck on ws_padded, and the train suite at d 80 and 96 on the default routes
 #                 (Triton) beside the forced Gluon ones (flashattn-gluon) and cuDNN (PADDED_S: the bench's limit)
 #   short         the short suite (1-64 query rows against 4K / 32K keys) on the default routes beside the
-#                 split-KV forward (flashattn-short-split), the Gluon forward's GQA groups packed
-#                 (flashattn-packed), cuDNN (and FA4)
+#                 split-KV forward (flashattn-short-split), the Gluon forward's GQA groups unpacked
+#                 (flashattn-unpacked), cuDNN (and FA4)
 #   generate      Hugging Face generate end to end (the transformers on the device), ours against SDPA:
 #                 batch 1 and 16, prompts 1K and 8K, eager and static cache with CUDA graphs
 #   paged         paged varlen prefill (pages of 256, no gradient) read in the kernel beside the same pages
@@ -162,7 +162,7 @@ for stage in "$@"; do
         --providers "${TRAIN_PROVIDERS:-flashattn,sdpa-cudnn$FA4}" ;;
     short)
       bench "${SHORT_S:-240}" short --suite short \
-        --providers "flashattn,flashattn-short-split,flashattn-packed,sdpa-cudnn$FA4" ;;
+        --providers "flashattn,flashattn-short-split,flashattn-unpacked,sdpa-cudnn$FA4" ;;
     generate)
       bench "${GENERATE_S:-420}" generate --suite generate ;;
     paged)

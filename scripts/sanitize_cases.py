@@ -501,8 +501,8 @@ def ws_pack():
 
     # the Gluon forward with GQA groups packed into its tiles (routes.gqa_pack): groups padded to a power of
     # two (6 -> 8, whose extra rows must read zeros and never be stored), a group past HALF_M (128: tiles of
-    # one position's heads), rows without keys (sq > sk, causal), every option; each call on the packed route
-    # explicitly
+    # one position's heads), rows without keys (sq > sk, causal), every option; each call's route asserted
+    # packed
     band = dict(window_size=(100, 37), softcap=20.0)
     for (h, hk), (sq, sk), d, options in (((8, 2), (64, 300), 128, dict(causal=True)),
                                           ((12, 2), (17, 1023), 64, band),
@@ -512,7 +512,7 @@ def ws_pack():
         q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         spec = attention.spec_of(q, k, v, **options)
-        route = routes.gluon_forward_route(spec, packed=True)
+        route = routes.gluon_forward_route(spec)
         assert route.pack > 1, route
         opts = dict(options, causal=options.get("causal", False))
         extra = dict(alibi_slopes=torch.rand(2, h, device="cuda"),
@@ -528,7 +528,7 @@ def ws_pack():
     q = torch.randn(sum(lens_q), 12, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     call = dict(causal=True, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-    route = routes.gluon_forward_route(attention.spec_of(q, k, v, **call), packed=True)
+    route = routes.gluon_forward_route(attention.spec_of(q, k, v, **call))
     assert route.pack == 8, route
     out, _ = attention.attention_forward(q, k, v, softmax_scale=0.1, cu_seqlens_k=cu_k, route=route, **call)
     torch.cuda.synchronize()

@@ -126,10 +126,8 @@ def test_paged_bad_entries_clamped(pools_read):
 
 
 def test_paged_packed_gqa(pools_read, monkeypatch):
-    """The Gluon forward's packed GQA tiles (routes.gluon_forward_route(spec, packed=True)) over pages: bit
-    for bit the packed layout's call on the same route."""
-    real = routes.gluon_forward_route
-    monkeypatch.setattr(routes, "gluon_forward_route", lambda spec, packed=True: real(spec, packed=packed))
+    """The Gluon forward's packed GQA tiles (its default route here: routes.gqa_pack) over pages: bit for bit
+    the packed layout's call on the same route."""
     monkeypatch.setattr(attention, "_forward_cache", {})
     q, k, v, k_pool, v_pool, table, cu_q, cu_k = _paged([17, 40, 5], [600, 300, 1000], 8, 2, 128, 128, 128)
     spec = dataclasses.replace(attention.spec_of(q, k_pool[0], v_pool[0], cu_seqlens_q=cu_q, max_seqlen_q=40,

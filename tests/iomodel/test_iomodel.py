@@ -17,7 +17,6 @@ import pytest
 from utils import NCU_LONG, use_tiles
 
 from flashattn import io_cli
-from flashattn.backends.triton import routes
 from flashattn.bench import ncu as bench_ncu
 from flashattn.iomodel import (
     GB,
@@ -69,13 +68,11 @@ def test_forward_hand_count():
     assert est.detail["kv_passes_no_l2"] == 2 and est.detail["kv_passes_l2"] == 1
 
 
-def test_packed_gqa_forward_hand_count(monkeypatch):
+def test_packed_gqa_forward_hand_count():
     # batch 32 of 64 query rows of 8 heads over 2 KV heads against 4096 keys, d = 128 (the Gluon forward's
-    # call: b · h >= 132): the packed route (explicit for now) packs each KV head's 4 query heads into 2
-    # tiles of 128 rows (routes.gqa_pack), each streaming the KV head's 32 key tiles once; unpacked, each
-    # query head's one 64-row tile (half empty) would stream them
-    real = routes.gluon_forward_route
-    monkeypatch.setattr(routes, "gluon_forward_route", lambda spec, packed=True: real(spec, packed=packed))
+    # call: b · h >= 132) packs each KV head's 4 query heads into 2 tiles of 128 rows (routes.gqa_pack), each
+    # streaming the KV head's 32 key tiles once; unpacked, each query head's one 64-row tile (half empty)
+    # would stream them
     shape = AttnShape(32, 8, 64, 128, nheads_k=2, seqlen_k=4096)
     est = forward_io(shape)
     assert est.detail["pack"] == 4 and est.detail["tiles"] == 32 * 2 * 2 * 32

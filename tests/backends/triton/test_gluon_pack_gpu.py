@@ -5,7 +5,7 @@ A packed tile's row r is position r // pack of the group's head r % pack, pack b
 power of two: groups of 2 to 128 heads (3, 5 and 6 padded, their extra rows computed and never stored; 128 as
 several tiles of one position's heads), few and odd query rows, sq != sk both ways, every band and option,
 each head dim width, and the varlen layout (a sequence's last positions stored a position's heads at a time,
-empty sequences). Every call takes the packed route (`packed_routes`), and every case asserts that it did
+empty sequences). Every call takes the default packed route, and every case asserts that it did
 (so a change in the routing rule cannot turn these into tests of the unpacked kernel) and checks the output,
 the LSE and the gradients (the backward reads the packed forward's LSE) against the oracle.
 """
@@ -28,10 +28,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def packed_routes(monkeypatch):
-    """Every Gluon forward route of the test packed where gqa_pack takes it (the explicit route until these
-    tests and the short suite have run: routes.gluon_forward_route(spec, packed=True))."""
-    real = routes.gluon_forward_route
-    monkeypatch.setattr(routes, "gluon_forward_route", lambda spec, packed=True: real(spec, packed=packed))
+    """The forward's signature cache emptied: every call derives its route (the Gluon forward's default,
+    packed where gqa_pack takes it)."""
     monkeypatch.setattr(attention, "_forward_cache", {})
 
 # (heads, kv heads) -> the pack the route must take
@@ -105,7 +103,7 @@ def test_packed_and_unpacked_agree():
     # bit the same output and LSE
     q, k, v = (t.detach() for t in _qkv(1, 64, 1024, 8, 2, 128))
     spec = attention.spec_of(q, k, v)
-    packed = routes.gluon_forward_route(spec, packed=True)
+    packed = routes.gluon_forward_route(spec)
     assert packed.pack == 4
     out = {}
     for route in (packed, dataclasses.replace(packed, pack=1)):

@@ -312,25 +312,28 @@ def test_the_half_diagonal_step_follows_a_right_edge(window, half):
     (dict(seqlen_q=30, varlen=True, batch=10, tokens_q=200, nheads=128, nheads_k=1), 1),
 ], ids=str)
 def test_the_gluon_forward_packs_a_gqa_group_where_it_fills_the_tiles(kw, pack):
-    route = routes.gluon_forward_route(_spec(**kw), packed=True)
+    spec = _spec(**kw)
+    route = routes.gluon_forward_route(spec)
     assert route.pack == pack
     if pack > 1:
         # the half step's halves assume a row per position
         assert not route.half_diag
-    # the packed route is explicit until it has run on the device: the default keeps a tile per head
-    assert routes.gluon_forward_route(_spec(**kw)).pack == 1
+    assert routes.gluon_forward_route(spec, packed=False).pack == 1
+    # the default forward route: packed wherever it is the Gluon forward (not the split-KV forward's calls)
+    default = routes.forward_route(spec)
+    assert default == route or isinstance(default, decode_routes.SplitForward)
 
 
 def test_fp8_forwards_keep_their_groups_unpacked():
     spec = _spec(seqlen_q=64, nheads=32, nheads_k=8, dtype="float8_e4m3fn", out_dtype="bfloat16")
-    assert not routes.takes_gqa_pack(spec) and routes.gluon_forward_route(spec, packed=True).pack == 1
+    assert not routes.takes_gqa_pack(spec) and routes.gluon_forward_route(spec).pack == 1
 
 
 def test_packed_launch_groups_count_kv_heads():
     # under a band the launch order groups work items so that their keys fit the L2 budget: a packed item
     # streams its kv head's keys whole
     spec = _spec(seqlen_q=64, seqlen_k=65536, batch=8, nheads=32, nheads_k=8, window=CAUSAL)
-    route = routes.gluon_forward_route(spec, packed=True)
+    route = routes.gluon_forward_route(spec)
     assert route.pack == 4
     assert route.lpt_group == max(1, routes.L2_BUDGET // (65536 * 256 * 2))
 

@@ -400,10 +400,12 @@ def gqa_pack(spec: Spec, block_m: int) -> int:
     return pack if plain < 0.9 * packed else 1
 
 
-def gluon_forward_route(spec: Spec, packed: bool = False) -> GluonForward:
+def gluon_forward_route(spec: Spec, packed: bool = True) -> GluonForward:
     """The Gluon forward's route for a spec it takes (takes_gluon_forward). packed: with the GQA group packed
-    into the query tiles where `gqa_pack` takes it (an explicit route until its GPU tests and the short
-    suite have run on the device; the default keeps a tile per query head)."""
+    into the query tiles where `gqa_pack` takes it (False: a tile per query head, the bench's A/B
+    `flashattn-unpacked`). On the H100 (benchmarks/results/2026-12-06-short-packed-h100, b8, 64 query rows
+    of 32 heads over 8 or 1 KV heads, d128 causal) packed ran 1.06-1.15x the unpacked forward at 4K keys and
+    1.8-2.1x at 32K."""
     tiles = gluon_forward_tiles(spec)
     pack = gqa_pack(spec, tiles.block_m) if packed else 1
     three = tiles.block_m == 3 * HALF_M
@@ -458,7 +460,8 @@ def reads_pages(spec: Spec, route) -> bool:
 
 def forward_route(spec: Spec) -> TritonForward | GluonForward | SplitForward:
     """The forward's default route: on Hopper (16-bit), the split-KV decode kernel for forwards of few query
-    rows against their keys (decode_routes.split_forward_wins), else the Gluon forward."""
+    rows against their keys (decode_routes.split_forward_wins), else the Gluon forward (its GQA group packed
+    where `gqa_pack` takes it)."""
     if takes_gluon_forward(spec):
         return SplitForward() if split_forward_wins(spec) else gluon_forward_route(spec)
     if takes_gluon_fp8_forward(spec):

@@ -183,12 +183,13 @@ def _split_forward(spec):
     return decode_routes.SplitForward() if decode_routes.takes_split_forward(spec) else r.forward_route(spec)
 
 
-def _packed_forward(spec):
-    """The Gluon forward's packed route (routes.gluon_forward_route(spec, packed=True)) where it takes the
-    call, else the default forward route."""
+def _unpacked_forward(spec):
+    """The default forward route, with the Gluon forward's GQA group unpacked (a query tile per head:
+    routes.gluon_forward_route(spec, packed=False)) where the default takes the Gluon forward."""
     from flashattn.backends.triton import routes as r
 
-    return r.gluon_forward_route(spec, packed=True) if r.takes_gluon_forward(spec) else r.forward_route(spec)
+    route = r.forward_route(spec)
+    return r.gluon_forward_route(spec, packed=False) if isinstance(route, r.GluonForward) else route
 
 
 def _group_split(n: int) -> Callable:
@@ -239,10 +240,10 @@ def _providers() -> list[Provider]:
                  "this project's default routes with forwards of at most 64 query rows (no more than keys) "
                  "on the split-KV decode kernel, a GQA group's rows packed (decode_routes.SplitForward; "
                  "A/B timing)"),
-        Provider("flashattn-packed", routed(_packed_forward, r.backward_route),
-                 "this project's default routes with the Gluon forward's GQA group packed into its query "
-                 "tiles where routes.gqa_pack takes it (FA3's pack_gqa; a forward of few query rows that "
-                 "the default sends to the split-KV kernel too; A/B timing)"),
+        Provider("flashattn-unpacked", routed(_unpacked_forward, r.backward_route),
+                 "this project's default routes with the Gluon forward's GQA group unpacked, a query tile "
+                 "per head (the default packs it where routes.gqa_pack takes it, FA3's pack_gqa; A/B "
+                 "timing)"),
         Provider("flashattn-bwd-dsplit", routed(r.forward_route, _dsplit_backward),
                  "this project's default routes with the d_qk 129..192 / dv 65..128 backward on 64 keys a "
                  "program, the gradients split by columns (attn_bwd_dsplit.py), instead of 128 "
