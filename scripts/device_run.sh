@@ -124,9 +124,11 @@ for stage in "$@"; do
       # GPU_TESTS: the test paths (default: all of tests/)
       # --results-log (tests/conftest.py): each outcome, its duration and a failure's report land as the
       # test ends, so a run cut off by its time limit still says what passed, what failed and why
+      # the paths sorted: given as tests/backends/triton/a.py tests/b.py tests/backends/triton/c.py, the
+      # device's pytest gave c.py's tests none of tests/backends/triton/conftest.py's fixtures (a.py's had them)
       timeout "${GPU_TESTS_S:-300}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
         --results-log "$RES/gpu_results.log" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS_SHARD:+--shard "$GPU_TESTS_SHARD"} \
-        ${GPU_TESTS:-tests} > "$RES/pytest_gpu.log" 2>&1
+        $(printf '%s\n' ${GPU_TESTS:-tests} | sort) > "$RES/pytest_gpu.log" 2>&1
       grep -A15 -E "^(FAILED|ERROR)" "$RES/gpu_results.log" | head -60
       cut -d' ' -f1 "$RES/gpu_results.log" | sort | uniq -c
       tail -3 "$RES/pytest_gpu.log" ;;
