@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def packed_routes(monkeypatch):
+def _fresh_routes(monkeypatch):
     """The forward's signature cache emptied: every call derives its route (the Gluon forward's default,
     packed where gqa_pack takes it)."""
     monkeypatch.setattr(attention, "_forward_cache", {})

@@ -1,9 +1,9 @@
 """`short`: forwards of few query rows against many keys (speculative decoding's verification, multi-token
 prediction, small prefill chunks). K and V dominate the bytes, so what counts is how often they are read:
-the Gluon forward reads them once per query head (a 128-row tile of a few rows each), or once per KV head
-with the group's heads packed into its tiles (`flashattn-packed`: FA3's pack_gqa, routes.gqa_pack), the
-split-KV forward (`flashattn-short-split`: the decode kernel, a GQA group's rows packed into one block) once
-per KV head, its splits spread over the SMs. `seqlens` are the keys; each
+the Gluon forward packs a GQA group's heads into its 128-row query tiles where few rows would leave them
+mostly empty (FA3's pack_gqa, routes.gqa_pack; `flashattn-unpacked`: a tile per head, K and V read once per
+query head), the split-KV forward (`flashattn-short-split`: the decode kernel, a GQA group's rows packed
+into one block) reads them once per KV head, its splits spread over the SMs. `seqlens` are the keys; each
 sweeps seqlen_q 1, 4, 16 and 64, batch 1 and 8, GQA 32/8 and MQA 32/1."""
 
 from __future__ import annotations
