@@ -2,7 +2,7 @@
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
         [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_padded]
-        [ws_paged] [ws_pack] [fp8] [softcap_wide]
+        [ws_paged] [ws_pack] [ws_sparse] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -22,7 +22,7 @@ ws_deterministic covers its fixed-order variant).
 ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_paged runs the Gluon forward on
 page pools through a block table, entries outside the pool included. ws_pack runs the Gluon forward with
 GQA groups packed into its query tiles (padded groups, a group wider than a warpgroup's rows, every option,
-varlen).
+varlen). ws_sparse runs the Gluon forward's block-sparse variant (lists, bitmasks, empty query blocks).
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -136,6 +136,25 @@ def sparse():
                                          block_size=(64, 64), device="cuda")):
         q, k, v = _qkv((1, 333, 4, 64), (1, 333, 2, 64), (1, 333, 2, 64))
         _grad_check(block_sparse_attn_func(q, k, v, mask), q, k, v)
+
+
+def ws_sparse():
+    # the Gluon forward's block-sparse variant (128-row mask blocks): odd lengths (a key block past seqlen_k,
+    # rows past seqlen_q), masks per head and batch element, empty query blocks, key blocks of two key
+    # tiles, d 64 / 128 / 256, GQA, forward alone
+    masks = (
+        BlockMask.from_mask_mod(lambda b, h, i, j: (i >= 200) & ((i - j) % 5 == 0), 2, 4, 333, 333,
+                                device="cuda"),
+        BlockMask.local_global(333, 70, 16, device="cuda"),
+        BlockMask.from_mask_mod(lambda b, h, i, j: (i + j) % 3 != 0, None, None, 333, 333,
+                                block_size=(128, 256), device="cuda"),
+    )
+    for d in (64, 128, 256):
+        for mask in masks:
+            q, k, v = (torch.randn(2, 333, h, d, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+            out = block_sparse_attn_func(q, k, v, mask)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
 
 
 def ws_fwd(head_dims=(64, 128)):

@@ -505,7 +505,17 @@ def sparse_cases():
             for name, mask in masks.items():
                 q = _t(1, 1024, 4, d, dtype=dtype, grad=True)
                 k, v = (_t(1, 1024, 2, d, dtype=dtype, grad=True) for _ in range(2))
-                yield f"sparse {dtype} d={d} {name}", partial(_fwd_bwd, block_sparse_attn_func, q, k, v, mask)
+                # the forward on the Gluon kernel's block-sparse variant (128-row mask blocks)
+                yield f"sparse {dtype} d={d} {name}", partial(
+                    _on_gluon, _fwd_bwd, block_sparse_attn_func, q, k, v, mask, launchers=("forward",))
+        q = _t(1, 1024, 4, 128, dtype=dtype, grad=True)
+        k, v = (_t(1, 1024, 2, 128, dtype=dtype, grad=True) for _ in range(2))
+        yield f"sparse {dtype} d=128 softcap", partial(
+            _on_gluon, _fwd_bwd, block_sparse_attn_func, q, k, v, masks["mask_mod"], softcap=30.0,
+            launchers=("forward",))
+        # 64-row mask blocks: the Triton forward
+        small = BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 3 == 0, 1, 1, 1024, 1024, block_size=64)
+        yield f"sparse {dtype} d=128 64-row blocks", partial(_fwd_bwd, block_sparse_attn_func, q, k, v, small)
 
 
 def main() -> int:

@@ -201,7 +201,8 @@ def test_cuda_calls_run_the_triton_kernels(monkeypatch):
                                         ("local_global", False), ("document_causal", False)])
 def test_a_band_mask_runs_the_gluon_kernels(monkeypatch, name, band):
     """A mask that is a band takes the dense call's Gluon forward and backward (DenseBandRoute), any other
-    the block-sparse kernels: a fallback either way would pass the accuracy tests above."""
+    (of 128 x 128 blocks) the Gluon forward's block-sparse variant and the block-sparse Triton backward: a
+    fallback either way would pass the accuracy tests above."""
     from flashattn.backends.triton import block_sparse, gluon
 
     calls = {"gluon": [], "sparse_fwd": [], "sparse_bwd": []}
@@ -217,4 +218,58 @@ def test_a_band_mask_runs_the_gluon_kernels(monkeypatch, name, band):
     if band:
         assert calls == {"gluon": ["forward", "backward"], "sparse_fwd": [], "sparse_bwd": []}
     else:
-        assert calls["gluon"] == [] and len(calls["sparse_fwd"]) == 1 and len(calls["sparse_bwd"]) == 2
+        assert calls == {"gluon": ["forward"], "sparse_fwd": [], "sparse_bwd": calls["sparse_bwd"]}
+        assert len(calls["sparse_bwd"]) == 2
+
+
+def _empty_rows_mask(n):
+    """Rows below 300 see no key (query block 0 has no listed block at all; block 2 is partly empty), the
+    others every 7th key before them: partial blocks only, and the kernel's first-row and empty-row cases."""
+    return BlockMask.from_mask_mod(lambda b, h, i, j: (i >= 300) & (j <= i) & ((i - j) % 7 == 0), None, None,
+                                   n, n)
+
+
+SPARSE_FWD_MASKS = {
+    # per head and per batch element, 128 x 128 blocks, full and partial ones
+    "random_per_head": lambda n: BlockMask.from_mask_mod(
+        lambda b, h, i, j: ((i // 128 + 3 * (j // 128) + 5 * h + 7 * b) % 3 != 0) & ((i + j + h) % 5 != 0)
+        | ((i // 128 + j // 128 + h) % 4 == 0), 2, 4, n, n),
+    "local_global": lambda n: BlockMask.local_global(n, 200, 64),
+    "empty_rows": _empty_rows_mask,
+    # key blocks of 256: two or four of the kernel's key tiles per listed block
+    "wide_key_blocks": lambda n: BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 5 != 1, None, 4, n, n,
+                                                         block_size=(128, 256)),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(SPARSE_FWD_MASKS))
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (256, 256), (96, 96), (192, 128)])
+def test_gluon_sparse_forward(monkeypatch, mask_name, d, dv):
+    """The Gluon forward's block-sparse variant against the oracle on the whole output and LSE: lengths
+    that are no multiple of the tiles (the last key block holds keys past seqlen_k, the last query block
+    rows past seqlen_q), GQA 4:2, masks per head and batch element or shared, query blocks with no listed
+    block, and key blocks of several key tiles; the route is asserted."""
+    from flashattn.backends.triton import block_sparse, gluon
+
+    calls = []
+    real = gluon.forward
+    monkeypatch.setattr(gluon, "forward",
+                        lambda *a, **kw: calls.append(kw.get("block_mask")) or real(*a, **kw))
+    triton_fwd = []
+    monkeypatch.setattr(block_sparse, "sparse_fwd_kernel",
+                        LaunchRecorder(block_sparse.sparse_fwd_kernel, triton_fwd))
+    n = 1000
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, n, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, n, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = SPARSE_FWD_MASKS[mask_name](n)
+    out, lse, _ = block_sparse_attn_func(q, k, v, mask, return_attn_probs=True)
+    assert len(calls) == 1 and calls[0] is not None and triton_fwd == []
+    dense = mask.to_dense().cuda()
+    ref, ref_lse = masked_attention_ref(q.double(), k.double(), v.double(), dense)
+    pt, pt_lse = masked_attention_ref(q, k, v, dense, upcast=False)
+    assert_close_to_ref(out, ref, pt, atol_floor=_eps_floor(q.dtype, ref))
+    assert_close_to_ref(lse, ref_lse, pt_lse, name="lse")  # +inf where a row sees no key, as the oracle
+    if mask_name == "empty_rows":
+        assert (out[:, :300] == 0).all() and torch.isinf(lse[:, :, :300]).all()

@@ -7,6 +7,7 @@ tests/test_block_sparse.py (its causal and window masks take this route), tests/
 from __future__ import annotations
 
 import pytest
+import route_specs
 import torch
 from utils import INTERPRET, LaunchRecorder, make_qkv
 
@@ -75,6 +76,28 @@ def test_sparse_route_of_the_spec():
     assert isinstance(sparse_routes.sparse_route(no_band), sparse_routes.SparseRoute)
     # the block-sparse kernels' route stays at hand for a band, to time or check them there
     assert sparse_routes.triton_sparse_route(spec) == sparse_routes.sparse_route(no_band)
+
+
+def test_the_forward_of_128_row_blocks_takes_the_gluon_kernel():
+    """The block-sparse forward runs on the Gluon forward's variant where it takes the call (a call the dense
+    Gluon forward takes, 128-row mask blocks, key blocks a multiple of its key tiles), with two consumers
+    and neither the half step nor the GQA packing; else on the Triton kernel."""
+    def route(block_m=128, block_n=128, **kw):
+        return sparse_routes.triton_sparse_route(
+            sparse_routes.SparseSpec(128, block_m, block_n, False, True, dense=route_specs.spec(**kw)))
+
+    for d, block_n in ((64, 128), (128, 128), (192, 128), (256, 64)):
+        fwd = route(headdim=d, headdim_v=min(d, 128)).gluon_fwd
+        assert fwd is not None and fwd.tiles.block_m == 128 and fwd.tiles.block_n == block_n, d
+        assert (fwd.pack, fwd.half_diag) == (1, False)
+    assert route(block_n=256).gluon_fwd.tiles.block_n == 128  # two key tiles a block
+    assert route(block_m=64).gluon_fwd is None  # a mask block of 64 rows: half the kernel's tile
+    assert route(block_n=64).gluon_fwd is None  # key blocks narrower than the key tile
+    assert route(dropout=True).gluon_fwd is None
+    assert route(dtype="float32").gluon_fwd is None
+    assert route(cuda=False).gluon_fwd is None
+    no_dense = sparse_routes.SparseSpec(128, 128, 128, False, True)
+    assert sparse_routes.triton_sparse_route(no_dense).gluon_fwd is None
 
 
 needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
@@ -159,6 +182,6 @@ def test_bench_rows_say_which_kernels_ran(monkeypatch):
                                                                       "route_bwd": "SparseRoute"}
     kt = band.to_kernel_tensors()
     calls = _recorders(monkeypatch)
-    out = _KernelRoute.apply(q, k, v, kt, launchers.triton_route(q, v, kt))
+    out = _KernelRoute.apply(q, k, v, kt, launchers.triton_route(q, k, v, kt))
     assert len(calls["sparse_fwd"]) == 1 and calls["dense_fwd"] == []
     torch.testing.assert_close(out, flashattn.block_sparse_attn_func(q, k, v, band), rtol=1e-5, atol=1e-5)

@@ -146,6 +146,12 @@ def spec_of(q, k, v, *, causal: bool = False, window_size=(-1, -1), softcap: flo
                     () if dout is None else (dout,), out_dtype).spec
 
 
+def problem_of(q, k, v, softmax_scale: float, softcap: float = 0.0) -> _Problem:
+    """The derived problem of a padded-layout call without a mask or options but the softcap: what a
+    block-sparse call launches the Gluon forward with (backends/triton/block_sparse.py)."""
+    return _problem(q, k, v, softmax_scale, False, (-1, -1), softcap, None, 0.0, 0, 0, None, None, None, None)
+
+
 def _alibi_args(alibi_slopes, dummy):
     if alibi_slopes is None:
         return dummy, 0

@@ -2,13 +2,20 @@
 (sparse_routes.sparse_route). Same signatures as backends/torch/block_sparse.py:
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
 A mask that is a band (sparse_routes.DenseBandRoute) runs the dense attention launchers with the band as
-its window.
+its window; the forward of other masks runs the Gluon forward's block-sparse variant where the route says so
+(route.gluon_fwd), else the Triton kernel.
 """
 
 import torch
 
-from flashattn.backends.triton import host, sparse_routes, tma
-from flashattn.backends.triton.attention import LOG2E, attention_backward, attention_forward
+from flashattn.backends.triton import gluon, host, sparse_routes
+from flashattn.backends.triton.attention import (
+    LOG2E,
+    attention_backward,
+    attention_forward,
+    problem_of,
+    spec_of,
+)
 from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
 
@@ -45,19 +52,21 @@ def band_of(kt) -> tuple[int, int] | None:
     return (r.left, r.right)
 
 
-def _spec(q, v, kt) -> sparse_routes.SparseSpec:
+def _spec(q, k, v, kt, softcap: float, dropout_p: float) -> sparse_routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
-    return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
-                                    tma.device_facts(q.device)[0], band_of(kt))
+    dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p)
+    return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None, dense.cuda,
+                                    band_of(kt), dense)
 
 
-def default_route(q, v, kt) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
-    return sparse_routes.sparse_route(_spec(q, v, kt))
+def default_route(q, k, v, kt, softcap: float = 0.0,
+                  dropout_p: float = 0.0) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
+    return sparse_routes.sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
 
 
-def triton_route(q, v, kt) -> sparse_routes.SparseRoute:
+def triton_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0) -> sparse_routes.SparseRoute:
     """The block-sparse kernels' route for this call, band or not (to time or check them on a band)."""
-    return sparse_routes.triton_sparse_route(_spec(q, v, kt))
+    return sparse_routes.triton_sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
 
 
 def _rule(kt, route: sparse_routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:
@@ -87,7 +96,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
     sparse_routes.SparseRoute or sparse_routes.DenseBandRoute to run instead of the default one."""
-    route = route or default_route(q, v, kt)
+    route = route or default_route(q, k, v, kt, softcap, dropout_p)
     if isinstance(route, sparse_routes.DenseBandRoute):
         return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
                                  softcap=softcap, dropout_p=dropout_p, rng_seed=rng_seed,
@@ -96,6 +105,11 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
                                                             rng_seed, rng_offset)
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if route.gluon_fwd is not None:
+        # the Gluon forward's block-sparse variant (route.gluon_fwd checked it takes the call: no dropout)
+        pb = problem_of(q, k, v, softmax_scale, softcap)
+        gluon.forward(pb, route.gluon_fwd, q, k, v, out, lse, block_mask=kt)
+        return out, lse
     cfg = route.fwd
     block_m, block_n = cfg.block_m, cfg.block_n
     rule_args, rule_flags = _rule(kt, route)
@@ -116,7 +130,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). The block-sparse kernels use no
     atomics (deterministic); a band's dense backward adds dQ in a varying order, as flash_attn_func's
     default does."""
-    route = route or default_route(q, v, kt)
+    route = route or default_route(q, k, v, kt, softcap, dropout_p)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            window_size=route.window, softcap=softcap, dropout_p=dropout_p,

@@ -152,7 +152,7 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 
 def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | None = None, alibi_slopes=None,
             learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, descales=None,
-            block_table=None) -> Prepared:
+            block_table=None, block_mask=None) -> Prepared:
     """Fill out and lse (attention_forward's contract) with the warp-specialised kernel. prepared: what this
     returned for an earlier call of the same signature and route, skipping the derivations; returns the
     launch prepared. Varlen (pb.varlen, cu_seqlens given): the packed tensors go to the descriptors as one
@@ -160,7 +160,9 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     FP8 call's (q_descale, k_descale, v_descale), float32 (1,) or (batch, heads). block_table: (batch,
     max_pages) int32 with k and v page pools (num_pages, page_size, heads_k, ·), varlen only, on a route
     that reads them (routes.reads_pages): the descriptors cover the pools, and the kernel maps each key
-    tile through the table."""
+    tile through the table. block_mask: a block-sparse call's BlockMaskKernelTensors (padded layout, no
+    band; its query blocks the route's query tiles, its key blocks a multiple of the route's key tiles), whose
+    lists the kernel walks instead of every key tile (kernels/gluon/sparse.py)."""
     streamed = (q, k, v, out)
     if descales is not None:
         streamed = (q, k, kmajor_v(v, pb.varlen), out)
@@ -178,7 +180,7 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
         prepared = _prepare_forward(pb, route, *streamed, lse, fp8=descales is not None)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
     rest = (lse, *prepared.args, _tile_counter(q.device), *alibi_args(alibi_slopes), learnable_sink, *varlen,
-            *pages, *fp8_args(pb, descales))
+            *pages, *fp8_args(pb, descales), *sparse_args(block_mask, route.tiles.block_n))
     prepared(streamed, rest)
     return prepared
 
@@ -206,6 +208,17 @@ def fp8_args(pb, descales) -> tuple:
         strides += (0, 0) if t.numel() == 1 else (t.stride(0), t.stride(1))
     q_group = pb.nheads // pb.nheads_k if descales[0].numel() > 1 and descales[0].shape[1] != pb.nheads else 1
     return (*descales, *strides, q_group)
+
+
+def sparse_args(kt, block_n: int) -> tuple:
+    """The forward's block-sparse arguments (kernels/gluon/sparse.py): the mask's count, list, bit and order
+    tensors, its batch and head dims, query blocks, list widths, key block, the kernel's key tiles in one and
+    a bitmask row's bytes; all None without a mask, which compiles the variant out."""
+    if kt is None:
+        return (None,) * 14
+    return (kt.kv_full_num, kt.kv_full_idx, kt.kv_part_num, kt.kv_part_idx, kt.part_bits, kt.q_order,
+            kt.kv_full_num.shape[0], kt.kv_full_num.shape[1], kt.n_qblocks, kt.kv_full_idx.shape[3],
+            kt.kv_part_idx.shape[3], kt.block_n, kt.block_n // block_n, kt.block_n // 8)
 
 
 def alibi_args(alibi_slopes) -> tuple:

@@ -1,14 +1,16 @@
 """How a block-sparse call (BlockMask, block_sparse_attn_func) runs: a pure function from the call's
 `SparseSpec` to a route, as routes.py is for the dense and varlen calls: `DenseBandRoute` when the mask is
 exactly a band (its rule, see SparseSpec), which then takes routes.py's routes with the band as the window;
-else `SparseRoute` (kernels/triton/attn_sparse.py).
+else `SparseRoute`: the block-sparse Triton kernels (kernels/triton/attn_sparse.py), its forward on the
+Gluon kernel's block-sparse variant where that takes the call (kernels/gluon/sparse.py).
 This module imports neither torch nor Triton.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from flashattn.backends.triton import routes
 from flashattn.backends.triton.configs import TileConfig, tile_config
 
 
@@ -26,6 +28,9 @@ class SparseSpec:
     has_rule: bool
     cuda: bool = True
     band: tuple[int, int] | None = None
+    # the call as a dense one without a mask (routes.Spec: dtype, head dims, device, alignment, options),
+    # which says whether the Gluon forward could take it; None: never
+    dense: routes.Spec | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class SparseRoute:
     dkdv: TileConfig
     dq: TileConfig
     by_rule: bool  # partial blocks by the rule's arithmetic (else by the bitmask)
+    # the forward on the Gluon kernel (its lists and bitmasks), in place of `fwd`'s Triton one
+    gluon_fwd: routes.GluonForward | None = None
     kernel = "triton"
 
 
@@ -64,10 +71,34 @@ class DenseBandRoute:
     kernel = "dense"
 
 
+def gluon_sparse_forward(spec: SparseSpec) -> routes.GluonForward | None:
+    """The Gluon forward's block-sparse variant for this call, or None where it does not take it: a call
+    the dense Gluon forward takes (16-bit, sm90, TMA-ready, no dropout) whose mask has blocks of 128 query
+    rows (the kernel's two consumer warpgroups of 64) and keys a multiple of the route's key tile. Its tiles
+    are the dense route's at the call's head dim, two consumers (d = 64's three-consumer tiles hold 192
+    rows), no half-diagonal step (the lists stand for the band) and a tile per query head (no GQA packing:
+    the masks are per query head)."""
+    dense = spec.dense
+    if dense is None or not routes.takes_gluon_forward(dense) or dense.varlen or spec.mask_block_m != 128:
+        return None
+    base = routes.gluon_forward_route(dense, packed=False)
+    tiles = base.tiles
+    if tiles.block_m != 2 * routes.HALF_M:
+        # d = 64: the two-consumer row of its tile table (its short-sequence tiles)
+        tiles = replace(tiles, block_m=2 * routes.HALF_M, maxnreg=None)
+    if spec.mask_block_n % tiles.block_n:
+        return None
+    width = base.head_dim
+    q_buffers = routes.gluon_q_buffers(dense, tiles, width)
+    return replace(base, tiles=tiles, q_buffers=q_buffers, defer_release=q_buffers == 2, half_diag=False,
+                   trees=3, maxnreg=tiles.maxnreg or routes.MAXNREG_TWO, pack=1)
+
+
 def triton_sparse_route(spec: SparseSpec) -> SparseRoute:
-    """The block-sparse kernels' route, for any mask."""
+    """The block-sparse kernels' route, for any mask (its forward on the Gluon kernel where that takes the
+    call: `gluon_sparse_forward`)."""
     return SparseRoute(_sparse_tiles("fwd", spec), _sparse_tiles("dkdv", spec), _sparse_tiles("dq", spec),
-                       spec.has_rule)
+                       spec.has_rule, gluon_sparse_forward(spec))
 
 
 def sparse_route(spec: SparseSpec) -> SparseRoute | DenseBandRoute:

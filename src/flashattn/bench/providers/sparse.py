@@ -176,7 +176,7 @@ def sparse_routes_info(q, k, v, kt) -> dict:
         return {"route_fwd": "torch", "route_bwd": "torch"}
     from flashattn.backends.triton import block_sparse, sparse_routes
 
-    route = block_sparse.default_route(q, v, kt)
+    route = block_sparse.default_route(q, k, v, kt)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dense = routes_info(q, k, v, window_size=route.window)
         return {key: f"DenseBandRoute/{name}" for key, name in dense.items()}
@@ -228,7 +228,7 @@ def _kernels_setup(by_rule: bool):
 
         kt = block_mask(MaskSpec.of(case), q.device).to_kernel_tensors(q.device)
         leaves = make_leaves(q, k, v, "bshd")
-        route = block_sparse.triton_route(leaves[0], leaves[2], kt)
+        route = block_sparse.triton_route(*leaves, kt)
         route = dataclasses.replace(route, by_rule=route.by_rule and by_rule)
         info = {"route_fwd": "SparseRoute", "route_bwd": "SparseRoute", "by_rule": route.by_rule}
         return Prepared(fwd=lambda: _KernelRoute.apply(*leaves, kt, route), leaves=leaves, info=info)

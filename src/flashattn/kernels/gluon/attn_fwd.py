@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashattn.kernels.gluon.fwd_loader import loader
 from flashattn.kernels.gluon.schedule import next_tile, store_rows, tile
 from flashattn.kernels.gluon.scores import HALF_M, ROW_PARTS, softmax_step
+from flashattn.kernels.gluon.sparse import block_lists, partial_bits
 
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -204,7 +205,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
      out_rows, fp8) = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
     (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
-     PAGE_CAP) = problem
+     PAGE_CAP, SPARSE) = problem
     scores, ALIBI, stride_alibi_b, SINK = features
     O, stride_om, stride_oh, d_v = out_rows  # varlen only: O's rows past a sequence's end go by masked stores
     # FP8: O's own staging buffers and the descales (per (batch, head), strides 0 for one per tensor; q's
@@ -277,6 +278,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             if cap_in is not None:
                 cap_in = cap_in * ds
             tile_scores = (qk_scale * ds, cap_in, cap_out)
+        if SPARSE[0] is not None:
+            # a block-sparse mask: its query block's lists (the tile's rows are its rows)
+            at, full, _ = block_lists(SPARSE, off_b, off_h, start_m // BLOCK_M)
         qb = i % Q_BUFS
         qi = CONSUMERS * qb + WG  # this warpgroup's Q buffer: chunks qi * NCH ..
         acc = gl.zeros([HALF_M, HEAD_DIM_V], gl.float32, o_layout)
@@ -311,6 +315,9 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             s0 = c % STAGES
             mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
             s = _qk(q_smem, qi, k_smem, s0, s_zero, BLOCK_N, BLOCK_N, NCH)
+            part0 = None  # not `part`: a name the loop below assigns would be carried through it
+            if SPARSE[0] is not None:
+                part0 = partial_bits(SPARSE, at, full, 0, WG * HALF_M, HALF_M, BLOCK_M, BLOCK_N)
             if DEFER_RELEASE:
                 # while it runs: the previous tile's O store and the release of its buffer
                 _release_q(q_empty, i)
@@ -318,7 +325,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, len_k, tile_scores, slope, diag,
                                               diag_r, diag_l, unmasked_from, unmasked_to, s_layout, BLOCK_N,
-                                              TREES)
+                                              TREES, part=part0)
             n_loop = n_k
             if HALF_DIAG:
                 # the last key tile's upper half is masked for every row of this warpgroup (_halves): that
@@ -337,9 +344,14 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(cur), count=1)
+                part = None
+                if SPARSE[0] is not None:
+                    # the step's bits if its block is partial, loaded here rather than under QK^T: held
+                    # across the wait beside S, O and P, they spilled 45 more words a thread at d = 128
+                    part = partial_bits(SPARSE, at, full, j, WG * HALF_M, HALF_M, BLOCK_M, BLOCK_N)
                 p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start + j * BLOCK_N, len_k,
                                                   tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
-                                                  unmasked_to, s_layout, BLOCK_N, TREES)
+                                                  unmasked_to, s_layout, BLOCK_N, TREES, part=part)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 # the PV just finished was in the previous max's units
@@ -467,7 +479,8 @@ def attn_fwd_ws_kernel(
     stride_alibi_b, SINK, CU_Q, CU_K, PLAN, O, stride_om, stride_oh, d_v, PAGES, stride_pages, num_pages,
     page_size, page_cap,
     Q_SCALE, K_SCALE, V_SCALE, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    q_scale_group,
+    q_scale_group, FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS, Q_ORDER, mask_b, mask_h, n_qblocks,
+    max_full, max_part, sparse_n, subs, row_bytes,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
@@ -505,6 +518,10 @@ def attn_fwd_ws_kernel(
     # heads. 16-bit, no half step (its halves assume one row a position)
     gl.static_assert((PACK == 1) or ((not HALF_DIAG) and q_desc.dtype.primitive_bitwidth == 16
                                      and (CU_Q is None or PACK <= HALF_M)))
+    # a block-sparse mask (sparse.py; None when off): the padded layout, two consumers of one query block
+    # (BLOCK_M rows: the mask's block), no band and no half step (its lists stand for both), a head a tile
+    gl.static_assert((FULL_NUM is None) or ((CU_Q is None) and (CONSUMERS == 2) and (not CAUSAL)
+                                            and (not HALF_DIAG) and (PACK == 1)))
     if CU_Q is not None:
         n_work = gl.load(PLAN + n_bh // nheads) * nheads
     else:
@@ -544,8 +561,10 @@ def attn_fwd_ws_kernel(
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready)
+    sparse = (FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, PART_BITS, Q_ORDER, mask_b, mask_h, n_qblocks, max_full,
+              max_part, sparse_n, subs, row_bytes)
     problem = (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K,
-               PLAN, page_cap)
+               PLAN, page_cap, sparse)
     features = ((qk_scale, cap_in, cap_out), ALIBI, stride_alibi_b, SINK)
 
     if Q_SCALE is not None:

@@ -1,7 +1,8 @@
 """The Gluon forward's loader warp (attn_fwd.py): takes the program's work items from the persistent
 schedule (schedule.py), publishes each to the consumers, and streams each tile's Q (its buffers, one per
 consumer warpgroup and column chunk) and its K/V tiles through the ring of TMA stages, one mbarrier pair
-(ready / empty) per stage and operand; an FP8 V is read K-major. Last, it resets the tile counter for the
+(ready / empty) per stage and operand; an FP8 V is read K-major; under a block-sparse mask, the K/V tiles
+of the tile's block lists (sparse.py). Last, it resets the tile counter for the
 next launch."""
 
 from triton.experimental import gluon
@@ -10,6 +11,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from flashattn.kernels.gluon.schedule import publish_tile, sequence_of, tile
 from flashattn.kernels.gluon.scores import HALF_M
+from flashattn.kernels.gluon.sparse import block_lists, key_of_step
 
 
 @gluon.jit
@@ -72,9 +74,15 @@ def loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
         key = k_start + n_start
         if pages[0] is not None:
             kv_b, key = _page_of(pages, problem[12], off_b, n_start)
+        sparse = problem[13]
+        if sparse[0] is not None:
+            at, full, _ = block_lists(sparse, off_b, off_h, start_m // BLOCK_M)
         for j in range(n_k):
             s = c % STAGES
             phase = ((c // STAGES) & 1) ^ 1
+            if sparse[0] is not None:
+                # the block lists' step j (sparse.py): the padded layout, so k_start is 0
+                key = key_of_step(sparse, at, full, j, BLOCK_N)
             next_b = kv_b
             next_key = key + BLOCK_N
             if pages[0] is not None:

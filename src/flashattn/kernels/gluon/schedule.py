@@ -14,6 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from flashattn.kernels.gluon.sparse import block_lists, ordered_block
 from flashattn.kernels.triton.common import (  # scalar arithmetic: Gluon calls triton.jit helpers
     grouped_program,
     seq_bounds,
@@ -41,7 +42,7 @@ def sequence_of(t, problem):
     """The sequence of work item t (the loader's search; 0 in the padded layout, which derives it in
     `tile`)."""
     (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
-     PAGE_CAP) = problem
+     PAGE_CAP, SPARSE) = problem
     b = 0
     if CU_Q is not None:
         b = sequence_of_tile(t // nheads, PLAN, n_bh // nheads)
@@ -59,9 +60,11 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     position r // PACK of head `head` + r % PACK (PACK: the group padded to a power of two, its rows past
     the group computed and never stored); work items count (batch or sequence, kv head) pairs (problem's
     nheads is the kv heads'), the returned head is the group's first and the first query row is a packed
-    row (varlen: PLAN counts each sequence's tiles of packed rows)."""
+    row (varlen: PLAN counts each sequence's tiles of packed rows).
+    SPARSE (a block-sparse mask, sparse.py; padded layout, no band): the query tile of rank r is the mask's
+    r-th in its launch order, and its key tiles are its block lists' (n_start 0, n_k their steps)."""
     (nheads, seqlen_q, seqlen_k, n_bh, lpt_group, n_work, tile_counter, left, right, CU_Q, CU_K, PLAN,
-     PAGE_CAP) = problem
+     PAGE_CAP, SPARSE) = problem
     if CU_Q is not None:
         # seqlen_q / seqlen_k: the packed tensors' rows, into which each sequence is clamped as the Triton
         # kernels clamp it (cu_seqlens' values are not checked on the device)
@@ -108,6 +111,12 @@ def tile(t, b, problem, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
         first = gl.maximum(pos0 + seqlen_k - seqlen_q - left, 0) // BLOCK_N
         n_k = gl.maximum(n_k - first, 0)
         n_start = first * BLOCK_N
+    if SPARSE[0] is not None:
+        # no band (the launcher's): the mask's lists replace the key range
+        mq = ordered_block(SPARSE, off_b, off_h, rank)
+        _, full, part = block_lists(SPARSE, off_b, off_h, mq)
+        start_m = mq * BLOCK_M
+        n_k = (full + part) * SPARSE[12]
     return off_b, off_h, off_hk, start_m, n_start, n_k, q_start, k_start, seqlen_q, seqlen_k
 
 

@@ -17,6 +17,8 @@ compiles to the same code as a kernel without the feature:
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from flashattn.kernels.gluon.sparse import keep_of
+
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup of the forward: the wgmma M of one warpgroup
 # A row's columns in a wgmma accumulator: column 8 j + 2 q + e sits in register (j, e) of lane q of the row's
 # quad (4 lanes). ROW_PARTS lays out [HALF_M, 4] per-lane partials of the rows of one warpgroup: row bit 3 in
@@ -138,15 +140,18 @@ def _new_max(x, m_i, scale, TREES: gl.constexpr):
 
 @gluon.jit
 def _masked_exp(x, m_i, scale, offs_q, start_n, seqlen_k, diag_r, diag_l, s_layout: gl.constexpr,
-                BLOCK_N: gl.constexpr, TREES: gl.constexpr):
-    """The masked tile's exponentials (keys past seqlen_k or outside each row's band get 0):
-    (p, m_new, m_sub)."""
-    offs_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = offs_k[None, :] < seqlen_k
-    if diag_r is not None:
-        keep = keep & (offs_k[None, :] <= offs_q[:, None] + diag_r)
-    if diag_l is not None:
-        keep = keep & (offs_k[None, :] >= offs_q[:, None] + diag_l)
+                BLOCK_N: gl.constexpr, TREES: gl.constexpr, part=None):
+    """The masked tile's exponentials (keys past seqlen_k or outside each row's band get 0; part: a
+    block-sparse mask's bits instead, which are 0 past seqlen_k): (p, m_new, m_sub)."""
+    if part is not None:
+        keep = keep_of(part[1], s_layout)
+    else:
+        offs_k = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = offs_k[None, :] < seqlen_k
+        if diag_r is not None:
+            keep = keep & (offs_k[None, :] <= offs_q[:, None] + diag_r)
+        if diag_l is not None:
+            keep = keep & (offs_k[None, :] >= offs_q[:, None] + diag_l)
     # masked before the scale (scale > 0): -inf * scale - m_sub is -inf, so the exponent is one FFMA
     # as the unmasked body's, not a multiply and a subtraction (64 instructions fewer per step)
     sm = gl.where(keep, x, float("-inf"))
@@ -159,13 +164,14 @@ def _masked_exp(x, m_i, scale, offs_q, start_n, seqlen_k, diag_r, diag_l, s_layo
 @gluon.jit
 def softmax_step(s, m_i, l_i, offs_q, start_n, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from,
                  unmasked_to, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, TREES: gl.constexpr,
-                 MASKED: gl.constexpr = False):
+                 MASKED: gl.constexpr = False, part=None):
     """One key tile of the forward's online softmax (base 2): (p, m_new, l_new, alpha). scores: (qk_scale,
     cap_in, cap_out) of `softcapped`; slope, diag: ALiBi's; diag_r, diag_l: the band's edges (module
     docstring); tiles inside [unmasked_from, unmasked_to) need no predicate for any row of the warpgroup
     (unmasked_from None: no left edge). MASKED: the tile is known to need the mask (the half-diagonal step:
     its keys reach past the right edge of every row but the last), so the unmasked body, dead there, is not
-    compiled (224 SASS instructions fewer at d=64 causal)."""
+    compiled (224 SASS instructions fewer at d=64 causal). part: a block-sparse mask's step, (partial,
+    its bits: sparse.partial_bits), masked by its bits where partial and not at all otherwise (no band)."""
     qk_scale, cap_in, cap_out = scores
     x, scale = softcapped(s, qk_scale, cap_in, cap_out)
     if slope is not None:
@@ -174,15 +180,18 @@ def softmax_step(s, m_i, l_i, offs_q, start_n, seqlen_k, scores, slope, diag, di
         # below 2^24
         dist = gl.abs((offs_q + diag).to(gl.float32)[:, None] - offs_k.to(gl.float32)[None, :])
         x, scale = with_alibi(x, scale, dist, slope)
-    cut = start_n + BLOCK_N > unmasked_to
-    if unmasked_from is not None:
-        cut = cut | (start_n < unmasked_from)
+    if part is not None:
+        cut = part[0]
+    else:
+        cut = start_n + BLOCK_N > unmasked_to
+        if unmasked_from is not None:
+            cut = cut | (start_n < unmasked_from)
     if MASKED:
         p, m_new, m_sub = _masked_exp(x, m_i, scale, offs_q, start_n, seqlen_k, diag_r, diag_l, s_layout,
                                       BLOCK_N, TREES)
     elif cut:
         p, m_new, m_sub = _masked_exp(x, m_i, scale, offs_q, start_n, seqlen_k, diag_r, diag_l, s_layout,
-                                      BLOCK_N, TREES)
+                                      BLOCK_N, TREES, part)
     else:
         m_new = _new_max(x, m_i, scale, TREES)
         m_sub = m_new
