@@ -30,9 +30,9 @@ def _log2(n):
 @gluon.constexpr_function
 def bytes_layout(rows, block_n):
     """The layout in which a thread loads its rows' bytes of a [rows, block_n // 8] bitmask tile (rows: a
-    consumer warpgroup's 64): each of
-    its two rows' bytes in consecutive registers (16 contiguous bytes: one vector load), a quad's four
-    lanes reading the same bytes (each needs every byte of the row)."""
+    consumer warpgroup's 64): each of its two rows' bytes in consecutive registers (block_n // 8
+    contiguous bytes: one vector load), a quad's four lanes reading the same bytes (each needs every byte
+    of the row)."""
     cols = [[0, 1 << i] for i in range(_log2(block_n // 8))]
     return gl.DistributedLinearLayout(reg_bases=cols + [[8, 0]],
                                       lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
