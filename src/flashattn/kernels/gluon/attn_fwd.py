@@ -30,6 +30,9 @@ dim is the padded width the route names: 64, 128 and 256 as one tile, 192 as thr
 (where two Q tiles and the K/V ring pass the shared memory: d = 192 beside 128-key steps, d = 256 beside
 64-key ones) loads a tile's Q once the previous tile's O is stored. Dropout, fp32 and other head dims
 keep the Triton kernel (kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
+A block-sparse mask is a variant too (sparse.py; the launcher passes its tensors, else None): a query tile
+is a mask's query block, its key steps that block's lists (full blocks unmasked, partial ones through their
+bitmasks), with no band and one query head a tile.
 FP8 (e4m3 q, k, v with descales, inference; the launcher passes Q_SCALE etc., else None) is a variant too:
 both products on e4m3 wgmma (K = 32 per instruction), V held K-major in shared memory ([dv, BLOCK_N] tiles
 of a seqlen-contiguous V, read through a transposed view), q's and k's descales folded into each tile's
@@ -500,6 +503,8 @@ def attn_fwd_ws_kernel(
     # dividing page_size (a key tile lies in one page: fwd_loader.py)
     # FP8: Q_SCALE, K_SCALE, V_SCALE float32 descales at b · stride_*sb + head · stride_*sh (q's head divided
     # by q_scale_group), v_desc over V as (batch, heads_k, dv, seqlen) with [1, 1, dv, BLOCK_N] blocks
+    # Block-sparse (None when off): FULL_NUM .. row_bytes, a BlockMaskKernelTensors' lists, bits and launch
+    # order with its dims (sparse.py's tuple, gluon.sparse_args)
     gl.static_assert(not HALF_DIAG or CAUSAL or right is not None, "the half step needs a right edge")
     # an FP8 V is K-major: the half step would slice its tiles through their swizzled rows
     gl.static_assert(not HALF_DIAG or q_desc.dtype.primitive_bitwidth != 8, "no half step with FP8")
