@@ -273,26 +273,3 @@ def test_gluon_sparse_forward(monkeypatch, mask_name, d, dv):
     assert_close_to_ref(lse, ref_lse, pt_lse, name="lse")  # +inf where a row sees no key, as the oracle
     if mask_name == "empty_rows":
         assert (out[:, :300] == 0).all() and torch.isinf(lse[:, :, :300]).all()
-
-
-def test_gluon_sparse_forward_keeps_its_launch_per_signature():
-    """A repeated signature takes the kept launch (backends/triton/block_sparse.py's cache): bitwise the
-    first call's result, and another mask of the same list widths through the same launch is right too."""
-    from flashattn.backends.triton import block_sparse
-
-    block_sparse._gluon_cache.clear()
-    n = 1024
-    q, k, v = (x.detach() for x in _qkv(1, n, n, 4, 2, 128, torch.bfloat16, seed=8))
-    first = BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 3 == 0, None, None, n, n)
-    second = BlockMask.from_mask_mod(lambda b, h, i, j: (i + j) % 3 == 0, None, None, n, n)
-    kt1, kt2 = first.to_kernel_tensors("cuda"), second.to_kernel_tensors("cuda")
-    assert kt1.kv_part_idx.shape == kt2.kv_part_idx.shape and kt1.kv_full_idx.shape == kt2.kv_full_idx.shape
-    out1 = block_sparse_attn_func(q, k, v, first)
-    assert len(block_sparse._gluon_cache) == 1
-    assert torch.equal(block_sparse_attn_func(q, k, v, first), out1)
-    out2 = block_sparse_attn_func(q, k, v, second)
-    assert len(block_sparse._gluon_cache) == 1
-    dense = second.to_dense().cuda()
-    ref, _ = masked_attention_ref(q.double(), k.double(), v.double(), dense)
-    pt, _ = masked_attention_ref(q, k, v, dense, upcast=False)
-    assert_close_to_ref(out2, ref, pt, atol_floor=_eps_floor(q.dtype, ref))

@@ -8,9 +8,7 @@ its window; the forward of other masks runs the Gluon forward's block-sparse var
 
 import torch
 
-from flashattn import config
 from flashattn.backends.triton import gluon, host, sparse_routes
-from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.attention import (
     LOG2E,
     attention_backward,
@@ -20,22 +18,6 @@ from flashattn.backends.triton.attention import (
 )
 from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
-
-# call signatures whose Gluon forward launch (gluon.Prepared) is kept, as attention.py keeps the dense call's:
-# a repeated signature allocates its outputs and launches, without deriving the route and the launch again
-_CACHED_SIGNATURES = 64
-_gluon_cache: dict = {}
-
-
-def _cacheable(q, tensors: tuple) -> bool:
-    """A call whose launch may be kept: launches through plans (CUDA, not the interpreter) over 16-byte
-    aligned tensors (what the compiled kernel is specialised on)."""
-    if not launch_mod.direct(q):
-        return False
-    pointers = 0
-    for t in tensors:
-        pointers |= t.data_ptr()
-    return pointers % 16 == 0
 
 
 def _rows(t):
@@ -114,19 +96,6 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
     sparse_routes.SparseRoute or sparse_routes.DenseBandRoute to run instead of the default one."""
-    key = None
-    if route is None and _cacheable(q, (q, k, v, *kt.tensors())):
-        # everything down to the launch's arguments but the tensors and the mask's numbers depends on these
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-               softmax_scale, softcap, dropout_p > 0, kt.block_m, kt.block_n, kt.rule, kt.kv_full_idx.shape,
-               kt.kv_part_idx.shape, config.generation)
-        hit = _gluon_cache.get(key)
-        if hit is not None:
-            pb, gluon_route, prepared = hit
-            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-            gluon.forward(pb, gluon_route, q, k, v, out, lse, prepared, block_mask=kt)
-            return out, lse
     route = route or default_route(q, k, v, kt, softcap, dropout_p)
     if isinstance(route, sparse_routes.DenseBandRoute):
         return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
@@ -139,11 +108,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
     if route.gluon_fwd is not None:
         # the Gluon forward's block-sparse variant (route.gluon_fwd checked it takes the call: no dropout)
         pb = problem_of(q, k, v, softmax_scale, softcap)
-        prepared = gluon.forward(pb, route.gluon_fwd, q, k, v, out, lse, block_mask=kt)
-        if key is not None:
-            if len(_gluon_cache) >= _CACHED_SIGNATURES:
-                _gluon_cache.clear()
-            _gluon_cache[key] = (pb, route.gluon_fwd, prepared)
+        gluon.forward(pb, route.gluon_fwd, q, k, v, out, lse, block_mask=kt)
         return out, lse
     cfg = route.fwd
     block_m, block_n = cfg.block_m, cfg.block_n
