@@ -493,6 +493,17 @@ def decode_cases():
         alibi_slopes=torch.rand(8))
 
 
+def _gluon_sparse_forward(q, k, v, mask, softcap=0.0):
+    """The block-sparse forward on the Gluon kernel's variant (block_sparse.gluon_route), which must take
+    the call."""
+    kt = mask.to_kernel_tensors(q.device)
+    route = block_sparse.gluon_route(q, k, v, kt, softcap)
+    if route is None:
+        raise RuntimeError("the Gluon forward's block-sparse variant does not take this call")
+    _on_gluon(block_sparse.block_sparse_forward, q, k, v, kt, softmax_scale=q.shape[-1] ** -0.5,
+              softcap=softcap, route=route, launchers=("forward",))
+
+
 def sparse_cases():
     from flashattn import BlockMask, block_sparse_attn_func
 
@@ -505,17 +516,15 @@ def sparse_cases():
             for name, mask in masks.items():
                 q = _t(1, 1024, 4, d, dtype=dtype, grad=True)
                 k, v = (_t(1, 1024, 2, d, dtype=dtype, grad=True) for _ in range(2))
-                # the forward on the Gluon kernel's block-sparse variant (128-row mask blocks)
-                yield f"sparse {dtype} d={d} {name}", partial(
-                    _on_gluon, _fwd_bwd, block_sparse_attn_func, q, k, v, mask, launchers=("forward",))
-        q = _t(1, 1024, 4, 128, dtype=dtype, grad=True)
-        k, v = (_t(1, 1024, 2, 128, dtype=dtype, grad=True) for _ in range(2))
-        yield f"sparse {dtype} d=128 softcap", partial(
-            _on_gluon, _fwd_bwd, block_sparse_attn_func, q, k, v, masks["mask_mod"], softcap=30.0,
-            launchers=("forward",))
-        # 64-row mask blocks: the Triton forward
-        small = BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 3 == 0, 1, 1, 1024, 1024, block_size=64)
-        yield f"sparse {dtype} d=128 64-row blocks", partial(_fwd_bwd, block_sparse_attn_func, q, k, v, small)
+                yield f"sparse {dtype} d={d} {name}", partial(_fwd_bwd, block_sparse_attn_func, q, k, v, mask)
+                yield f"sparse gluon fwd {dtype} d={d} {name}", partial(_gluon_sparse_forward, q.detach(),
+                                                                        k.detach(), v.detach(), mask)
+        q, k, v = (_t(1, 1024, h, 128, dtype=dtype) for h in (4, 2, 2))
+        yield f"sparse gluon fwd {dtype} d=128 softcap", partial(_gluon_sparse_forward, q, k, v,
+                                                                 masks["mask_mod"], 30.0)
+        wide = BlockMask.from_mask_mod(lambda b, h, i, j: (i + j) % 3 != 0, None, 4, 1024, 1024,
+                                       block_size=(128, 256))
+        yield f"sparse gluon fwd {dtype} d=128 256-key blocks", partial(_gluon_sparse_forward, q, k, v, wide)
 
 
 def main() -> int:

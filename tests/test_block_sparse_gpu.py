@@ -201,8 +201,7 @@ def test_cuda_calls_run_the_triton_kernels(monkeypatch):
                                         ("local_global", False), ("document_causal", False)])
 def test_a_band_mask_runs_the_gluon_kernels(monkeypatch, name, band):
     """A mask that is a band takes the dense call's Gluon forward and backward (DenseBandRoute), any other
-    (of 128 x 128 blocks) the Gluon forward's block-sparse variant and the block-sparse Triton backward: a
-    fallback either way would pass the accuracy tests above."""
+    the block-sparse kernels: a fallback either way would pass the accuracy tests above."""
     from flashattn.backends.triton import block_sparse, gluon
 
     calls = {"gluon": [], "sparse_fwd": [], "sparse_bwd": []}
@@ -218,8 +217,7 @@ def test_a_band_mask_runs_the_gluon_kernels(monkeypatch, name, band):
     if band:
         assert calls == {"gluon": ["forward", "backward"], "sparse_fwd": [], "sparse_bwd": []}
     else:
-        assert calls == {"gluon": ["forward"], "sparse_fwd": [], "sparse_bwd": calls["sparse_bwd"]}
-        assert len(calls["sparse_bwd"]) == 2
+        assert calls["gluon"] == [] and len(calls["sparse_fwd"]) == 1 and len(calls["sparse_bwd"]) == 2
 
 
 def _empty_rows_mask(n):
@@ -245,10 +243,10 @@ SPARSE_FWD_MASKS = {
 @pytest.mark.parametrize("mask_name", list(SPARSE_FWD_MASKS))
 @pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (256, 256), (96, 96), (192, 128)])
 def test_gluon_sparse_forward(monkeypatch, mask_name, d, dv):
-    """The Gluon forward's block-sparse variant against the oracle on the whole output and LSE: lengths
-    that are no multiple of the tiles (the last key block holds keys past seqlen_k, the last query block
-    rows past seqlen_q), GQA 4:2, masks per head and batch element or shared, query blocks with no listed
-    block, and key blocks of several key tiles; the route is asserted."""
+    """The Gluon forward's block-sparse variant (block_sparse.gluon_route) against the oracle on the whole
+    output and LSE: lengths that are no multiple of the tiles (the last key block holds keys past seqlen_k,
+    the last query block rows past seqlen_q), GQA 4:2, masks per head and batch element or shared, query
+    blocks with no listed block, and key blocks of several key tiles; the kernel it ran is asserted."""
     from flashattn.backends.triton import block_sparse, gluon
 
     calls = []
@@ -264,8 +262,10 @@ def test_gluon_sparse_forward(monkeypatch, mask_name, d, dv):
     k = torch.randn(2, n, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(2, n, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g)
     mask = SPARSE_FWD_MASKS[mask_name](n)
-    out, lse, _ = block_sparse_attn_func(q, k, v, mask, return_attn_probs=True)
-    assert len(calls) == 1 and calls[0] is not None and triton_fwd == []
+    kt = mask.to_kernel_tensors("cuda")
+    route = block_sparse.gluon_route(q, k, v, kt)
+    out, lse = block_sparse.block_sparse_forward(q, k, v, kt, softmax_scale=d ** -0.5, route=route)
+    assert len(calls) == 1 and calls[0] is kt and triton_fwd == []
     dense = mask.to_dense().cuda()
     ref, ref_lse = masked_attention_ref(q.double(), k.double(), v.double(), dense)
     pt, pt_lse = masked_attention_ref(q, k, v, dense, upcast=False)

@@ -78,26 +78,26 @@ def test_sparse_route_of_the_spec():
     assert sparse_routes.triton_sparse_route(spec) == sparse_routes.sparse_route(no_band)
 
 
-def test_the_forward_of_128_row_blocks_takes_the_gluon_kernel():
-    """The block-sparse forward runs on the Gluon forward's variant where it takes the call (a call the dense
-    Gluon forward takes, 128-row mask blocks, key blocks a multiple of its key tiles), with two consumers
-    and neither the half step nor the GQA packing; else on the Triton kernel."""
+def test_the_gluon_sparse_forward_route():
+    """The Gluon forward's block-sparse variant takes a call the dense Gluon forward takes whose mask has
+    128-row blocks and key blocks a multiple of its key tiles, with two consumers and neither the half step
+    nor the GQA packing; it is not the default route yet (it has not run on a GPU)."""
     def route(block_m=128, block_n=128, **kw):
-        return sparse_routes.triton_sparse_route(
-            sparse_routes.SparseSpec(128, block_m, block_n, False, True, dense=route_specs.spec(**kw)))
+        spec = sparse_routes.SparseSpec(128, block_m, block_n, False, True, dense=route_specs.spec(**kw))
+        assert sparse_routes.sparse_route(spec).gluon_fwd is None  # the default: the Triton forward
+        return sparse_routes.gluon_sparse_route(spec)
 
     for d, block_n in ((64, 128), (128, 128), (192, 128), (256, 64)):
         fwd = route(headdim=d, headdim_v=min(d, 128)).gluon_fwd
-        assert fwd is not None and fwd.tiles.block_m == 128 and fwd.tiles.block_n == block_n, d
+        assert fwd.tiles.block_m == 128 and fwd.tiles.block_n == block_n, d
         assert (fwd.pack, fwd.half_diag) == (1, False)
     assert route(block_n=256).gluon_fwd.tiles.block_n == 128  # two key tiles a block
-    assert route(block_m=64).gluon_fwd is None  # a mask block of 64 rows: half the kernel's tile
-    assert route(block_n=64).gluon_fwd is None  # key blocks narrower than the key tile
-    assert route(dropout=True).gluon_fwd is None
-    assert route(dtype="float32").gluon_fwd is None
-    assert route(cuda=False).gluon_fwd is None
-    no_dense = sparse_routes.SparseSpec(128, 128, 128, False, True)
-    assert sparse_routes.triton_sparse_route(no_dense).gluon_fwd is None
+    assert route(block_m=64) is None  # a mask block of 64 rows: half the kernel's tile
+    assert route(block_n=64) is None  # key blocks narrower than the key tile
+    assert route(dropout=True) is None
+    assert route(dtype="float32") is None
+    assert route(cuda=False) is None
+    assert sparse_routes.gluon_sparse_route(sparse_routes.SparseSpec(128, 128, 128, False, True)) is None
 
 
 needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),

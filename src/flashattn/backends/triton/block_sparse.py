@@ -2,8 +2,8 @@
 (sparse_routes.sparse_route). Same signatures as backends/torch/block_sparse.py:
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
 A mask that is a band (sparse_routes.DenseBandRoute) runs the dense attention launchers with the band as
-its window; the forward of other masks runs the Gluon forward's block-sparse variant where the route says so
-(route.gluon_fwd), else the Triton kernel.
+its window; the forward of other masks runs the Triton kernel, or the Gluon forward's block-sparse variant on
+a route that names it (route.gluon_fwd: `gluon_route`).
 """
 
 import torch
@@ -67,6 +67,13 @@ def default_route(q, k, v, kt, softcap: float = 0.0,
 def triton_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0) -> sparse_routes.SparseRoute:
     """The block-sparse kernels' route for this call, band or not (to time or check them on a band)."""
     return sparse_routes.triton_sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
+
+
+def gluon_route(q, k, v, kt, softcap: float = 0.0,
+                dropout_p: float = 0.0) -> sparse_routes.SparseRoute | None:
+    """The block-sparse kernels' route with the forward on the Gluon kernel's variant (None where that does
+    not take the call): not the default yet (sparse_routes), for its tests and its timing."""
+    return sparse_routes.gluon_sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
 
 
 def _rule(kt, route: sparse_routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:

@@ -1,8 +1,10 @@
 """How a block-sparse call (BlockMask, block_sparse_attn_func) runs: a pure function from the call's
 `SparseSpec` to a route, as routes.py is for the dense and varlen calls: `DenseBandRoute` when the mask is
 exactly a band (its rule, see SparseSpec), which then takes routes.py's routes with the band as the window;
-else `SparseRoute`: the block-sparse Triton kernels (kernels/triton/attn_sparse.py), its forward on the
-Gluon kernel's block-sparse variant where that takes the call (kernels/gluon/sparse.py).
+else `SparseRoute`: the block-sparse Triton kernels (kernels/triton/attn_sparse.py). `gluon_sparse_route`
+puts the forward on the Gluon kernel's block-sparse variant (kernels/gluon/sparse.py); it is not yet the
+default: it has been compiled for sm90 but has not yet run on a GPU (its GPU tests and its timing beside the
+Triton forward are written and pending).
 This module imports neither torch nor Triton.
 """
 
@@ -95,10 +97,16 @@ def gluon_sparse_forward(spec: SparseSpec) -> routes.GluonForward | None:
 
 
 def triton_sparse_route(spec: SparseSpec) -> SparseRoute:
-    """The block-sparse kernels' route, for any mask (its forward on the Gluon kernel where that takes the
-    call: `gluon_sparse_forward`)."""
+    """The block-sparse kernels' route, for any mask."""
     return SparseRoute(_sparse_tiles("fwd", spec), _sparse_tiles("dkdv", spec), _sparse_tiles("dq", spec),
-                       spec.has_rule, gluon_sparse_forward(spec))
+                       spec.has_rule)
+
+
+def gluon_sparse_route(spec: SparseSpec) -> SparseRoute | None:
+    """The block-sparse kernels' route with the forward on the Gluon kernel's variant, or None where that
+    does not take the call (`gluon_sparse_forward`)."""
+    fwd = gluon_sparse_forward(spec)
+    return None if fwd is None else replace(triton_sparse_route(spec), gluon_fwd=fwd)
 
 
 def sparse_route(spec: SparseSpec) -> SparseRoute | DenseBandRoute:

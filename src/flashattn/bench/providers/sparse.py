@@ -4,8 +4,7 @@ Triton kernels, or on FlashAttention-4's where FA4 is installed).
 `flashattn-sparse` calls flashattn.block_sparse_attn_func with the case's BlockMask (a band, as the dense and
 causal cases' masks are, runs the dense kernels: its rows' route_fwd / route_bwd say which kernels ran;
 `flashattn-sparse-kernels`: the block-sparse kernels through the launchers, band or not;
-`flashattn-sparse-triton-fwd`: the same with the forward on the Triton kernel rather than the Gluon one's
-block-sparse variant;
+`flashattn-sparse-gluon-fwd`: the same with the forward on the Gluon kernel's block-sparse variant;
 `flashattn-sparse-bits`: the same on a route whose partial blocks read bitmasks even where the mask has a
 rule);
 `flex-sparse` runs torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and
@@ -182,8 +181,7 @@ def sparse_routes_info(q, k, v, kt) -> dict:
     if isinstance(route, sparse_routes.DenseBandRoute):
         dense = routes_info(q, k, v, window_size=route.window)
         return {key: f"DenseBandRoute/{name}" for key, name in dense.items()}
-    name = type(route).__name__
-    return {"route_fwd": name + ("/gluon" if route.gluon_fwd else ""), "route_bwd": name}
+    return {"route_fwd": type(route).__name__, "route_bwd": type(route).__name__}
 
 
 def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
@@ -220,10 +218,11 @@ class _KernelRoute(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _kernels_setup(by_rule: bool, gluon_fwd: bool = True):
+def _kernels_setup(by_rule: bool, gluon_fwd: bool = False):
     """A setup that runs the block-sparse kernels on the case's mask, band or not, with partial blocks by
-    the mask's rule where it has one (by_rule) or always by its bitmask; the forward on the Gluon kernel's
-    block-sparse variant where the route takes it (gluon_fwd), else on the Triton kernel."""
+    the mask's rule where it has one (by_rule) or always by its bitmask; gluon_fwd: the forward on the
+    Gluon kernel's block-sparse variant (block_sparse.gluon_route; a case it does not take fails to set
+    up, and its row says why)."""
 
     def setup(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
         import dataclasses
@@ -233,8 +232,12 @@ def _kernels_setup(by_rule: bool, gluon_fwd: bool = True):
         kt = block_mask(MaskSpec.of(case), q.device).to_kernel_tensors(q.device)
         leaves = make_leaves(q, k, v, "bshd")
         route = block_sparse.triton_route(*leaves, kt)
-        route = dataclasses.replace(route, by_rule=route.by_rule and by_rule,
-                                    gluon_fwd=route.gluon_fwd if gluon_fwd else None)
+        if gluon_fwd:
+            route = block_sparse.gluon_route(*leaves, kt)
+            if route is None:
+                raise RuntimeError("the Gluon forward's block-sparse variant does not take this call (it "
+                                   "needs sm90, 16-bit TMA-ready tensors and 128-row mask blocks)")
+        route = dataclasses.replace(route, by_rule=route.by_rule and by_rule)
         info = {"route_fwd": "SparseRoute" + ("/gluon" if route.gluon_fwd else ""),
                 "route_bwd": "SparseRoute", "by_rule": route.by_rule}
         return Prepared(fwd=lambda: _KernelRoute.apply(*leaves, kt, route), leaves=leaves, info=info)
@@ -278,9 +281,9 @@ PROVIDERS = [
     Provider("flashattn-sparse-kernels", _kernels_setup(True),
              "the block-sparse kernels on the case's mask even where it is a band (A/B timing of "
              "DenseBandRoute)"),
-    Provider("flashattn-sparse-triton-fwd", _kernels_setup(True, gluon_fwd=False),
-             "the block-sparse kernels with the forward on the Triton kernel, not the Gluon one's "
-             "block-sparse variant (A/B timing)"),
+    Provider("flashattn-sparse-gluon-fwd", _kernels_setup(True, gluon_fwd=True),
+             "the block-sparse kernels with the forward on the Gluon kernel's block-sparse variant (not yet "
+             "the default; A/B timing against flashattn-sparse-kernels)"),
     Provider("flashattn-sparse-bits", _kernels_setup(False),
              "the block-sparse kernels on the route whose partial blocks read their bitmasks even when the "
              "mask has a rule (A/B timing)"),
