@@ -111,7 +111,7 @@ def test_rule_masks_match_oracle_and_bits(name):
     from flashattn.backends.triton import block_sparse as launchers
 
     kt = mask.to_kernel_tensors(q.device)
-    rule = launchers.triton_route(q, k, v, kt)
+    rule = launchers.triton_route(q, v, kt)
     assert rule.by_rule
     dout = torch.randn_like(q)
     runs = []

@@ -182,6 +182,6 @@ def test_bench_rows_say_which_kernels_ran(monkeypatch):
                                                                       "route_bwd": "SparseRoute"}
     kt = band.to_kernel_tensors()
     calls = _recorders(monkeypatch)
-    out = _KernelRoute.apply(q, k, v, kt, launchers.triton_route(q, k, v, kt))
+    out = _KernelRoute.apply(q, k, v, kt, launchers.triton_route(q, v, kt))
     assert len(calls["sparse_fwd"]) == 1 and calls["dense_fwd"] == []
     torch.testing.assert_close(out, flashattn.block_sparse_attn_func(q, k, v, band), rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ a route that names it (route.gluon_fwd: `gluon_route`).
 
 import torch
 
-from flashattn.backends.triton import gluon, host, sparse_routes
+from flashattn.backends.triton import gluon, host, sparse_routes, tma
 from flashattn.backends.triton.attention import (
     LOG2E,
     attention_backward,
@@ -52,28 +52,28 @@ def band_of(kt) -> tuple[int, int] | None:
     return (r.left, r.right)
 
 
-def _spec(q, k, v, kt, softcap: float, dropout_p: float) -> sparse_routes.SparseSpec:
+def _spec(q, v, kt, dense=None) -> sparse_routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
-    dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p)
-    return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None, dense.cuda,
-                                    band_of(kt), dense)
+    return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
+                                    tma.device_facts(q.device)[0], band_of(kt), dense)
 
 
-def default_route(q, k, v, kt, softcap: float = 0.0,
-                  dropout_p: float = 0.0) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
-    return sparse_routes.sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
+def default_route(q, v, kt) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
+    return sparse_routes.sparse_route(_spec(q, v, kt))
 
 
-def triton_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0) -> sparse_routes.SparseRoute:
+def triton_route(q, v, kt) -> sparse_routes.SparseRoute:
     """The block-sparse kernels' route for this call, band or not (to time or check them on a band)."""
-    return sparse_routes.triton_sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
+    return sparse_routes.triton_sparse_route(_spec(q, v, kt))
 
 
 def gluon_route(q, k, v, kt, softcap: float = 0.0,
                 dropout_p: float = 0.0) -> sparse_routes.SparseRoute | None:
     """The block-sparse kernels' route with the forward on the Gluon kernel's variant (None where that does
-    not take the call): not the default yet (sparse_routes), for its tests and its timing."""
-    return sparse_routes.gluon_sparse_route(_spec(q, k, v, kt, softcap, dropout_p))
+    not take the call): not the default yet (sparse_routes), for its tests and its timing. Only this route
+    derives the call's dense spec (what the Gluon forward takes), which the default path has no use for."""
+    dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p)
+    return sparse_routes.gluon_sparse_route(_spec(q, v, kt, dense))
 
 
 def _rule(kt, route: sparse_routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:
@@ -103,7 +103,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
     sparse_routes.SparseRoute or sparse_routes.DenseBandRoute to run instead of the default one."""
-    route = route or default_route(q, k, v, kt, softcap, dropout_p)
+    route = route or default_route(q, v, kt)
     if isinstance(route, sparse_routes.DenseBandRoute):
         return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
                                  softcap=softcap, dropout_p=dropout_p, rng_seed=rng_seed,
@@ -137,7 +137,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). The block-sparse kernels use no
     atomics (deterministic); a band's dense backward adds dQ in a varying order, as flash_attn_func's
     default does."""
-    route = route or default_route(q, k, v, kt, softcap, dropout_p)
+    route = route or default_route(q, v, kt)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            window_size=route.window, softcap=softcap, dropout_p=dropout_p,

@@ -177,7 +177,7 @@ def sparse_routes_info(q, k, v, kt) -> dict:
         return {"route_fwd": "torch", "route_bwd": "torch"}
     from flashattn.backends.triton import block_sparse, sparse_routes
 
-    route = block_sparse.default_route(q, k, v, kt)
+    route = block_sparse.default_route(q, v, kt)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dense = routes_info(q, k, v, window_size=route.window)
         return {key: f"DenseBandRoute/{name}" for key, name in dense.items()}
@@ -231,8 +231,9 @@ def _kernels_setup(by_rule: bool, gluon_fwd: bool = False):
 
         kt = block_mask(MaskSpec.of(case), q.device).to_kernel_tensors(q.device)
         leaves = make_leaves(q, k, v, "bshd")
-        route = block_sparse.triton_route(*leaves, kt)
-        if gluon_fwd:
+        if not gluon_fwd:
+            route = block_sparse.triton_route(leaves[0], leaves[2], kt)
+        else:
             route = block_sparse.gluon_route(*leaves, kt)
             if route is None:
                 raise RuntimeError("the Gluon forward's block-sparse variant does not take this call (it "

@@ -12,8 +12,9 @@ The mask's query block is the kernel's query tile (BLOCK_M rows: the route holds
 
 Key step j of a query tile is list slot p = j // subs, sub-tile j % subs: the full blocks first, then the
 partial ones; the loader (fwd_loader.py) and every consumer derive the same sequence, so the K/V ring's
-counters agree. A partial step's bits are loaded before the step's QK^T is waited on (`partial_bits`) and
-expanded in the scores' registers (`keep_of`): a byte holds 8 keys of a row, and a lane of the wgmma
+counters agree. A partial step's bits are loaded once its QK^T has landed (`partial_bits`; held across
+that wait they spilled) and expanded in the scores' registers (`keep_of`): a byte holds 8 keys of a row, and
+a lane of the wgmma
 accumulator holds two of a row's keys in each of its bytes, so each thread reads its two rows' bytes with
 two 16-byte loads (BLOCK_N = 128) and expands them without a shuffle or shared memory.
 """
