@@ -169,11 +169,10 @@ def flash_attn_with_kvcache(
                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask,
                               k_descale, v_descale, causal, rotary_interleaved, num_splits, check_inputs,
                               return_softmax_lse)
-        launch = Launch(checked, kvcache_ops.prepare(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, None if seqlens_is_int else cache_seqlens,
-            cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale, v_descale,
-            softmax_scale=checked[0], causal=bool(causal), window_size=checked[1:3], softcap=checked[3],
-            rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits)), STREAM_WORKSPACE)
+        launch = prepare_launch(checked, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                None if seqlens_is_int else cache_seqlens, cache_batch_idx, cache_leftpad,
+                                block_table, alibi_slopes, key_padding_mask, k_descale, v_descale, causal,
+                                rotary_interleaved, num_splits)
         if len(_calls) >= _CACHED_SIGNATURES:
             _calls.clear()
         _calls[key] = launch
@@ -225,6 +224,18 @@ def _cache_len(cache_seqlens, capacity: int, s_new: int, k_cache, block_table) -
     return cache_len
 
 
+def prepare_launch(checked: tuple, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_padding_mask, k_descale,
+                   v_descale, causal, rotary_interleaved, num_splits) -> "Launch":
+    """The Launch of calls with this signature, whose check_call returned `checked` (cache_seqlens: the
+    tensor, or None for an int or no value), on the stream's workspace."""
+    return Launch(checked, kvcache_ops.prepare(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, alibi_slopes, key_padding_mask, k_descale, v_descale, softmax_scale=checked[0],
+        causal=bool(causal), window_size=checked[1:3], softcap=checked[3],
+        rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits)), STREAM_WORKSPACE)
+
+
 class Launch:
     """A checked call signature and its prepared launch (kvcache_ops.prepare): called with a call's tensors,
     it checks what varies from call to call (an int cache_seqlens; the device indices if asked) and launches
@@ -235,6 +246,19 @@ class Launch:
     def __init__(self, checked: tuple, prepared, workspace=None):
         self.capacity, self.s_new = checked[4], checked[5]
         self.prepared, self.workspace = prepared, workspace
+
+    def resized(self, capacity: int, k_strides: tuple, v_strides: tuple, mask_stride: int) -> "Launch | None":
+        """The Launch of this signature over contiguous caches of another length (no block_table, no new
+        keys, no cache_seqlens; tensors that pass the same checks but for that length): `capacity` keys,
+        the caches' (batch, seq, head) strides, key_padding_mask's batch stride (0 without one). None where
+        that length must be prepared afresh (it takes another route)."""
+        prepared = self.prepared.resized(capacity, k_strides, v_strides, mask_stride)
+        if prepared is None:
+            return None
+        launch = Launch.__new__(Launch)
+        launch.capacity, launch.s_new = capacity, self.s_new
+        launch.prepared, launch.workspace = prepared, self.workspace
+        return launch
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, alibi_slopes, key_mask, k_descale, v_descale, check_inputs):

@@ -19,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 import flashattn.integrations.transformers as fa_hf  # noqa: E402
 from flashattn import config as flashattn_config  # noqa: E402
+from flashattn import kvcache  # noqa: E402
 from flashattn.integrations.transformers import register  # noqa: E402
+from flashattn.kvcache import flash_attn_with_kvcache  # noqa: E402
 
 NAME = register()
 HAS_CUDA = torch.cuda.is_available()
@@ -257,17 +259,25 @@ def test_gpu_bf16_generate_agrees_with_sdpa(arch):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decode_steps_take_the_kvcache_kernel(cache, monkeypatch):
-    # every generated token after the first runs each layer's attention through flash_attn_with_kvcache, the
-    # left padding as its key_padding_mask; with a static cache the mask spans the whole cache (fixed shapes)
-    calls = []
-    real = fa_hf.flash_attn_with_kvcache
+    # every generated token after the first runs each layer's attention through flash_attn_with_kvcache's
+    # prepared launch, the left padding as its key_padding_mask; with a static cache the mask spans the whole
+    # cache (fixed shapes, one preparation); a dynamic cache grows by a key a step, and each step's first
+    # layer resizes the launch of the step before (one preparation in all, then one resize a step)
+    calls, prepared, resized = [], [], []
+    launch_call, resize = kvcache.Launch.__call__, kvcache.Launch.resized
+    prepare_launch = kvcache.prepare_launch
 
-    def spy(q, k, v, **kw):
-        key_mask = kw["key_padding_mask"]
-        calls.append((k.shape[1], None if key_mask is None else key_mask.shape[1]))
-        return real(q, k, v, **kw)
+    def spy_call(self, q, k_cache, *args):
+        key_mask = args[10]
+        calls.append((k_cache.shape[1], None if key_mask is None else key_mask.shape[1]))
+        return launch_call(self, q, k_cache, *args)
 
-    monkeypatch.setattr(fa_hf, "flash_attn_with_kvcache", spy)
+    monkeypatch.setattr(kvcache.Launch, "__call__", spy_call)
+    monkeypatch.setattr(kvcache, "prepare_launch",
+                        lambda *a, **k: prepared.append(1) or prepare_launch(*a, **k))
+    monkeypatch.setattr(kvcache.Launch, "resized", lambda *a: resized.append(1) or resize(*a))
+    fa_hf._steps.clear()
+    fa_hf._families.clear()
     ours, sdpa, _ = _models("llama")
     ids, mask = _batch("left", s=12)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -282,9 +292,52 @@ def test_decode_steps_take_the_kvcache_kernel(cache, monkeypatch):
     lengths = [keys for keys, _ in calls]
     if cache == "dynamic":
         assert lengths == [n for n in (13, 14, 15) for _ in range(layers)]
+        assert (len(prepared), len(resized)) == (1, 2)
     else:
         assert len(set(lengths)) == 1 and lengths[0] >= 15  # the whole cache, at every step
+        assert (len(prepared), len(resized)) == (1, 0)
     assert all(mask_len == keys for keys, mask_len in calls)
+
+
+def _decode_steps_against_kvcache(masked: bool, device: str, dtype: torch.dtype) -> list:
+    # the integration's decode path (a launch kept per signature and resized as the cache grows, taking
+    # transformers' tensors untransposed where the launch reads only addresses) computes what
+    # flash_attn_with_kvcache computes on the transposed views, bit for bit, at every length; a mask shorter
+    # than the cache (a static cache's written slots) limits the keys. Returns the launches kept.
+    fa_hf._steps.clear()
+    fa_hf._families.clear()
+    module = torch.nn.Module()
+    module.is_causal = True
+    b, h, hk, d = 2, 4, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    for length, slots in ((30, 30), (31, 31), (32, 36), (33, 33), (65, 65), (17, 17)):
+        q = torch.randn(b, h, 1, d, generator=gen).to(device, dtype)
+        k, v = (torch.randn(b, hk, slots, d, generator=gen).to(device, dtype) for _ in range(2))
+        mask = None
+        if masked or slots > length:
+            mask = (torch.rand(b, length, generator=gen) > 0.3).to(device)
+            mask[:, -1] = True
+        out, weights = fa_hf.attention_forward(module, q, k, v, mask, scaling=0.125)
+        want = flash_attn_with_kvcache(q.transpose(1, 2), k[:, :, :length].transpose(1, 2),
+                                       v[:, :, :length].transpose(1, 2), softmax_scale=0.125, causal=True,
+                                       key_padding_mask=mask)
+        assert weights is None and torch.equal(out, want), f"length {length}"
+    assert len(fa_hf._steps) == 6
+    return list(fa_hf._steps.values())
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_steps_equal_flash_attn_with_kvcache(backend_name, masked, monkeypatch):
+    monkeypatch.setattr(flashattn_config, "backend", backend_name)
+    _decode_steps_against_kvcache(masked, "cpu", torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_decode_steps_equal_flash_attn_with_kvcache(masked):
+    launches = _decode_steps_against_kvcache(masked, "cuda", torch.bfloat16)
+    assert all(launch.prepared.addresses_only for launch in launches)  # the untransposed tensors' path
 
 
 def test_mask_builder_reads_no_value():

@@ -35,11 +35,12 @@ import logging
 import torch
 from torch import Tensor
 
-from flashattn import modules
+from flashattn import config, kvcache, modules
 from flashattn.errors import FlashAttnError
 from flashattn.interface import flash_attn_func
 from flashattn.interface_varlen import flash_attn_varlen_func
-from flashattn.kvcache import flash_attn_with_kvcache
+from flashattn.kvcache import flash_attn_with_kvcache, tensor_key
+from flashattn.ops import registry
 
 __all__ = ["DEFAULT_NAME", "attention_forward", "eager_attention", "padding_mask", "register"]
 
@@ -139,6 +140,11 @@ def attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     b, _, sq, _ = query.shape
     sk = key.shape[2]
+    if (sq == 1 and s_aux is None and not dropout and (sliding_window is None or sk <= sliding_window)
+            and registry.eager(query)):
+        out = _decode_step(query, key, value, attention_mask, scaling, causal, float(softcap or 0.0))
+        if out is not None:
+            return out, None
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (b, h, s, d) -> (b, s, h, d), views
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
@@ -176,6 +182,83 @@ def attention_forward(
             out = flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, **opts)
             return out.view(b, sq, *out.shape[1:]), None
     return flash_attn_func(q, k, v, **opts), None
+
+
+# decode steps' prepared launches: by exact signature, and by family (the signature but the caches' length,
+# which a dynamic cache grows by a key a step: a new length resizes its family's launch, no new preparation)
+_CACHED_STEPS = 256
+_steps: dict = {}
+_families: dict = {}
+
+
+def _decode_step(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                 scaling: float | None, causal: bool, softcap: float) -> Tensor | None:
+    """The output (b, 1, h, d) of one query token against the cache, flash_attn_with_kvcache's, from
+    transformers' tensors as they are: query (b, h, 1, d), key / value (b, h_kv, sk, d), attention_mask None
+    or (b, sk') bool (sk' < sk: a static cache's written slots). None where the call is not a decode step
+    this path serves (another mask length, mixed dtypes): the general path takes it.
+
+    A prepared launch that reads only its tensors' addresses takes them untransposed (the transposed views'
+    shapes and strides, fixed at preparation, are the signature's), so a repeated step makes no view."""
+    sk = key.shape[2]
+    if attention_mask is not None and attention_mask.shape[1] != sk:
+        if attention_mask.shape[1] > sk:
+            return None
+        sk = attention_mask.shape[1]
+        key, value = key[:, :, :sk], value[:, :, :sk]
+    sig = (tensor_key(query), tensor_key(key), tensor_key(value), tensor_key(attention_mask), scaling, causal,
+           softcap, config.backend, config.generation)
+    launch = _steps.get(sig)
+    if launch is None:
+        launch = _prepare_step(query, key, value, attention_mask, scaling, causal, softcap)
+        if launch is None:
+            return None
+        if len(_steps) >= _CACHED_STEPS:
+            _steps.clear()
+        _steps[sig] = launch
+    if launch.prepared.addresses_only:
+        out, _ = launch(query, key, value, None, None, None, None, None, None, None, None, None,
+                        attention_mask, None, None, False)
+    else:
+        out, _ = launch(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, None,
+                        None, None, None, None, None, None, attention_mask, None, None, False)
+    return out
+
+
+def _prepare_step(query, key, value, attention_mask, scaling, causal, softcap):
+    """The kvcache.Launch of a decode step's new signature: its family's resized to this length, or
+    checked and prepared (the checks raise flash_attn_with_kvcache's errors); None for mixed dtypes."""
+    if not query.dtype == key.dtype == value.dtype:
+        return None
+    sk = key.shape[2]
+    # the checks that see the length: k and v alike, the mask (b, sk) and contiguous along it
+    family = None
+    if sk > 1 and value.shape[2] == sk:
+        family = (tensor_key(query), key.shape[:2], key.shape[3], key.stride(3), value.shape[:2],
+                  value.shape[3], value.stride(3), key.dtype, key.device,
+                  None if attention_mask is None else (attention_mask.shape[0], attention_mask.stride(1),
+                                                       attention_mask.dtype, attention_mask.device),
+                  scaling, causal, softcap, config.backend, config.generation)
+        known = _families.get(family)
+        if known is not None:
+            ks, vs = key.stride(), value.stride()  # (b, h, s, d) -> the caches' (batch, seq, head)
+            launch = known.resized(sk, (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1]),
+                                   0 if attention_mask is None else attention_mask.stride(0))
+            if launch is not None:
+                _families[family] = launch
+                return launch
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    none = dict(k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                cache_leftpad=None, block_table=None, alibi_slopes=None, k_descale=None, v_descale=None)
+    checked = kvcache.check_call(q, k, v, **none, key_padding_mask=attention_mask, softmax_scale=scaling,
+                                 causal=causal, window_size=(-1, -1), softcap=softcap, num_splits=0)
+    launch = kvcache.prepare_launch(checked, q, k, v, **none, key_padding_mask=attention_mask, causal=causal,
+                                    rotary_interleaved=True, num_splits=0)
+    if family is not None:
+        if len(_families) >= _CACHED_STEPS:
+            _families.clear()
+        _families[family] = launch
+    return launch
 
 
 def _fallback_reason(attention_mask, kwargs) -> str | None:

@@ -182,9 +182,15 @@ class DecodeLaunch:
     signature (there is nothing else to prepare)."""
 
     __slots__ = ("options",)
+    addresses_only = False  # computes on its tensors as they are shaped
 
     def __init__(self, options: dict):
         self.options = options
+
+    def resized(self, capacity: int, k_strides: tuple, v_strides: tuple, mask_stride: int) -> "DecodeLaunch":
+        """This launch: nothing it keeps depends on the caches' length or strides."""
+        del capacity, k_strides, v_strides, mask_stride
+        return self
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, cache_len, batch_idx, leftpad,
                  block_table, alibi, key_mask, k_descale=None, v_descale=None, workspace=None):

@@ -30,6 +30,8 @@ The tiles and split count are the route's (decode_routes.decode_route); backends
 computation in plain torch.
 """
 
+import dataclasses
+
 import torch
 
 from flashattn import _internals, config
@@ -137,17 +139,65 @@ def workspace_size(route: decode_routes.DecodeRoute, batch: int, nheads_k: int, 
     return floats, program_rows
 
 
+# positions in DecodeLaunch.consts of the arguments a contiguous cache's length moves: k_cache's and
+# v_cache's (batch, seq, head) strides, key_mask's batch stride and the capacity (prepare's order)
+_K_STRIDES, _V_STRIDES, _MASK_STRIDE, _CAPACITY = slice(3, 6), slice(6, 9), 25, 33
+
+
 class DecodeLaunch:
-    """One signature's launch, prepared: call it with the call's tensors (and the int cache_len)."""
+    """One signature's launch, prepared: call it with the call's tensors (and the int cache_len).
+
+    addresses_only: whether a call reads nothing of its tensors but their addresses (and q's device), so
+    that any tensors over the same memory serve, whatever their shapes and strides (the signature's are
+    fixed at preparation): true where the launch goes straight through its plan (launch.Bound)."""
 
     __slots__ = ("route", "grid", "kwargs", "consts", "out_shape", "lse_shape", "floats", "counters",
-                 "bound")
+                 "bound", "spec")
 
-    def __init__(self, route, grid, kwargs, consts, out_shape, lse_shape, floats, counters, direct):
+    def __init__(self, route, grid, kwargs, consts, out_shape, lse_shape, floats, counters, direct,
+                 spec=None):
         self.route, self.grid, self.kwargs, self.consts = route, grid, kwargs, consts
         self.out_shape, self.lse_shape = out_shape, lse_shape
         self.floats, self.counters = floats, counters
         self.bound = launch_mod.Bound(decode_kernel, grid, kwargs) if direct else None
+        self.spec = spec
+
+    @property
+    def addresses_only(self) -> bool:
+        return self.bound is not None
+
+    def resized(self, capacity: int, k_strides: tuple, v_strides: tuple,
+                mask_stride: int) -> "DecodeLaunch | None":
+        """The launch of this signature with contiguous caches of another length: `capacity` keys, k_cache's
+        and v_cache's (batch, seq, head) strides, key_mask's batch stride (0 without one); or None where
+        that length takes another route (split count, tiles) than this one's: then `prepare` it. Valid only
+        for a launch `prepare` routed itself (no plan's route) on caches without a block_table, for tensors
+        that passed the same checks but for their length; the compiled kernel is kept where no scalar
+        argument changes its specialisation."""
+        spec = self.spec
+        if spec is None or spec.paged:
+            return None
+        route = self.route
+        block_n, block_m = route.tiles.block_n, route.block_m
+        if (decode_routes.key_tiles(spec, capacity, block_n, block_m)
+                != decode_routes.key_tiles(spec, spec.capacity, block_n, block_m)):
+            spec = dataclasses.replace(spec, capacity=capacity)
+            if decode_routes.decode_route(spec) != route:
+                return None
+        old = self.consts
+        consts = list(old)
+        consts[_K_STRIDES], consts[_V_STRIDES] = k_strides, v_strides
+        if self.kwargs["HAS_KEY_MASK"]:
+            consts[_MASK_STRIDE] = mask_stride
+        consts[_CAPACITY] = capacity
+        resized = DecodeLaunch(route, self.grid, self.kwargs, tuple(consts), self.out_shape, self.lse_shape,
+                               self.floats, self.counters, self.bound is not None, spec)
+        moved = (_K_STRIDES.start, _K_STRIDES.start + 1, _K_STRIDES.start + 2, _V_STRIDES.start,
+                 _V_STRIDES.start + 1, _V_STRIDES.start + 2, _MASK_STRIDE, _CAPACITY)
+        if self.bound is not None and launch_mod.same_specialisation(tuple(old[i] for i in moved),
+                                                                     tuple(consts[i] for i in moved)):
+            resized.bound.plan = self.bound.plan
+        return resized
 
     def __call__(self, q, k_cache, v_cache, k, v, cos, sin, seqlens, cache_len, batch_idx, leftpad,
                  block_table, alibi, key_mask, k_descale=None, v_descale=None, workspace=None):
@@ -195,6 +245,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         major, minor = torch.cuda.get_device_capability(q.device)
         raise FlashAttnError(f"an FP8 (e4m3) cache needs a GPU of compute capability 8.9 or later (Ada, "
                              f"Hopper); {q.device} is {major}.{minor}: use a 16-bit cache")
+    spec = None
     if route is None:
         spec = decode_spec(b, h, hk, sq, d, kv_element_size(q.dtype, k_cache.dtype), paged, capacity, window,
                            num_splits, q.device)
@@ -241,7 +292,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return DecodeLaunch(route, grid, kwargs, consts, (b, sq, h, d), (b, h, sq), floats, counters,
-                        launch_mod.direct(q))
+                        launch_mod.direct(q), spec)
 
 
 def merge_chunk(merge_rows: int, block_d: int, splits: int) -> int:

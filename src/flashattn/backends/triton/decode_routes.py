@@ -99,19 +99,25 @@ def decode_tiles_for(spec: DecodeSpec) -> TileConfig:
     return tiles
 
 
-def decode_route(spec: DecodeSpec) -> DecodeRoute:
-    tiles = decode_tiles_for(spec)
-    group = spec.nheads // spec.nheads_k
-    block_m = query_block(spec.rows, tiles.block_m)
-    m_blocks = -(-spec.rows // block_m)
-    span = spec.capacity
+def key_tiles(spec: DecodeSpec, capacity: int, block_n: int, block_m: int) -> int:
+    """Key tiles a program of block_m packed rows walks at most when the cache holds `capacity` keys: all
+    decode_route reads of the capacity (two capacities with the same count take the same route)."""
+    span = capacity
     left, right = spec.window
     if spec.window != (-1, -1):
         left = UNBOUNDED if left < 0 else left
         right = UNBOUNDED if right < 0 else right
         # a query block spans at most this many query positions, each seeing left + right + 1 keys
+        group = spec.nheads // spec.nheads_k
         span = min(span, left + right + min(spec.seqlen_q, -(-block_m // group) + 1))
-    n_tiles = max(1, -(-span // tiles.block_n) + 1)  # + 1: the span need not start on a tile
+    return max(1, -(-span // block_n) + 1)  # + 1: the span need not start on a tile
+
+
+def decode_route(spec: DecodeSpec) -> DecodeRoute:
+    tiles = decode_tiles_for(spec)
+    block_m = query_block(spec.rows, tiles.block_m)
+    m_blocks = -(-spec.rows // block_m)
+    n_tiles = key_tiles(spec, spec.capacity, tiles.block_n, block_m)
     splits = spec.num_splits
     if splits <= 0:
         per_sm = decode_programs_per_sm(block_d(spec.headdim), spec.element_size)

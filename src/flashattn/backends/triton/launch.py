@@ -59,6 +59,12 @@ def _spec(x):
     return None if base is None else (base.dtype, tuple(x.block_shape), getattr(x, "layout", None))
 
 
+def same_specialisation(old: tuple, new: tuple) -> bool:
+    """Whether two tuples of scalar arguments (no tensors) specialise alike, so that a plan of the one
+    serves the other."""
+    return all(a == b or _spec(a) == _spec(b) for a, b in zip(old, new, strict=True))
+
+
 def direct(t: torch.Tensor) -> bool:
     """Whether launches over CUDA tensors like t take plans (as `launch` would): the launchers' caches ask it
     first. A CUDA tensor implies CUDA (torch.cuda.is_available reads the environment on every call)."""
