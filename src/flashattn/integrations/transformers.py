@@ -7,8 +7,9 @@
 `register` adds two entries under the same name: the attention function (`AttentionInterface`) and a mask
 builder (`AttentionMaskInterface`). The mask builder hands the attention function at most a 2-D padding mask
 ``(batch, kv_len)`` bool (None when the model was given none), never the dense 4-D mask sdpa/eager need, so
-padding costs no ``(q_len, kv_len)`` memory: a decode step (one query token) runs flash_attn_with_kvcache on
-the cache with the mask as its key_padding_mask, other calls with a mask run on the packed tokens through
+padding costs no ``(q_len, kv_len)`` memory: a decode step (one query token) runs flash_attn_with_kvcache's
+launch on the cache with the mask as its key_padding_mask (prepared once per signature and resized as a
+dynamic cache grows: `_decode_step`), other calls with a mask run on the packed tokens through
 flash_attn_varlen_func (`flashattn.modules.padded_attention`); causal and sliding-window masks come from the
 kernels' own flags. Neither reads the mask on the host, so no call synchronises with the device but the
 detection of packed sequences below (a mask-free call with position_ids that restart).
