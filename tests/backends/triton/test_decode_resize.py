@@ -54,10 +54,9 @@ def test_resized_is_the_prepared_launch(b, h, hk, d, mask, layout):
         assert [getattr(got, name) for name in kept] == [getattr(fresh, name) for name in kept]
         assert got.consts == fresh.consts, f"length {length}"
         # a launch resized from a resized one: the chain keeps the length it was resized to
-        again = got.resized(1000, *(_prepare(b, h, hk, d, 1000, mask, layout)[1].stride()[:3],) * 2,
-                            0 if key_mask is None else 1000)
-        if again is not None:
-            assert again.consts == base.consts
+        back = _prepare(b, h, hk, d, 1000, mask, layout)[1].stride()[:3]
+        again = got.resized(1000, back, back, 0 if key_mask is None else 1000)
+        assert again is not None and again.consts == base.consts
     assert resized_some and rerouted  # both outcomes seen at every shape
 
 

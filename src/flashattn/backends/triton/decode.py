@@ -142,6 +142,7 @@ def workspace_size(route: decode_routes.DecodeRoute, batch: int, nheads_k: int, 
 # positions in DecodeLaunch.consts of the arguments a contiguous cache's length moves: k_cache's and
 # v_cache's (batch, seq, head) strides, key_mask's batch stride and the capacity (prepare's order)
 _K_STRIDES, _V_STRIDES, _MASK_STRIDE, _CAPACITY = slice(3, 6), slice(6, 9), 25, 33
+_MOVED = (*range(_K_STRIDES.start, _V_STRIDES.stop), _MASK_STRIDE, _CAPACITY)
 
 
 class DecodeLaunch:
@@ -192,10 +193,8 @@ class DecodeLaunch:
         consts[_CAPACITY] = capacity
         resized = DecodeLaunch(route, self.grid, self.kwargs, tuple(consts), self.out_shape, self.lse_shape,
                                self.floats, self.counters, self.bound is not None, spec)
-        moved = (_K_STRIDES.start, _K_STRIDES.start + 1, _K_STRIDES.start + 2, _V_STRIDES.start,
-                 _V_STRIDES.start + 1, _V_STRIDES.start + 2, _MASK_STRIDE, _CAPACITY)
-        if self.bound is not None and launch_mod.same_specialisation(tuple(old[i] for i in moved),
-                                                                     tuple(consts[i] for i in moved)):
+        if self.bound is not None and launch_mod.same_specialisation(tuple(old[i] for i in _MOVED),
+                                                                     tuple(consts[i] for i in _MOVED)):
             resized.bound.plan = self.bound.plan
         return resized
 
