@@ -504,6 +504,22 @@ def _gluon_sparse_forward(q, k, v, mask, softcap=0.0):
               softcap=softcap, route=route, launchers=("forward",))
 
 
+def _gluon_sparse_backward(q, k, v, mask, softcap=0.0):
+    """The block-sparse forward and backward on the Gluon kernels' variants (block_sparse.gluon_route), which
+    must take the call."""
+    kt = mask.to_kernel_tensors(q.device)
+    route = block_sparse.gluon_route(q, k, v, kt, softcap)
+    if route is None or route.gluon_bwd is None:
+        raise RuntimeError("the Gluon backward's block-sparse variant does not take this call")
+    options = dict(softmax_scale=q.shape[-1] ** -0.5, softcap=softcap, route=route)
+
+    def run():
+        out, lse = block_sparse.block_sparse_forward(q, k, v, kt, **options)
+        block_sparse.block_sparse_backward(torch.ones_like(out), q, k, v, out, lse, kt, **options)
+
+    _on_gluon(run)
+
+
 def sparse_cases():
     from flashattn import BlockMask, block_sparse_attn_func
 
@@ -519,9 +535,18 @@ def sparse_cases():
                 yield f"sparse {dtype} d={d} {name}", partial(_fwd_bwd, block_sparse_attn_func, q, k, v, mask)
                 yield f"sparse gluon fwd {dtype} d={d} {name}", partial(_gluon_sparse_forward, q.detach(),
                                                                         k.detach(), v.detach(), mask)
+                if d <= 128:
+                    yield f"sparse gluon bwd {dtype} d={d} {name}", partial(
+                        _gluon_sparse_backward, q.detach(), k.detach(), v.detach(), mask)
         q, k, v = (_t(1, 1024, h, 128, dtype=dtype) for h in (4, 2, 2))
         yield f"sparse gluon fwd {dtype} d=128 softcap", partial(_gluon_sparse_forward, q, k, v,
                                                                  masks["mask_mod"], 30.0)
+        yield f"sparse gluon bwd {dtype} d=128 softcap", partial(_gluon_sparse_backward, q, k, v,
+                                                                 masks["mask_mod"], 30.0)
+        # GQA with a mask per query head: a program per head (the group split at the whole group)
+        per_head = BlockMask.from_mask_mod(lambda b, h, i, j: (i + h * j) % 3 != 0, None, 4, 1024, 1024)
+        yield f"sparse gluon bwd {dtype} d=128 mask per head", partial(_gluon_sparse_backward, q, k, v,
+                                                                       per_head)
         wide = BlockMask.from_mask_mod(lambda b, h, i, j: (i + j) % 3 != 0, None, 4, 1024, 1024,
                                        block_size=(128, 256))
         yield f"sparse gluon fwd {dtype} d=128 256-key blocks", partial(_gluon_sparse_forward, q, k, v, wide)

@@ -333,16 +333,21 @@ def attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, *, out_dtype
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_seed=0, rng_offset=0,
                        learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None, deterministic=False, route=None, grads=None):
+                       max_seqlen_k=None, deterministic=False, route=None, grads=None, block_mask=None):
     """dq, dk, dv shaped like q, k, v (dk/dv summed over each GQA group), and dsink ((h,) float32 or None).
     grads: (dq, dk, dv) to write them into instead of new tensors (head_groups.py's views of the whole
     call's gradients), each 16-byte aligned with a contiguous last dim and 16-byte aligned strides.
+    block_mask: a block-sparse call's BlockMaskKernelTensors, on an explicit Gluon route that takes it
+    (sparse_routes.gluon_sparse_backward; no band: the mask is the call's).
 
     The Gluon backward adds dQ in a varying order unless `deterministic`, which takes its fixed-order
     variant (routes.GluonBackward.deterministic; with a learnable sink the Triton programs, where every
     gradient element is written by one program). route: as attention_forward's. Without one, a call whose
     float32 dQ buffer would pass routes.DQ_BUFFER_CAP runs by groups of heads (head_groups.py).
     """
+    if block_mask is not None and not isinstance(route, routes.GluonBackward):
+        raise FlashAttnError(f"a block mask takes the Gluon backward's block-sparse route "
+                             f"(sparse_routes.gluon_sparse_backward), not {type(route).__name__}")
     if route is None:
         groups = routes.backward_head_groups(q.numel() * 4, q.shape[-2], k.shape[-2], dropout_p > 0)
         if groups > 1:
@@ -420,7 +425,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         dq, dk, dv, dsink, prepared = gluon.backward(
             pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, alibi_slopes=alibi_slopes,
             learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            stats_row0=stats_row0, dq_out=dq_out)
+            stats_row0=stats_row0, dq_out=dq_out, block_mask=block_mask)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
         return dq, dk, dv, dsink

@@ -2,8 +2,8 @@
 (sparse_routes.sparse_route). Same signatures as backends/torch/block_sparse.py:
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
 A mask that is a band (sparse_routes.DenseBandRoute) runs the dense attention launchers with the band as
-its window; the forward of other masks runs the Triton kernel, or the Gluon forward's block-sparse variant on
-a route that names it (route.gluon_fwd: `gluon_route`).
+its window; other masks run the Triton kernels, or the Gluon kernels' block-sparse variants on a route that
+names them (route.gluon_fwd, route.gluon_bwd: `gluon_route`).
 """
 
 import torch
@@ -55,7 +55,8 @@ def band_of(kt) -> tuple[int, int] | None:
 def _spec(q, v, kt, dense=None) -> sparse_routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
     return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
-                                    tma.device_facts(q.device)[0], band_of(kt), dense)
+                                    tma.device_facts(q.device)[0], band_of(kt), dense,
+                                    kt.kv_full_num.shape[1])
 
 
 def default_route(q, v, kt) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
@@ -67,13 +68,14 @@ def triton_route(q, v, kt) -> sparse_routes.SparseRoute:
     return sparse_routes.triton_sparse_route(_spec(q, v, kt))
 
 
-def gluon_route(q, k, v, kt, softcap: float = 0.0,
-                dropout_p: float = 0.0) -> sparse_routes.SparseRoute | None:
-    """The block-sparse kernels' route with the forward on the Gluon kernel's variant (None where that does
-    not take the call): not the default yet (sparse_routes), for its tests and its timing. Only this route
-    derives the call's dense spec (what the Gluon forward takes), which the default path has no use for."""
+def gluon_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0,
+                backward: bool = True) -> sparse_routes.SparseRoute | None:
+    """The block-sparse kernels' route with the forward on the Gluon kernel's variant and, where it takes the
+    call and `backward`, the backward on the Gluon backward's (None where the Gluon forward does not take
+    the call): not the default yet (sparse_routes), for their tests and their timing. Only this route derives
+    the call's dense spec (what the Gluon kernels take), which the default path has no use for."""
     dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p)
-    return sparse_routes.gluon_sparse_route(_spec(q, v, kt, dense))
+    return sparse_routes.gluon_sparse_route(_spec(q, v, kt, dense), backward)
 
 
 def _rule(kt, route: sparse_routes.SparseRoute) -> tuple[tuple[int, int, int, int], dict]:
@@ -134,14 +136,20 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
 
 def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0,
                           rng_seed=0, rng_offset=0, route=None):
-    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). The block-sparse kernels use no
-    atomics (deterministic); a band's dense backward adds dQ in a varying order, as flash_attn_func's
-    default does."""
+    """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). The block-sparse Triton kernels
+    use no atomics (deterministic); a band's dense backward and the Gluon backward's block-sparse variant
+    (route.gluon_bwd) add dQ in a varying order, as flash_attn_func's default does."""
     route = route or default_route(q, v, kt)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            window_size=route.window, softcap=softcap, dropout_p=dropout_p,
                                            rng_seed=rng_seed, rng_offset=rng_offset)
+        return dq, dk, dv
+    if route.gluon_bwd is not None:
+        # the dense backward's launcher with the mask's column lists (route.gluon_bwd checked it takes the
+        # call: no dropout)
+        dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
+                                           softcap=softcap, route=route.gluon_bwd, block_mask=kt)
         return dq, dk, dv
     b, sq, h, flags, scalars, (mb, mh) = _common(q, k, v, kt, softmax_scale, softcap, dropout_p,
                                                             rng_seed, rng_offset)

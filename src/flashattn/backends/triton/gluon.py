@@ -221,6 +221,20 @@ def sparse_args(kt, block_n: int) -> tuple:
             kt.kv_part_idx.shape[3], kt.block_n, kt.block_n // block_n, kt.block_n // 8)
 
 
+def sparse_backward_args(kt) -> tuple:
+    """The backward's block-sparse arguments (kernels/gluon/sparse_bwd.py): the mask's column lists, launch
+    order of key blocks and bits, its batch and head dims, key and query blocks and the widths of its column
+    lists and of the row lists whose slots index the bits; all None without a mask, which compiles the
+    variant out."""
+    if kt is None:
+        return (None,) * 14
+    # the bits as 16-bit words: a consumer thread's two bytes of a row in one load and one register
+    return (kt.q_full_num, kt.q_full_idx, kt.q_part_num, kt.q_part_idx, kt.q_part_slot, kt.k_order,
+            kt.part_bits.view(torch.int16), kt.kv_full_num.shape[0], kt.kv_full_num.shape[1],
+            kt.q_full_num.shape[2], kt.n_qblocks, kt.q_full_idx.shape[3], kt.q_part_idx.shape[3],
+            kt.kv_part_idx.shape[3])
+
+
 def alibi_args(alibi_slopes) -> tuple:
     """(slopes, batch stride) of the kernels' ALiBi arguments: slopes (nheads,) serve every batch (stride 0);
     (None, None) without ALiBi, which compiles it out."""
@@ -310,14 +324,16 @@ def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
              prepared: Prepared | None = None, alibi_slopes=None, learnable_sink=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, stats_row0=None, dq_out=None) -> tuple:
+             cu_seqlens_k=None, stats_row0=None, dq_out=None, block_mask=None) -> tuple:
     """dq, dk and dv (dk and dv filled: attention_backward's contract; dq written into dq_out where given)
     and the sink's gradient ((h,) float32, or None without learnable_sink), with the warp-specialised
     backward; stats and dq_acc: as
     `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Varlen (pb.varlen,
     cu_seqlens and stats_row0 given, see `backward_buffers`): the packed tensors go to the descriptors as one
-    batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). Returns (dq, dk,
-    dv, dsink, the launch prepared)."""
+    batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). block_mask: a
+    block-sparse call's BlockMaskKernelTensors (128 x 128 blocks, padded layout, no band) on attn_bwd.py's
+    kernel, whose key tiles walk its column lists (kernels/gluon/sparse_bwd.py). Returns (dq, dk, dv, dsink,
+    the launch prepared)."""
     streamed = (q, dout, k, v, dk, dv, dq_acc)
     varlen = (None,) * 10
     if pb.varlen:
@@ -346,10 +362,16 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
         counters = torch.zeros(pb.nheads * rows * (1 if pb.varlen else pb.batch), dtype=torch.int32,
                                device=q.device)
         lock = (counters, 0 if pb.varlen else pb.nheads * rows, rows)
+    # attn_bwd.py's kernel takes the block-sparse arguments (the wide heads' kernels have no such variant)
+    sparse = ()
+    if not (route.d_qk or route.wide_keys):
+        sparse = sparse_backward_args(block_mask)
+    elif block_mask is not None:
+        raise FlashAttnError("the wide heads' Gluon backward has no block-sparse variant")
     if prepared is None:
         prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
     prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split, learnable_sink,
-                                  dsink, *lock))
+                                  dsink, *lock, *sparse))
     if route.group_split > 1:
         if route.deterministic:
             split = tuple(acc.view(*t.shape[:-1], route.group_split, t.shape[-1]).sum(-2)

@@ -490,8 +490,9 @@ def group_split(spec: Spec) -> int:
     return max(fits, default=1)
 
 
-def gluon_backward_route(spec: Spec) -> GluonBackward:
-    """The Gluon backward's route for a spec it takes (takes_gluon_backward)."""
+def gluon_backward_route(spec: Spec, masked: bool = False) -> GluonBackward:
+    """The Gluon backward's route for a spec it takes (takes_gluon_backward). masked: the call has a mask
+    beyond spec's band (a block-sparse one's partial blocks), which takes the masked calls' tiles."""
     if _keys_backward(spec):
         return wide_keys_backward_route(spec)
     if _wide_backward(spec):
@@ -500,7 +501,8 @@ def gluon_backward_route(spec: Spec) -> GluonBackward:
     # step: 128-row steps spilled 0.4-1.1 KB with either. The tiles are those of the head dims' padded width
     # (the kernel's tiles are that wide: TMA reads zeros past d)
     width = block_d(spec.headdim, spec.element_size)
-    tiles = tile_config("bwd_ws", width, spec.cuda, causal=spec.banded or spec.softcap or spec.alibi)
+    tiles = tile_config("bwd_ws", width, spec.cuda,
+                        causal=masked or spec.banded or spec.softcap or spec.alibi)
     # 64-row steps at d = 64 compute each step's dQ one step late: the four dS^T buffers this needs leave no
     # shared memory for 128-row steps
     # deterministic: the dQ writer keeps its order per 128 rows over 64-row steps (one count wait and one

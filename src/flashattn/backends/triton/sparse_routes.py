@@ -2,9 +2,9 @@
 `SparseSpec` to a route, as routes.py is for the dense and varlen calls: `DenseBandRoute` when the mask is
 exactly a band (its rule, see SparseSpec), which then takes routes.py's routes with the band as the window;
 else `SparseRoute`: the block-sparse Triton kernels (kernels/triton/attn_sparse.py). `gluon_sparse_route`
-puts the forward on the Gluon kernel's block-sparse variant (kernels/gluon/sparse.py); it is not yet the
-default: it has been compiled for sm90 but has not yet run on a GPU (its GPU tests and its timing beside the
-Triton forward are written and pending).
+puts the forward and the backward on the Gluon kernels' block-sparse variants (kernels/gluon/sparse.py,
+sparse_bwd.py); it is not yet the default: both have been compiled for sm90 but have not yet run on a GPU
+(their GPU tests and their timing beside the Triton kernels are written and pending).
 This module imports neither torch nor Triton.
 """
 
@@ -31,8 +31,10 @@ class SparseSpec:
     cuda: bool = True
     band: tuple[int, int] | None = None
     # the call as a dense one without a mask (routes.Spec: dtype, head dims, device, alignment, options),
-    # which says whether the Gluon forward could take it; None: never
+    # which says whether the Gluon kernels could take it; None: never
     dense: routes.Spec | None = None
+    # the mask's head dim: 1 (one mask for every head) or the call's query heads
+    mask_heads: int = 1
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class SparseRoute:
     by_rule: bool  # partial blocks by the rule's arithmetic (else by the bitmask)
     # the forward on the Gluon kernel (its lists and bitmasks), in place of `fwd`'s Triton one
     gluon_fwd: routes.GluonForward | None = None
+    # the backward on the Gluon kernel (its column lists and bitmasks), in place of `dkdv` and `dq`'s
+    gluon_bwd: routes.GluonBackward | None = None
     kernel = "triton"
 
 
@@ -96,17 +100,44 @@ def gluon_sparse_forward(spec: SparseSpec) -> routes.GluonForward | None:
                    trees=3, maxnreg=tiles.maxnreg or routes.MAXNREG_TWO, pack=1)
 
 
+def gluon_sparse_backward(spec: SparseSpec) -> routes.GluonBackward | None:
+    """The Gluon backward's block-sparse variant for this call, or None where it does not take it: a call the
+    dense Gluon backward takes on attn_bwd.py's kernel (16-bit, sm90, TMA-ready, d and dv up to 128, no
+    dropout) whose mask has 128 x 128 blocks (a key block is the kernel's key tile, a query block two or one
+    of its steps). Its tiles are the masked calls' (64-row steps). The lists are per query head: under GQA a
+    mask per head gives a program each query head (the group split at the whole group, whose float32 dK and
+    dV buffers must fit SPLIT_BUFFER_CAP); one mask for all heads leaves the dense split. Its dQ is added in
+    a varying order, as the dense Gluon backward's (not bitwise reproducible, unlike the Triton kernels')."""
+    dense = spec.dense
+    if (dense is None or not routes.takes_gluon_backward(dense) or dense.varlen or dense.deterministic
+            or (spec.mask_block_m, spec.mask_block_n) != (128, 128)):
+        return None
+    route = routes.gluon_backward_route(dense, masked=True)
+    if route.d_qk or route.wide_keys or route.tiles.block_n != 128 or 128 % route.tiles.block_m:
+        return None
+    if spec.mask_heads > 1 and dense.group > 1:
+        buffers = dense.batch * dense.seqlen_k * dense.nheads_k * (dense.headdim + dense.headdim_v) * 4
+        if buffers > routes.SPLIT_BUFFER_CAP:
+            return None
+        route = replace(route, group_split=dense.group)
+    return route
+
+
 def triton_sparse_route(spec: SparseSpec) -> SparseRoute:
     """The block-sparse kernels' route, for any mask."""
     return SparseRoute(_sparse_tiles("fwd", spec), _sparse_tiles("dkdv", spec), _sparse_tiles("dq", spec),
                        spec.has_rule)
 
 
-def gluon_sparse_route(spec: SparseSpec) -> SparseRoute | None:
-    """The block-sparse kernels' route with the forward on the Gluon kernel's variant, or None where that
-    does not take the call (`gluon_sparse_forward`)."""
+def gluon_sparse_route(spec: SparseSpec, backward: bool = True) -> SparseRoute | None:
+    """The block-sparse kernels' route with the forward on the Gluon kernel's variant and, where it takes
+    the call and `backward`, the backward on the Gluon backward's (`gluon_sparse_backward`; else the Triton
+    kernels'), or None where the Gluon forward does not take the call (`gluon_sparse_forward`)."""
     fwd = gluon_sparse_forward(spec)
-    return None if fwd is None else replace(triton_sparse_route(spec), gluon_fwd=fwd)
+    if fwd is None:
+        return None
+    bwd = gluon_sparse_backward(spec) if backward else None
+    return replace(triton_sparse_route(spec), gluon_fwd=fwd, gluon_bwd=bwd)
 
 
 def sparse_route(spec: SparseSpec) -> SparseRoute | DenseBandRoute:

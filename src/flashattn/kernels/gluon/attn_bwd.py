@@ -25,10 +25,12 @@ window (left, right) alone or with causal at any seqlen_q and seqlen_k, each key
 query tiles that see it (`key_tile`) and masking only those at the band's edges; softcap (dS times
 1 − tanh²); ALiBi; the packed (varlen) layout, whose key tiles of all sequences form one list (a
 program per tile and kv head), a sequence's rows past its end masked and its last keys' dK and dV stored by
-masked stores rather than TMA. A learnable sink leaves dS unchanged (P is recomputed against the LSE that
-includes it); its gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, is summed here from the float32 Pᵀ and dPᵀ and added
-once per program and head (the preprocess's D = rowsum(dO ∘ O) comes from the rounded output, and over the
-many rows of that sum its error passed plain PyTorch's several-fold).
+masked stores rather than TMA; a block-sparse mask of 128 x 128 blocks (sparse_bwd.py), each key tile
+walking its key block's column lists (the query blocks that see it, full ones unmasked, partial ones
+through their bits) in the mask's launch order of key blocks. A learnable sink leaves dS unchanged (P is
+recomputed against the LSE that includes it); its gradient, -Σᵢ P_sink,ᵢ Σⱼ Pᵢⱼ dPᵢⱼ, is summed here from
+the float32 Pᵀ and dPᵀ and added once per program and head (the preprocess's D = rowsum(dO ∘ O) comes from
+the rounded output, and over the many rows of that sum its error passed plain PyTorch's several-fold).
 The reduce order across programs varies, so dQ is not bitwise reproducible, except under DETERMINISTIC
 (FA3's scheme): the consumers stage their dQ halves for a dQ-writer warp, which adds a step's halves only
 once the programs before it in a fixed order have added theirs into that query tile (a counter per query
@@ -64,6 +66,13 @@ from flashattn.kernels.gluon.bwd_tiles import (
 )
 from flashattn.kernels.gluon.schedule import publish_tile
 from flashattn.kernels.gluon.scores import transposed_probs
+from flashattn.kernels.gluon.sparse_bwd import (
+    MASK_BLOCK,
+    sparse_key_tile,
+    step_block,
+    step_row,
+    transposed_bits,
+)
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup: the wgmma M of one warpgroup
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -120,7 +129,7 @@ def _add_once(ptr, value, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.con
 @gluon.jit
 def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    descs, smems, bars, problem, _ = loader_args
+    descs, smems, bars, problem, _, sparse = loader_args
     q_desc, do_desc, k_desc, v_desc, stats_desc = descs
     q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem = smems
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
@@ -136,6 +145,9 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
                                                                                    reverse)
     HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
     head0 = off_hk * GROUP + part * HEADS
+    if sparse[0] is not None:
+        # a block-sparse mask (sparse_bwd.py): its key block of this launch rank, its column lists' steps
+        start_n, lists, full, n_m = sparse_key_tile(sparse, off_b, head0, start_n, BLOCK_M)
     # varlen: the packed tensors' descriptors have one batch, and a sequence's rows start at its offsets;
     # rows past its end are the next sequence's (the consumers mask them and store none)
     desc_b = 0 if varlen else off_b
@@ -157,6 +169,8 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                             + stats_desc.block_type.nbytes)
             m0 = m_first + mi * BLOCK_M
+            if sparse[0] is not None:
+                m0 = step_row(lists, full, mi, BLOCK_M)
             landed = ready.index(s)
             tma.async_copy_global_to_shared(q_desc, [desc_b, q_start + m0, off_h, 0], landed, q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [desc_b, q_start + m0, off_h, 0], landed,
@@ -181,7 +195,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
-     scales, problem, kv_rows, kv_acc, sink, det, widths) = args
+     scales, problem, kv_rows, kv_acc, sink, det, widths, sparse) = args
     d_qk, d_v = widths
     SINK, DSINK = sink
     LOCK, _, dq_full, dq_empty = det
@@ -199,6 +213,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         problem, program_sequence(seq_smem, seq_ready, varlen), BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
     HEADS: gl.constexpr = GROUP // SPLIT  # query heads per program
     head0 = off_hk * GROUP + part * HEADS
+    if sparse[0] is not None:
+        start_n, lists, full, n_m = sparse_key_tile(sparse, off_b, head0, start_n, BLOCK_M)
     desc_b = 0 if varlen else off_b
     dtype: gl.constexpr = q_smem.dtype
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -253,6 +269,10 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     sink_acc = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
     for c in range(n_steps):
         off_h, m0, head_done = step_rows(c, steps_per_head, head0, m_first, BLOCK_M, HEADS)
+        if sparse[0] is not None:
+            # the head's step i of its key block's column lists (m_first is 0: no band)
+            i = m0 // BLOCK_M
+            qblock, m0 = step_block(lists, full, i, BLOCK_M)
         s = c % STAGES
         b = c % NBUF
         offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -274,8 +294,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             inside = offs_q < seqlen_q
             lse = gl.where(inside, lse, float("inf"))
         st = warpgroup_mma_wait(1, deps=(st,))
+        bits = None
+        if sparse[0] is not None:
+            # a partial block's bits, loaded once Sᵀ has landed (as the forward's: held across the wait
+            # beside the accumulators, they would take registers the step needs)
+            bits = transposed_bits(lists, full, i, qblock, WG, BLOCK_M)
         pt, lse = transposed_probs(st, lse, offs_k, offs_q, key0, m0, key_tail, seqlen_k, qk_scale, cap_in,
-                                   cap_out, slope, diag, diag_r, diag_l, CAUSAL)
+                                   cap_out, slope, diag, diag_r, diag_l, CAUSAL, part=bits)
         dpt = warpgroup_mma_wait(0, deps=(dpt,))
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         if SINK is not None:
@@ -375,7 +400,8 @@ def attn_bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, stats_desc, nheads_k, seqlen_q, seqlen_k,
     qk_scale, sm_scale, n_bhk, lpt_group, left, right, cap_in, cap_out, d_qk, d_v, ALIBI, stride_alibi_b,
     CU_Q, CU_K, PLAN, STATS_ROW0, DK, DV, stride_km, stride_kh, stride_vm, stride_vh, DK_ACC, DV_ACC, SINK,
-    DSINK, LOCK, stride_lock_b, stride_lock_h,
+    DSINK, LOCK, stride_lock_b, stride_lock_h, Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT,
+    K_ORDER, PART_BITS, mask_b, mask_h, n_kblocks, n_qblocks, max_qfull, max_qpart, max_part,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
     ORDER_M: gl.constexpr = 0,
@@ -394,8 +420,15 @@ def attn_bwd_ws_kernel(
     # LOCK (DETERMINISTIC; else None): zeroed int32 counters, query tile m0 of head h of batch b at
     # b · stride_lock_b + h · stride_lock_h + m0 (varlen: b's packed first row + m0, stride_lock_b 0);
     # ORDER_M: the rows over which the dQ writer keeps the order (a multiple of BLOCK_M; 0: BLOCK_M).
-    # SPLIT > 1 under DETERMINISTIC: DK_ACC / DV_ACC have SPLIT times the kv heads (`part_heads`)
+    # SPLIT > 1 under DETERMINISTIC: DK_ACC / DV_ACC have SPLIT times the kv heads (`part_heads`).
+    # Q_FULL_NUM .. max_part: a block-sparse mask (sparse_bwd.py; None when off)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
+    # a block-sparse mask: the padded layout, its key blocks the key tiles, no band (its lists stand for it),
+    # no ALiBi or sink (the block-sparse call has neither) and the adds of dQ in any order
+    gl.static_assert((Q_FULL_NUM is None) or ((CU_Q is None) and (not CAUSAL) and (left is None)
+                                              and (right is None) and (BLOCK_N == MASK_BLOCK)
+                                              and (MASK_BLOCK % BLOCK_M == 0) and (ALIBI is None)
+                                              and (SINK is None) and (LOCK is None)))
     # the sink's add in no fixed order: not with DETERMINISTIC
     gl.static_assert(LOCK is None or SINK is None)
     gl.static_assert(GROUP % SPLIT == 0)
@@ -440,12 +473,14 @@ def attn_bwd_ws_kernel(
         mbarrier.init(ds_ready.index(i), count=2)
     bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
+    sparse = (Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, K_ORDER, PART_BITS, mask_b, mask_h,
+              n_kblocks, n_qblocks, max_qfull, max_qpart, max_part)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
             (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
-            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v))
+            (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v), sparse)
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
-                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK)
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK, sparse)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
     # consumer thread and 24 for the loader's; DETERMINISTIC's dQ writer is a second one-warp partition, in
     # the loader's warpgroup

@@ -18,6 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from flashattn.kernels.gluon.sparse import keep_of
+from flashattn.kernels.gluon.sparse_bwd import keep_t_of
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup of the forward: the wgmma M of one warpgroup
 # A row's columns in a wgmma accumulator: column 8 j + 2 q + e sits in register (j, e) of lane q of the row's
@@ -63,13 +64,15 @@ def with_alibi(x, scale, dist, slope):
 
 @gluon.jit
 def transposed_probs(st, lse, offs_k, offs_q, key0, row0, key_tail, seqlen_k, qk_scale, cap_in, cap_out,
-                     slope, diag, diag_r, diag_l, CAUSAL: gl.constexpr):
+                     slope, diag, diag_r, diag_l, CAUSAL: gl.constexpr, part=None):
     """The backwards' Pᵀ = exp2(score − lse) over an Sᵀ tile of raw q·k products (keys × query rows: offs_k
     from key0, offs_q from row0; lse per row, base 2), and the lse it used, which ALiBi under CAUSAL changes.
     key_tail: the tile's keys pass seqlen_k. Keys past seqlen_k read as zero rows: their Pᵀ = exp2(0 − lse)
     overflows against a very negative lse, and inf times a zero K row is NaN in dQ, so the key tail is masked
     with the band's edges, and only where the tile may cross one: the first row's right edge before the last
-    key, the last row's left edge past the first."""
+    key, the last row's left edge past the first. part: a block-sparse mask's step, (partial, its bits:
+    sparse_bwd.transposed_bits), masked by its bits where partial and not at all otherwise (no band; a full
+    block holds no key past seqlen_k, and a partial one's bits are 0 there)."""
     N_KEYS: gl.constexpr = st.shape[0]
     N_ROWS: gl.constexpr = st.shape[1]
     x, scale = softcapped(st, qk_scale, cap_in, cap_out)
@@ -85,7 +88,13 @@ def transposed_probs(st, lse, offs_k, offs_q, key0, row0, key_tail, seqlen_k, qk
         else:
             dist = gl.abs((offs_q[None, :] + diag - offs_k[:, None]).to(gl.float32))
             x, scale = with_alibi(x, scale, dist, slope)
-    if (key_tail or (diag_r is not None and row0 + diag_r < key0 + N_KEYS - 1)
+    if part is not None:
+        if part[0]:
+            keep = gl.convert_layout(keep_t_of(part[1]), st.type.layout)
+            pt = gl.exp2(gl.where(keep, x * scale, float("-inf")) - lse[None, :])
+        else:
+            pt = gl.exp2(x * scale - lse[None, :])
+    elif (key_tail or (diag_r is not None and row0 + diag_r < key0 + N_KEYS - 1)
             or (diag_l is not None and key0 < row0 + (N_ROWS - 1) + diag_l)):
         keep = offs_k[:, None] < seqlen_k
         if diag_r is not None:
