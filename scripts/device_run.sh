@@ -62,7 +62,8 @@
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
 #   sparse        the sparse suite at 16K (SPARSE_SEQLENS), forward and forward + backward (SPARSE_MODES)
 #                 beside flex (and flex on FA4's kernels), the block-sparse kernels (flashattn-sparse-kernels) and
-#                 the same with the forward on the Gluon kernel's variant (flashattn-sparse-gluon-fwd);
+#                 the same with the forward on the Gluon kernel's variant (flashattn-sparse-gluon-fwd) and
+#                 with the backward on the Gluon backward's too (flashattn-sparse-gluon);
 #                 SPARSE_PROVIDERS: another list (flex-fa4-sparse added with FA4)
 #   profile-inference
 #                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
@@ -203,7 +204,7 @@ for stage in "$@"; do
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens "${SPARSE_SEQLENS:-16384}" \
         --modes "${SPARSE_MODES:-fwd,fwd+bwd}" \
-        --providers "${SPARSE_PROVIDERS:-flashattn-sparse,flashattn-sparse-kernels,flashattn-sparse-gluon-fwd,flashattn,flex-sparse}${FA4:+,flex-fa4-sparse}" ;;
+        --providers "${SPARSE_PROVIDERS:-flashattn-sparse,flashattn-sparse-kernels,flashattn-sparse-gluon-fwd,flashattn-sparse-gluon,flashattn,flex-sparse}${FA4:+,flex-fa4-sparse}" ;;
     decode-merge-ab)
       timeout "${TUNE_S:-200}" python3 scripts/tune_decode_tiles.py --merge-ab --batches 1,16 \
         --seqlens 4096,16384,65536 --pages none,64 --out "$RES/decode_merge_ab.json" 2>&1 | grep "^b=" ;;

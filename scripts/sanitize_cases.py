@@ -139,9 +139,10 @@ def sparse():
 
 
 def ws_sparse():
-    # the Gluon forward's block-sparse variant (128-row mask blocks; not the default route yet): odd
+    # the Gluon kernels' block-sparse variants (128-row mask blocks; not the default route yet): odd
     # lengths (a key block past seqlen_k, rows past seqlen_q), masks per head and batch element, empty query
-    # blocks, key blocks of two key tiles, d 64 / 128 / 256, GQA, forward alone
+    # blocks, key blocks of two key tiles, d 64 / 128 / 256, GQA; the backward where it takes the call
+    # (128 x 128 blocks, d up to 128)
     masks = (
         BlockMask.from_mask_mod(lambda b, h, i, j: (i >= 200) & ((i - j) % 5 == 0), 2, 4, 333, 333,
                                 device="cuda"),
@@ -156,9 +157,14 @@ def ws_sparse():
             q, k, v = (torch.randn(2, 333, h, d, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
             kt = mask.to_kernel_tensors("cuda")
             route = block_sparse.gluon_route(q, k, v, kt)
-            out, _ = block_sparse.block_sparse_forward(q, k, v, kt, softmax_scale=d ** -0.5, route=route)
+            out, lse = block_sparse.block_sparse_forward(q, k, v, kt, softmax_scale=d ** -0.5, route=route)
             torch.cuda.synchronize()
             assert route.gluon_fwd is not None and torch.isfinite(out).all()
+            if route.gluon_bwd is not None:
+                grads = block_sparse.block_sparse_backward(torch.randn_like(out), q, k, v, out, lse, kt,
+                                                           softmax_scale=d ** -0.5, route=route)
+                torch.cuda.synchronize()
+                assert all(torch.isfinite(g).all() for g in grads)
 
 
 def ws_fwd(head_dims=(64, 128)):

@@ -273,3 +273,70 @@ def test_gluon_sparse_forward(monkeypatch, mask_name, d, dv):
     assert_close_to_ref(lse, ref_lse, pt_lse, name="lse")  # +inf where a row sees no key, as the oracle
     if mask_name == "empty_rows":
         assert (out[:, :300] == 0).all() and torch.isinf(lse[:, :, :300]).all()
+
+
+SPARSE_BWD_MASKS = {
+    "random_per_head": SPARSE_FWD_MASKS["random_per_head"],
+    "local_global": SPARSE_FWD_MASKS["local_global"],
+    "empty_rows": _empty_rows_mask,
+}
+
+
+@pytest.mark.parametrize("mask_name", list(SPARSE_BWD_MASKS))
+@pytest.mark.parametrize("d, dv, softcap", [(64, 64, 0.0), (128, 128, 0.0), (96, 96, 0.0), (128, 64, 0.0),
+                                            (128, 128, 20.0)])
+def test_gluon_sparse_backward(monkeypatch, mask_name, d, dv, softcap):
+    """The Gluon backward's block-sparse variant (block_sparse.gluon_route's gluon_bwd) against the oracle
+    on the whole of dq, dk and dv: lengths that are no multiple of the tiles (the last key block holds keys
+    past seqlen_k, the last query block rows past seqlen_q), GQA 4:2 with masks per head and batch element
+    (a program per query head) or one mask for all (a program per group), key blocks that no query sees
+    (zero dk / dv), rows that see no key, softcap; the kernel it ran is asserted."""
+    from flashattn.backends.triton import block_sparse, gluon
+
+    calls = []
+    real = gluon.backward
+    monkeypatch.setattr(gluon, "backward",
+                        lambda *a, **kw: calls.append((a[1], kw.get("block_mask"))) or real(*a, **kw))
+    triton_bwd = []
+    monkeypatch.setattr(block_sparse, "sparse_bwd_kernel",
+                        LaunchRecorder(block_sparse.sparse_bwd_kernel, triton_bwd))
+    n = 1000
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, n, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, n, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(2, n, 4, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = SPARSE_BWD_MASKS[mask_name](n)
+    kt = mask.to_kernel_tensors("cuda")
+    route = block_sparse.gluon_route(q, k, v, kt, softcap)
+    assert route is not None and route.gluon_bwd is not None
+    # a mask per query head under GQA: a program per head; one mask for all: the dense split
+    per_head = kt.kv_full_num.shape[1] > 1
+    assert (route.gluon_bwd.group_split == 2) == per_head
+    options = dict(softmax_scale=d ** -0.5, softcap=softcap)
+    out, lse = block_sparse.block_sparse_forward(q, k, v, kt, route=route, **options)
+    dq, dk, dv_ = block_sparse.block_sparse_backward(dout, q, k, v, out, lse, kt, route=route, **options)
+    assert [c[1] is kt for c in calls] == [True] and calls[0][0] == route.gluon_bwd and triton_bwd == []
+    dense = mask.to_dense().cuda()
+    grads = {}
+    for upcast in (True, False):
+        dtype = torch.float64 if upcast else q.dtype
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o, _ = masked_attention_ref(*leaves, dense, softcap=softcap, upcast=upcast)
+        grads[upcast] = torch.autograd.grad(o, leaves, dout.to(o.dtype))
+    for name, got, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv_), grads[True], grads[False], strict=True):
+        assert torch.isfinite(got).all(), name
+        assert_close_to_ref(got, ref, pt, factor=3.0, atol_floor=_eps_floor(q.dtype, ref), name=name)
+    if mask_name == "empty_rows":
+        assert (dq[:, :300] == 0).all()
+
+
+def test_gluon_sparse_backward_declines_wide_key_blocks():
+    """Key blocks of 256 keys are two of the backward's key tiles: its variant declines them (the Triton
+    kernels run that backward), while the Gluon forward takes them."""
+    from flashattn.backends.triton import block_sparse
+
+    q, k, v = (torch.randn(1, 512, h, 128, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    kt = SPARSE_FWD_MASKS["wide_key_blocks"](512).to_kernel_tensors("cuda")
+    route = block_sparse.gluon_route(q, k, v, kt)
+    assert route.gluon_fwd is not None and route.gluon_bwd is None

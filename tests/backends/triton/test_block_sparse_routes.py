@@ -13,7 +13,7 @@ from utils import INTERPRET, LaunchRecorder, make_qkv
 
 import flashattn
 from flashattn.backends.triton import block_sparse as launchers
-from flashattn.backends.triton import sparse_routes
+from flashattn.backends.triton import routes, sparse_routes
 from flashattn.masks import BlockMask
 
 N, BS = 83, (32, 16)
@@ -98,6 +98,36 @@ def test_the_gluon_sparse_forward_route():
     assert route(dtype="float32") is None
     assert route(cuda=False) is None
     assert sparse_routes.gluon_sparse_route(sparse_routes.SparseSpec(128, 128, 128, False, True)) is None
+
+
+def test_the_gluon_sparse_backward_route():
+    """The Gluon backward's block-sparse variant takes a call the dense Gluon backward takes on attn_bwd.py's
+    kernel (d and dv up to 128) whose mask has 128 x 128 blocks, on the masked calls' tiles (64-row steps,
+    d = 64's dQ a step late); under GQA a mask per head gives a program per query head; it is not the
+    default route yet, and gluon_sparse_route leaves it out on request."""
+    def route(block_m=128, block_n=128, mask_heads=1, backward=True, **kw):
+        spec = sparse_routes.SparseSpec(128, block_m, block_n, False, True, dense=route_specs.spec(**kw),
+                                        mask_heads=mask_heads)
+        assert sparse_routes.sparse_route(spec).gluon_bwd is None  # the default: the Triton backward
+        return sparse_routes.gluon_sparse_route(spec, backward)
+
+    for d, defer in ((64, True), (128, False)):
+        bwd = route(headdim=d, headdim_v=d).gluon_bwd
+        assert (bwd.tiles.block_m, bwd.tiles.block_n, bwd.defer_dq) == (64, 128, defer), d
+        assert not (bwd.d_qk or bwd.wide_keys or bwd.deterministic)
+    assert route(headdim=128, headdim_v=64).gluon_bwd is not None  # dv < d: the tiles at d's width
+    # GQA 4/2 (route_specs' spec): one mask for all heads keeps the dense split; a mask per head splits the
+    # group to one head a program
+    assert route().gluon_bwd.group_split == routes.group_split(route_specs.spec())
+    assert route(mask_heads=4).gluon_bwd.group_split == 2
+    assert route(mask_heads=4, nheads=4, nheads_k=4).gluon_bwd.group_split == 1  # MHA: nothing to split
+    assert route(mask_heads=4, batch=64, seqlen_k=65536).gluon_bwd is None  # split buffers past the cap
+    assert route(block_n=256).gluon_bwd is None  # a key block of two key tiles
+    assert route(block_m=256) is None  # the forward declines it too
+    assert route(headdim=192, headdim_v=128).gluon_bwd is None  # the wide heads' kernels: no such variant
+    assert route(deterministic=True).gluon_bwd is None  # the Triton kernels' fixed order
+    assert route(backward=False).gluon_bwd is None
+    assert route(dropout=True) is None
 
 
 needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),

@@ -5,6 +5,7 @@ Triton kernels, or on FlashAttention-4's where FA4 is installed).
 causal cases' masks are, runs the dense kernels: its rows' route_fwd / route_bwd say which kernels ran;
 `flashattn-sparse-kernels`: the block-sparse kernels through the launchers, band or not;
 `flashattn-sparse-gluon-fwd`: the same with the forward on the Gluon kernel's block-sparse variant;
+`flashattn-sparse-gluon`: with the backward on the Gluon backward's too, where it takes the case;
 `flashattn-sparse-bits`: the same on a route whose partial blocks read bitmasks even where the mask has a
 rule);
 `flex-sparse` runs torch.compile(flex_attention) with a flex BlockMask made of our BlockMask's block lists and
@@ -218,11 +219,12 @@ class _KernelRoute(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _kernels_setup(by_rule: bool, gluon_fwd: bool = False):
+def _kernels_setup(by_rule: bool, gluon_fwd: bool = False, gluon_bwd: bool = False):
     """A setup that runs the block-sparse kernels on the case's mask, band or not, with partial blocks by
     the mask's rule where it has one (by_rule) or always by its bitmask; gluon_fwd: the forward on the
     Gluon kernel's block-sparse variant (block_sparse.gluon_route; a case it does not take fails to set
-    up, and its row says why)."""
+    up, and its row says why), and gluon_bwd the backward on the Gluon backward's where it takes the case
+    (route_bwd says which ran)."""
 
     def setup(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
         import dataclasses
@@ -234,13 +236,13 @@ def _kernels_setup(by_rule: bool, gluon_fwd: bool = False):
         if not gluon_fwd:
             route = block_sparse.triton_route(leaves[0], leaves[2], kt)
         else:
-            route = block_sparse.gluon_route(*leaves, kt)
+            route = block_sparse.gluon_route(*leaves, kt, backward=gluon_bwd)
             if route is None:
                 raise RuntimeError("the Gluon forward's block-sparse variant does not take this call (it "
                                    "needs sm90, 16-bit TMA-ready tensors and 128-row mask blocks)")
         route = dataclasses.replace(route, by_rule=route.by_rule and by_rule)
         info = {"route_fwd": "SparseRoute" + ("/gluon" if route.gluon_fwd else ""),
-                "route_bwd": "SparseRoute", "by_rule": route.by_rule}
+                "route_bwd": "SparseRoute" + ("/gluon" if route.gluon_bwd else ""), "by_rule": route.by_rule}
         return Prepared(fwd=lambda: _KernelRoute.apply(*leaves, kt, route), leaves=leaves, info=info)
 
     return setup
@@ -285,6 +287,9 @@ PROVIDERS = [
     Provider("flashattn-sparse-gluon-fwd", _kernels_setup(True, gluon_fwd=True),
              "the block-sparse kernels with the forward on the Gluon kernel's block-sparse variant (not yet "
              "the default; A/B timing against flashattn-sparse-kernels)"),
+    Provider("flashattn-sparse-gluon", _kernels_setup(True, gluon_fwd=True, gluon_bwd=True),
+             "the block-sparse kernels with the forward and, where it takes the case, the backward on the "
+             "Gluon kernels' block-sparse variants (not yet the default; A/B timing)"),
     Provider("flashattn-sparse-bits", _kernels_setup(False),
              "the block-sparse kernels on the route whose partial blocks read their bitmasks even when the "
              "mask has a rule (A/B timing)"),

@@ -332,8 +332,9 @@ def attn_bwd_keys_kernel(
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,
             (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
             (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v))
+    # attn_bwd.py's loader; no block-sparse mask (its variant is attn_bwd.py's alone)
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
-                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK)
+                   (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK, (None,))
     # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's (and the dQ writer's)
     if LOCK is not None:
         gl.warp_specialize([
