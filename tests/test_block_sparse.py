@@ -380,11 +380,34 @@ def test_eager_calls_skip_the_registered_ops_and_match_them(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("through_ops", [False, True])
+def test_deterministic_reaches_the_backward(monkeypatch, through_ops):
+    """block_sparse_attn_func's deterministic goes to the backend's backward (which picks kernels by it),
+    eager and through the registered ops; the forward is the same either way."""
+    monkeypatch.setattr(registry, "_registered_only", through_ops)
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 16, generator=torch.Generator().manual_seed(13))
+    mask = BlockMask.from_mask_mod(lambda b, h, i, j: (i + j) % 3 != 0, 1, 1, 40, 40, block_size=16)
+    backend = backends.entry(q)
+    seen = []
+    real = backend.block_sparse_backward
+    monkeypatch.setattr(backend, "block_sparse_backward",
+                        lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    outs = []
+    for deterministic in (False, True):
+        leaves = _leaves(q, k, v)
+        out = block_sparse_attn_func(*leaves, mask, deterministic=deterministic)
+        torch.autograd.grad(out.sum(), leaves)
+        outs.append(out)
+    assert seen == [False, True]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_opcheck():
     q, k, v = make_qkv(1, 40, 56, 2, 1, 16, generator=torch.Generator().manual_seed(10))
     q, k, v = _leaves(q, k, v)
     kt = BlockMask.sliding_window(40, 56, (10, 10), block_size=16).to_kernel_tensors()
-    args = (q, k, v, kt.tensors(), kt.block_m, kt.block_n, kt.rule.as_list(), 0.25, 1.0, 0.0)
+    args = (q, k, v, kt.tensors(), kt.block_m, kt.block_n, kt.rule.as_list(), kt.partial_permille, 0.25, 1.0,
+            0.0, False)
     # aot_dispatch is what test_torch_compile_fullgraph_matches_eager exercises, at a fraction of the cost
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(ops.block_sparse_fwd.library_op, args, test_utils=utils)

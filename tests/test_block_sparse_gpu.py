@@ -340,3 +340,41 @@ def test_gluon_sparse_backward_declines_wide_key_blocks():
     kt = SPARSE_FWD_MASKS["wide_key_blocks"](512).to_kernel_tensors("cuda")
     route = block_sparse.gluon_route(q, k, v, kt)
     assert route.gluon_fwd is not None and route.gluon_bwd is None
+
+
+def test_default_route_by_partial_blocks(monkeypatch):
+    """block_sparse_attn_func's default: a mask of whole blocks runs the Gluon kernels' variants forward and
+    backward, a mask of mostly partial blocks the Triton kernels, and deterministic=True the Triton backward
+    after the Gluon forward, its gradients bitwise equal from call to call."""
+    from flashattn.backends.triton import block_sparse, gluon
+
+    ran = []
+    for name in ("forward", "backward"):
+        real = getattr(gluon, name)
+        monkeypatch.setattr(gluon, name, lambda *a, _n=name, _r=real, **kw: ran.append(
+            (_n, kw.get("block_mask") is not None)) or _r(*a, **kw))
+    triton_ran = []
+    for name in ("sparse_fwd_kernel", "sparse_bwd_kernel"):
+        monkeypatch.setattr(block_sparse, name, LaunchRecorder(getattr(block_sparse, name), triton_ran))
+    n = 2048
+    q, k, v = _qkv(1, n, n, 4, 2, 128, torch.bfloat16)
+    whole = _random_blocks(4, n, 0.3)
+    partial = BlockMask.local_global(n, 40, 16)
+    assert whole.to_kernel_tensors("cuda").partial_permille == 0
+    assert partial.to_kernel_tensors("cuda").partial_permille > 500
+
+    def run(mask, **kw):
+        ran.clear()
+        triton_ran.clear()
+        out = block_sparse_attn_func(q, k, v, mask, **kw)
+        return torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    run(whole)
+    assert ran == [("forward", True), ("backward", True)] and triton_ran == []
+    run(partial)
+    assert ran == [] and len(triton_ran) == 3  # the forward, then the backward's two roles
+    first = run(whole, deterministic=True)
+    assert ran == [("forward", True)] and len(triton_ran) == 2
+    again = run(whole, deterministic=True)
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)

@@ -42,12 +42,14 @@ def block_sparse_attn_func(
     dropout_p=0.0,
     softcap=0.0,
     return_attn_probs=False,
+    deterministic=False,
 ):
     """Attention where query i sees key j only where block_mask allows it; tiles the mask leaves empty cost
     nothing. Equal to dense attention with block_mask.to_dense() as the mask. A mask that is exactly a band
     (BlockMask.full, causal, sliding_window, local_global without global tokens) runs the dense kernels:
-    the result of flash_attn_func with that window_size, dQ summed in a varying order as there; the other
-    masks' gradients are deterministic.
+    the result of flash_attn_func with that window_size. As there, the backward sums dQ in a varying order
+    on the fast kernels (gradients equal within rounding from run to run, not bitwise) unless
+    deterministic=True.
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 (float32 accepted). Any strides with a
@@ -64,6 +66,8 @@ def block_sparse_attn_func(
         dropout_p: float in [0, 1), default 0.0. Same Philox mask convention as flash_attn_func.
         softcap: float >= 0, default 0.0 = off. Scores become softcap·tanh(score / softcap) before masking.
         return_attn_probs: bool, default False. Also return softmax_lse and S_dmask.
+        deterministic: bool, default False. True: bitwise-reproducible gradients (the backward on kernels
+            whose every gradient element has one writer, or a fixed order of adds), at some speed.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), q's dtype. Rows that see no key are 0 (their gradients
@@ -81,8 +85,9 @@ def block_sparse_attn_func(
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     kt = block_mask.to_kernel_tensors(q.device)
     rule = list(MaskRule.NONE) if kt.rule is None else kt.rule.as_list()
-    out, lse, rng_state = block_sparse_attention(q, k, v, kt.tensors(), kt.block_m, kt.block_n, rule, scale,
-                                                 float(softcap), float(dropout_p))
+    out, lse, rng_state = block_sparse_attention(q, k, v, kt.tensors(), kt.block_m, kt.block_n, rule,
+                                                 kt.partial_permille, scale, float(softcap), float(dropout_p),
+                                                 bool(deterministic))
     if not return_attn_probs:
         return out
     s_dmask = None

@@ -111,6 +111,9 @@ class BlockMaskKernelTensors:
 
     rule: the mask's MaskRule when it has one (causal, sliding_window, local_global, full): the Triton kernels
     then compute the predicate of partial blocks rather than load part_bits.
+    partial_permille: the partial blocks among the visible ones over all of the mask's batch elements and
+    heads, in thousandths (0 without a visible block): which kernels run the mask is routing's choice by it
+    (backends/triton/sparse_routes.py).
     """
 
     kv_full_num: torch.Tensor
@@ -130,6 +133,7 @@ class BlockMaskKernelTensors:
     seqlen_q: int
     seqlen_k: int
     rule: MaskRule | None = None
+    partial_permille: int = 0
 
     TENSORS = (
         "kv_full_num", "kv_full_idx", "kv_part_num", "kv_part_idx", "part_bits",
@@ -154,9 +158,9 @@ class BlockMaskKernelTensors:
 
     @classmethod
     def from_tensors(cls, tensors, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
-                     rule: MaskRule | None = None):
+                     rule: MaskRule | None = None, partial_permille: int = 0):
         return cls(*tensors, block_m=block_m, block_n=block_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                   rule=rule)
+                   rule=rule, partial_permille=partial_permille)
 
     def to(self, device) -> BlockMaskKernelTensors:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -185,11 +189,13 @@ def kernel_tensors(state, part_index, part_bits, block_m, block_n, seqlen_q, seq
     q_part_slot = slot_of.gather(-1, q_part_idx.long())
     q_slot_ok = torch.arange(q_part_idx.shape[-1], device=state.device) < q_part_num.unsqueeze(-1)
     q_part_slot = torch.where(q_slot_ok, q_part_slot, 0).to(torch.int32)
+    # host values once per mask and device, as the lists' widths above already are
+    n_full, n_part = int(full.sum()), int(part.sum())
     return BlockMaskKernelTensors(
         kv_full_num.contiguous(), kv_full_idx, kv_part_num.contiguous(), kv_part_idx, bits.contiguous(),
         q_full_num.contiguous(), q_full_idx, q_part_num.contiguous(), q_part_idx, q_part_slot.contiguous(),
         longest_first(kv_full_num + kv_part_num), longest_first(q_full_num + q_part_num),
-        block_m, block_n, seqlen_q, seqlen_k,
+        block_m, block_n, seqlen_q, seqlen_k, partial_permille=(1000 * n_part) // max(n_full + n_part, 1),
     )
 
 

@@ -6,6 +6,8 @@ tests/test_block_sparse.py (its causal and window masks take this route), tests/
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import route_specs
 import torch
@@ -81,11 +83,12 @@ def test_sparse_route_of_the_spec():
 def test_the_gluon_sparse_forward_route():
     """The Gluon forward's block-sparse variant takes a call the dense Gluon forward takes whose mask has
     128-row blocks and key blocks a multiple of its key tiles, with two consumers and neither the half step
-    nor the GQA packing; it is not the default route yet (it has not run on a GPU)."""
+    nor the GQA packing; it is the default route where it takes the call (and few blocks are partial)."""
     def route(block_m=128, block_n=128, **kw):
         spec = sparse_routes.SparseSpec(128, block_m, block_n, False, True, dense=route_specs.spec(**kw))
-        assert sparse_routes.sparse_route(spec).gluon_fwd is None  # the default: the Triton forward
-        return sparse_routes.gluon_sparse_route(spec)
+        taken = sparse_routes.gluon_sparse_route(spec)
+        assert sparse_routes.sparse_route(spec).gluon_fwd == (taken.gluon_fwd if taken else None)
+        return taken
 
     for d, block_n in ((64, 128), (128, 128), (192, 128), (256, 64)):
         fwd = route(headdim=d, headdim_v=min(d, 128)).gluon_fwd
@@ -104,12 +107,14 @@ def test_the_gluon_sparse_backward_route():
     """The Gluon backward's block-sparse variant takes a call the dense Gluon backward takes on attn_bwd.py's
     kernel (d and dv up to 128) whose mask has 128 x 128 blocks, on the masked calls' tiles (64-row steps,
     d = 64's dQ a step late); under GQA a mask per head gives a program per query head; it is not the
-    default route yet, and gluon_sparse_route leaves it out on request."""
+    default route where it takes the call, and gluon_sparse_route leaves it out on request."""
     def route(block_m=128, block_n=128, mask_heads=1, backward=True, **kw):
         spec = sparse_routes.SparseSpec(128, block_m, block_n, False, True, dense=route_specs.spec(**kw),
                                         mask_heads=mask_heads)
-        assert sparse_routes.sparse_route(spec).gluon_bwd is None  # the default: the Triton backward
-        return sparse_routes.gluon_sparse_route(spec, backward)
+        taken = sparse_routes.gluon_sparse_route(spec, backward)
+        if backward:
+            assert sparse_routes.sparse_route(spec).gluon_bwd == (taken.gluon_bwd if taken else None)
+        return taken
 
     for d, defer in ((64, True), (128, False)):
         bwd = route(headdim=d, headdim_v=d).gluon_bwd
@@ -128,6 +133,57 @@ def test_the_gluon_sparse_backward_route():
     assert route(deterministic=True).gluon_bwd is None  # the Triton kernels' fixed order
     assert route(backward=False).gluon_bwd is None
     assert route(dropout=True) is None
+
+
+@pytest.mark.parametrize("permille", [0, 100, 101, 570, 1000])
+def test_the_default_takes_the_gluon_variants_where_few_blocks_are_partial(permille):
+    """Masks whose visible blocks are mostly full run on the Gluon kernels' variants by default (measured
+    1.2-1.4x the Triton kernels' speed there), masks with more than GLUON_PARTIAL_PERMILLE partial blocks on
+    the Triton kernels (whose rule or bits cost less in a partial step); a band runs the dense kernels
+    whatever its blocks; a deterministic call keeps the Gluon forward and the Triton backward."""
+    def spec(**kw):
+        return sparse_routes.SparseSpec(128, 128, 128, False, True, dense=route_specs.spec(**kw),
+                                        partial_permille=permille)
+
+    gluon = permille <= sparse_routes.GLUON_PARTIAL_PERMILLE
+    route = sparse_routes.sparse_route(spec())
+    assert isinstance(route, sparse_routes.SparseRoute)
+    assert (route.gluon_fwd is not None, route.gluon_bwd is not None) == (gluon, gluon)
+    if gluon:
+        assert route == sparse_routes.gluon_sparse_route(spec())
+    else:
+        assert route == sparse_routes.triton_sparse_route(spec())
+    deterministic = sparse_routes.sparse_route(spec(deterministic=True))
+    assert (deterministic.gluon_fwd is not None, deterministic.gluon_bwd) == (gluon, None)
+    band = dataclasses.replace(spec(), band=(-1, 0))
+    assert sparse_routes.sparse_route(band) == sparse_routes.DenseBandRoute((-1, 0))
+    # no dense spec (the interpreter's calls, or a call the Gluon kernels cannot take): the Triton kernels
+    assert sparse_routes.sparse_route(dataclasses.replace(spec(), dense=None)).gluon_fwd is None
+
+
+@pytest.mark.parametrize("name, build", [
+    ("local_global", lambda: BlockMask.local_global(2048, 144, 128)),
+    ("random_blocks", lambda: BlockMask.from_blocks(torch.rand(1, 2, 16, 16, generator=torch.Generator()
+                                                               .manual_seed(0)) < 0.3, 2048, 2048)),
+    ("mask_mod", lambda: BlockMask.from_mask_mod(lambda b, h, i, j: (i - j) % 3 == 0, 2, 1, 300, 200,
+                                                 block_size=(64, 32))),
+    ("empty", lambda: BlockMask.from_mask_mod(lambda b, h, i, j: i < 0, 1, 1, 100, 100)),
+])
+def test_partial_permille_counts_the_mask(name, build):
+    """The kernel tensors' share of partial blocks, which routing reads, is the mask's own count over every
+    batch element and head, and survives a move and the ops' round trip through from_tensors."""
+    mask = build()
+    counts = mask.num_blocks()
+    kt = mask.to_kernel_tensors()
+    assert kt.partial_permille == 1000 * counts["partial"] // max(counts["partial"] + counts["full"], 1)
+    assert kt.to("cpu").partial_permille == kt.partial_permille
+    again = type(kt).from_tensors(kt.tensors(), kt.block_m, kt.block_n, kt.seqlen_q, kt.seqlen_k, kt.rule,
+                                  kt.partial_permille)
+    assert again.partial_permille == kt.partial_permille
+    if name == "random_blocks":
+        assert kt.partial_permille == 0  # whole blocks: no partial one
+    if name == "mask_mod":
+        assert kt.partial_permille == 1000  # every visible block partial
 
 
 needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),

@@ -290,7 +290,8 @@ def _dkdv_pass(pb, qb, kflat, vflat, dob, lseb, deltab):
 
 
 def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0,
-                          rng_seed=0, rng_offset=0):
+                          rng_seed=0, rng_offset=0, deterministic=False):
+    # deterministic: this path always is (no atomics, a fixed order of sums)
     pb, qb, kflat, vflat = _prepare(q, k, v, kt, softmax_scale=softmax_scale, softcap=softcap,
                                     dropout_p=dropout_p, rng_seed=rng_seed, rng_offset=rng_offset)
     # D_i = rowsum(dO ∘ O): the softmax-Jacobian term of each row

@@ -3,7 +3,8 @@
 q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.BlockMaskKernelTensors.
 A mask that is a band (sparse_routes.DenseBandRoute) runs the dense attention launchers with the band as
 its window; other masks run the Triton kernels, or the Gluon kernels' block-sparse variants on a route that
-names them (route.gluon_fwd, route.gluon_bwd: `gluon_route`).
+names them (route.gluon_fwd, route.gluon_bwd: the default one where few of the mask's blocks are partial,
+or `gluon_route`).
 """
 
 import torch
@@ -56,11 +57,19 @@ def _spec(q, v, kt, dense=None) -> sparse_routes.SparseSpec:
     block_d = max(host.block_d(q.shape[-1]), host.block_d(v.shape[-1]))
     return sparse_routes.SparseSpec(block_d, kt.block_m, kt.block_n, kt.rule is not None,
                                     tma.device_facts(q.device)[0], band_of(kt), dense,
-                                    kt.kv_full_num.shape[1])
+                                    kt.kv_full_num.shape[1], kt.partial_permille)
 
 
-def default_route(q, v, kt) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
-    return sparse_routes.sparse_route(_spec(q, v, kt))
+def default_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0,
+                  deterministic: bool = False) -> sparse_routes.SparseRoute | sparse_routes.DenseBandRoute:
+    """The call's route (sparse_routes.sparse_route). The dense spec, which says whether the Gluon kernels'
+    variants could take the call, is derived only where the mask is no band and few enough of its blocks
+    are partial for routing to consider them."""
+    spec = _spec(q, v, kt)
+    if spec.band is None and kt.partial_permille <= sparse_routes.GLUON_PARTIAL_PERMILLE:
+        dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
+        spec = _spec(q, v, kt, dense)
+    return sparse_routes.sparse_route(spec)
 
 
 def triton_route(q, v, kt) -> sparse_routes.SparseRoute:
@@ -72,8 +81,7 @@ def gluon_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0,
                 backward: bool = True) -> sparse_routes.SparseRoute | None:
     """The block-sparse kernels' route with the forward on the Gluon kernel's variant and, where it takes the
     call and `backward`, the backward on the Gluon backward's (None where the Gluon forward does not take
-    the call): not the default yet (sparse_routes), for their tests and their timing. Only this route derives
-    the call's dense spec (what the Gluon kernels take), which the default path has no use for."""
+    the call), whatever the mask's partial blocks: for their tests and their timing."""
     dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p)
     return sparse_routes.gluon_sparse_route(_spec(q, v, kt, dense), backward)
 
@@ -105,7 +113,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
     sparse_routes.SparseRoute or sparse_routes.DenseBandRoute to run instead of the default one."""
-    route = route or default_route(q, v, kt)
+    route = route or default_route(q, k, v, kt, softcap, dropout_p)
     if isinstance(route, sparse_routes.DenseBandRoute):
         return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
                                  softcap=softcap, dropout_p=dropout_p, rng_seed=rng_seed,
@@ -135,15 +143,17 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
 
 
 def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap=0.0, dropout_p=0.0,
-                          rng_seed=0, rng_offset=0, route=None):
+                          rng_seed=0, rng_offset=0, route=None, deterministic=False):
     """dq, dk, dv laid out like q, k, v (dk/dv summed over each GQA group). The block-sparse Triton kernels
     use no atomics (deterministic); a band's dense backward and the Gluon backward's block-sparse variant
-    (route.gluon_bwd) add dQ in a varying order, as flash_attn_func's default does."""
-    route = route or default_route(q, v, kt)
+    (route.gluon_bwd) add dQ in a varying order, as flash_attn_func's default does, unless deterministic
+    (then the dense backward's fixed order, and no Gluon block-sparse backward on the default route)."""
+    route = route or default_route(q, k, v, kt, softcap, dropout_p, deterministic)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            window_size=route.window, softcap=softcap, dropout_p=dropout_p,
-                                           rng_seed=rng_seed, rng_offset=rng_offset)
+                                           rng_seed=rng_seed, rng_offset=rng_offset,
+                                           deterministic=deterministic)
         return dq, dk, dv
     if route.gluon_bwd is not None:
         # the dense backward's launcher with the mask's column lists (route.gluon_bwd checked it takes the

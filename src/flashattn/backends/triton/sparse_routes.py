@@ -1,10 +1,10 @@
 """How a block-sparse call (BlockMask, block_sparse_attn_func) runs: a pure function from the call's
 `SparseSpec` to a route, as routes.py is for the dense and varlen calls: `DenseBandRoute` when the mask is
 exactly a band (its rule, see SparseSpec), which then takes routes.py's routes with the band as the window;
-else `SparseRoute`: the block-sparse Triton kernels (kernels/triton/attn_sparse.py). `gluon_sparse_route`
-puts the forward and the backward on the Gluon kernels' block-sparse variants (kernels/gluon/sparse.py,
-sparse_bwd.py); it is not yet the default: both have been compiled for sm90 but have not yet run on a GPU
-(their GPU tests and their timing beside the Triton kernels are written and pending).
+else `SparseRoute`: the block-sparse kernels, on Hopper the Gluon kernels' block-sparse variants
+(kernels/gluon/sparse.py, sparse_bwd.py: `gluon_sparse_route`) where they take the call and at most
+GLUON_PARTIAL_PERMILLE of the mask's visible blocks are partial, else the Triton ones
+(kernels/triton/attn_sparse.py).
 This module imports neither torch nor Triton.
 """
 
@@ -14,6 +14,14 @@ from dataclasses import dataclass, replace
 
 from flashattn.backends.triton import routes
 from flashattn.backends.triton.configs import TileConfig, tile_config
+
+# the share of partial blocks among a mask's visible ones, in thousandths, up to which its default route is
+# the Gluon kernels' variants. On an H100 (benchmarks/results/2026-12-07-sparse-gluon-bwd-h100, 16K, d 128,
+# forward + backward) they ran masks of full blocks 1.31-1.40x as fast as the Triton kernels (random, 5-50%
+# dense) and local + global at 4% and 7% partial blocks 1.33x and 1.20x, but at 15% 0.96x and at 57% 0.81x:
+# a partial step's bits come from L2 in their critical path, where the Triton kernels compute the rule's
+# predicate
+GLUON_PARTIAL_PERMILLE = 100
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class SparseSpec:
     dense: routes.Spec | None = None
     # the mask's head dim: 1 (one mask for every head) or the call's query heads
     mask_heads: int = 1
+    # its partial blocks among its visible ones, in thousandths (BlockMaskKernelTensors.partial_permille)
+    partial_permille: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,13 @@ def gluon_sparse_route(spec: SparseSpec, backward: bool = True) -> SparseRoute |
 
 
 def sparse_route(spec: SparseSpec) -> SparseRoute | DenseBandRoute:
-    """A block-sparse call's default route: the dense kernels for a band, else the block-sparse kernels."""
+    """A block-sparse call's default route: the dense kernels for a band; else the Gluon kernels' variants
+    where they take the call (the backward's where it does, else the Triton one) and few of the mask's
+    blocks are partial (GLUON_PARTIAL_PERMILLE); else the block-sparse Triton kernels."""
     if spec.band is not None:
         return DenseBandRoute(spec.band)
+    if spec.partial_permille <= GLUON_PARTIAL_PERMILLE:
+        route = gluon_sparse_route(spec)
+        if route is not None:
+            return route
     return triton_sparse_route(spec)

@@ -171,18 +171,20 @@ def flex_block_mask(spec: MaskSpec, device: torch.device):
 
 def sparse_routes_info(q, k, v, kt) -> dict:
     """`route_fwd` / `route_bwd` of block_sparse_attn_func with this mask: SparseRoute (the block-sparse
-    kernels), DenseBandRoute/<the dense call's route> for a band, or "torch" on the pure-PyTorch backend."""
+    Triton kernels) or SparseRoute/gluon (the Gluon kernels' variant), DenseBandRoute/<the dense call's
+    route> for a band, or "torch" on the pure-PyTorch backend."""
     from flashattn import backends
 
     if backends.backend_name(q) != "triton":
         return {"route_fwd": "torch", "route_bwd": "torch"}
     from flashattn.backends.triton import block_sparse, sparse_routes
 
-    route = block_sparse.default_route(q, v, kt)
+    route = block_sparse.default_route(q, k, v, kt)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dense = routes_info(q, k, v, window_size=route.window)
         return {key: f"DenseBandRoute/{name}" for key, name in dense.items()}
-    return {"route_fwd": type(route).__name__, "route_bwd": type(route).__name__}
+    return {"route_fwd": "SparseRoute" + ("/gluon" if route.gluon_fwd else ""),
+            "route_bwd": "SparseRoute" + ("/gluon" if route.gluon_bwd else "")}
 
 
 def _setup_flashattn_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
