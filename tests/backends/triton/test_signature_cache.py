@@ -13,65 +13,21 @@ import dataclasses
 import gc
 import types
 
+import fake_h200
 import pytest
 import torch
 from utils import use_tiles
 
 import flashattn.kernels.gluon.attn_bwd as bwd_ws_kernels
 import flashattn.kernels.gluon.attn_fwd as fwd_ws_kernels
-from flashattn import _internals, _validate, backends, config, flash_attn_func
-from flashattn.backends.triton import attention, gluon, routes, tma
-from flashattn.backends.triton import launch as launch_mod
-
-
-class _Compiled:
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def run(self, *args):
-        self.log.append(("run", self.name, args))
-
-
-class _Kernel:
-    """Stands for a JITFunction: kernel[grid](...) is recorded and returns a compiled kernel (one per call,
-    so that a launch through a plan shows which JIT call made it)."""
-
-    def __init__(self, real, log):
-        self.arg_names, self.name, self.log = real.arg_names, real.__name__, log
-
-    def __getitem__(self, grid):
-        def call(*args, **kwargs):
-            self.log.append(("jit", self.name, (grid, args, kwargs)))
-            return _Compiled(self.log, self.name)
-
-        return call
+from flashattn import _validate, flash_attn_func
+from flashattn.backends.triton import attention, gluon, routes
 
 
 @pytest.fixture
 def h200(monkeypatch):
     """The launch log: ("jit", kernel, (grid, args, kwargs)) or ("run", kernel, compiled.run's args)."""
-    log = []
-    monkeypatch.setattr(config, "INTERPRET", False)
-    monkeypatch.setattr(config, "tile_overrides", {})
-    monkeypatch.setattr(backends, "backend_name", lambda t: "triton")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_internals, "current_device", lambda: 0)
-    monkeypatch.setattr(_internals, "raw_stream", lambda device: 1234)
-    # CPU tensors stand for CUDA ones on an H200: the gate as launch.direct, less its is_cuda
-    monkeypatch.setattr(launch_mod, "direct", lambda t: not _internals.launch_hooks_installed())
-    monkeypatch.setattr(tma, "device_facts", lambda device: (True, (9, 0)))
-    monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
-    for module, name in ((fwd_ws_kernels, "attn_fwd_ws_kernel"), (bwd_ws_kernels, "attn_bwd_ws_kernel"),
-                         (attention, "attn_bwd_preprocess_kernel"), (attention, "attn_fwd_kernel"),
-                         (attention, "attn_bwd_kernel")):
-        monkeypatch.setattr(module, name, _Kernel(getattr(module, name), log))
-    monkeypatch.setattr(attention, "_forward_cache", {})
-    monkeypatch.setattr(attention, "_backward_cache", {})
-    monkeypatch.setattr(launch_mod, "_plans", {})
-    monkeypatch.setattr(_validate, "_passed", set())
-    return log
+    return fake_h200.install(monkeypatch)
 
 
 def _launches(log, names) -> list:
@@ -302,9 +258,10 @@ def test_the_caches_stay_bounded_and_hold_no_tensor(h200, monkeypatch):
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         assert len(attention._forward_cache) <= 3 and len(attention._backward_cache) <= 3
         assert len(_validate._passed) <= 3
-    # everything the caches reach, short of code (kernels, classes, modules, functions) and this file's
-    # fakes, whose log keeps the launched tensors
-    skip = (_Kernel, _Compiled, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+    # everything the caches reach, short of code (kernels, classes, modules, functions) and the fake
+    # H200's recorders, whose log keeps the launched tensors
+    skip = (fake_h200.Kernel, fake_h200.Compiled, type, types.ModuleType, types.FunctionType,
+            types.BuiltinFunctionType)
     seen, stack = set(), [attention._forward_cache, attention._backward_cache, _validate._passed]
     while stack:
         obj = stack.pop()
