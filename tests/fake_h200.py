@@ -8,7 +8,7 @@ import torch
 import flashattn.kernels.gluon.attn_bwd as bwd_ws_kernels
 import flashattn.kernels.gluon.attn_fwd as fwd_ws_kernels
 from flashattn import _internals, _validate, backends, config
-from flashattn.backends.triton import attention, gluon, tma
+from flashattn.backends.triton import attention, block_sparse, gluon, tma
 from flashattn.backends.triton import launch as launch_mod
 
 
@@ -57,6 +57,36 @@ def install(monkeypatch) -> list:
         monkeypatch.setattr(module, name, Kernel(getattr(module, name), log))
     monkeypatch.setattr(attention, "_forward_cache", {})
     monkeypatch.setattr(attention, "_backward_cache", {})
+    monkeypatch.setattr(block_sparse, "_route_cache", {})
+    monkeypatch.setattr(block_sparse, "_forward_cache", {})
     monkeypatch.setattr(launch_mod, "_plans", {})
     monkeypatch.setattr(_validate, "_passed", set())
     return log
+
+
+def launches(log, names) -> list:
+    """The log's launches as (kernel, grid, every parameter's value in order): a JIT call and a launch through
+    a plan compare equal when they hand the kernel the same things. A tensor shows as the input it is (by
+    address) or "new", with its dtype, shape and strides; a descriptor as its fields."""
+    kernels = {"attn_fwd_ws_kernel": fwd_ws_kernels, "attn_bwd_ws_kernel": bwd_ws_kernels,
+               "sparse_fwd_kernel": block_sparse, "sparse_bwd_kernel": block_sparse}
+
+    def show(a):
+        if isinstance(a, torch.Tensor):
+            return names.get(a.data_ptr(), "new"), a.dtype, tuple(a.shape), a.stride()
+        if hasattr(a, "block_shape"):
+            layout = getattr(a, "layout", None)  # Triton's own descriptors (the Triton kernels') have none
+            return ("desc", show(a.base), a.shape, a.strides, a.block_shape, layout, a.padding)
+        return a
+
+    out = []
+    for kind, name, call in log:
+        if kind == "jit":
+            grid, args, kwargs = call
+            arg_names = getattr(kernels.get(name, attention), name).arg_names
+            params = (*args, *(kwargs[n] for n in arg_names[len(args):]))
+            out.append((name, (*grid, 1, 1)[:3], tuple(map(show, params))))
+        else:
+            assert call[3:9] == (1234, "function", "metadata", None, None, None)
+            out.append((name, call[:3], tuple(map(show, call[9:]))))
+    return out

@@ -152,6 +152,12 @@ class BlockMaskKernelTensors:
     def device(self) -> torch.device:
         return self.kv_full_num.device
 
+    def shapes(self) -> tuple:
+        """The blocks, lengths and every tensor's shape: what the kernels' scalar arguments derive from (a
+        launcher's signature key for the mask)."""
+        return (self.block_m, self.block_n, self.seqlen_q, self.seqlen_k,
+                *(getattr(self, name).shape for name in self.TENSORS))
+
     def tensors(self) -> list[torch.Tensor]:
         """The tensors in TENSORS order (how the registered ops carry them)."""
         return [getattr(self, name) for name in self.TENSORS]

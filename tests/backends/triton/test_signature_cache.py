@@ -30,33 +30,6 @@ def h200(monkeypatch):
     return fake_h200.install(monkeypatch)
 
 
-def _launches(log, names) -> list:
-    """The log's launches as (kernel, grid, every parameter's value in order): a JIT call and a launch through
-    a plan compare equal when they hand the kernel the same things. A tensor shows as the input it is (by
-    address) or "new", with its dtype, shape and strides; a descriptor as its fields."""
-    kernels = {"attn_fwd_ws_kernel": fwd_ws_kernels, "attn_bwd_ws_kernel": bwd_ws_kernels}
-
-    def show(a):
-        if isinstance(a, torch.Tensor):
-            return names.get(a.data_ptr(), "new"), a.dtype, tuple(a.shape), a.stride()
-        if hasattr(a, "block_shape"):
-            layout = getattr(a, "layout", None)  # Triton's own descriptors (the Triton kernels') have none
-            return ("desc", show(a.base), a.shape, a.strides, a.block_shape, layout, a.padding)
-        return a
-
-    out = []
-    for kind, name, call in log:
-        if kind == "jit":
-            grid, args, kwargs = call
-            arg_names = getattr(kernels.get(name, attention), name).arg_names
-            params = (*args, *(kwargs[n] for n in arg_names[len(args):]))
-            out.append((name, (*grid, 1, 1)[:3], tuple(map(show, params))))
-        else:
-            assert call[3:9] == (1234, "function", "metadata", None, None, None)
-            out.append((name, call[:3], tuple(map(show, call[9:]))))
-    return out
-
-
 def _qkv(d=128, dtype=torch.bfloat16, s=256, h=2):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(1, s, h, d, generator=g).to(dtype) for _ in range(3)]
@@ -85,7 +58,7 @@ def test_a_hit_launches_as_the_uncached_path(h200, monkeypatch, d, causal):
         out, lse = _fwd(q, k, v, causal=causal)
         names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
         _bwd(q, k, v, out, lse, dout, causal=causal)
-        runs.append(_launches(h200, names))
+        runs.append(fake_h200.launches(h200, names))
         del names[out.data_ptr()], names[lse.data_ptr()]
     miss, hit, uncached = runs
     assert [name for name, *_ in hit] == ["attn_fwd_ws_kernel", "attn_bwd_preprocess_kernel",
@@ -101,7 +74,7 @@ def test_d64_backward_steps(h200, causal, block_m, defer):
     out, lse = _fwd(q, k, v, causal=causal)
     h200.clear()
     _bwd(q, k, v, out, lse, torch.randn_like(q), causal=causal)
-    ((_, _, params),) = [c for c in _launches(h200, {}) if c[0] == "attn_bwd_ws_kernel"]
+    ((_, _, params),) = [c for c in fake_h200.launches(h200, {}) if c[0] == "attn_bwd_ws_kernel"]
     names = bwd_ws_kernels.attn_bwd_ws_kernel.arg_names
     assert params[names.index("BLOCK_M")] == block_m
     assert params[names.index("DEFER_DQ")] is defer
@@ -176,12 +149,12 @@ def test_any_change_the_forward_reads_misses(h200, monkeypatch, name, tiles, qkv
     # and the next call of the new signature, a hit where it takes the Gluon forward, launches as uncached
     h200.clear()
     _fwd(*tensors, **options)
-    cached = _launches(h200, {})
+    cached = fake_h200.launches(h200, {})
     with monkeypatch.context() as mp:
         mp.setattr(attention, "_cacheable", lambda *a: False)
         h200.clear()
         _fwd(*tensors, **options)
-        uncached = _launches(h200, {})
+        uncached = fake_h200.launches(h200, {})
     assert cached == uncached
 
 
@@ -200,11 +173,11 @@ def test_any_change_the_backward_reads_misses(h200, monkeypatch, tiles, d, deter
     assert not _hits(lambda: _bwd(q, k, v, out, lse, dout, deterministic=deterministic))
     h200.clear()
     _bwd(q, k, v, out, lse, dout, deterministic=deterministic)
-    cached = _launches(h200, {})
+    cached = fake_h200.launches(h200, {})
     monkeypatch.setattr(attention, "_cacheable", lambda *a: False)
     h200.clear()
     _bwd(q, k, v, out, lse, dout, deterministic=deterministic)
-    assert cached == _launches(h200, {})
+    assert cached == fake_h200.launches(h200, {})
     if tiles:  # 128-row steps at d = 64 under the causal mask: no deferred dQ
         ((_, _, params),) = [c for c in cached if c[0] == "attn_bwd_ws_kernel"]
         assert params[bwd_ws_kernels.attn_bwd_ws_kernel.arg_names.index("DEFER_DQ")] is False
@@ -219,14 +192,14 @@ def test_an_explicit_route_bypasses_the_cache_and_runs_as_given(h200):
     assert not _hits(lambda: _fwd(q, k, v, route=route))
     h200.clear()
     _fwd(q, k, v, route=route)
-    ((name, grid, params),) = _launches(h200, {})
+    ((name, grid, params),) = fake_h200.launches(h200, {})
     names = fwd_ws_kernels.attn_fwd_ws_kernel.arg_names
     assert name == "attn_fwd_ws_kernel" and params[names.index("HALF_DIAG")] is False
     assert grid[0] == 8 * -(-8192 // route.tiles.block_m) > 132  # one program per tile, not per SM
     triton = routes.forward_route(dataclasses.replace(spec, dropout=True))
     h200.clear()
     _fwd(q, k, v, route=triton)
-    assert [c[0] for c in _launches(h200, {})] == ["attn_fwd_kernel"]
+    assert [c[0] for c in fake_h200.launches(h200, {})] == ["attn_fwd_kernel"]
 
 
 def test_an_installed_hook_bypasses_the_cache(h200):
@@ -286,7 +259,7 @@ def test_a_hit_launches_the_calls_own_slopes_and_sink(h200):
         *_, dsink = _bwd(q, k, v, out, lse, dout, **options)
         assert dsink.shape == (2,) and dsink.dtype == torch.float32
     assert [kind for kind, *_ in h200] == ["run"] * 3  # the second round: all hits
-    launched = {name: params for name, _, params in _launches(h200, names)}
+    launched = {name: params for name, _, params in fake_h200.launches(h200, names)}
     fwd_names = fwd_ws_kernels.attn_fwd_ws_kernel.arg_names
     fwd = launched["attn_fwd_ws_kernel"]
     assert fwd[fwd_names.index("ALIBI")][0] == "slopes" and fwd[fwd_names.index("SINK")][0] == "sink"

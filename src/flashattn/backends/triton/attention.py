@@ -363,13 +363,16 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
         # the kernels read the LSE and D (allocated like it, contiguous) with one pair of strides
         lse = lse.contiguous()
     key = None
-    # gradients written into given views: not cached (the prepared launch keeps the gradients' strides)
-    if route is None and grads is None and not deterministic and _cacheable(
-            q, (q, k, v, dout), cu_seqlens_q, softmax_scale, window_size):
+    # gradients written into given views: not cached (the prepared launch keeps the gradients' strides); a
+    # block-sparse call's launch is kept with its route and the mask's list shapes, which fix the mask's
+    # scalar arguments (and so what the compiled kernel is specialised on)
+    if ((route is None or block_mask is not None) and grads is None and not deterministic
+            and _cacheable(q, (q, k, v, dout), cu_seqlens_q, softmax_scale, window_size)):
         key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
                k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
                out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
-               rng_seed, rng_offset, _tensor_options(alibi_slopes, learnable_sink), config.generation)
+               rng_seed, rng_offset, _tensor_options(alibi_slopes, learnable_sink), config.generation,
+               route, None if block_mask is None else block_mask.shapes())
         hit = _backward_cache.get(key)
         if hit is not None:
             pb, route, preprocess, pre_args, prepared = hit
@@ -378,7 +381,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             stats, dq_acc = gluon.backward_buffers(pb, q)
             preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], None, *pre_args))
             return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
-                                  alibi_slopes, learnable_sink)[:4]
+                                  alibi_slopes, learnable_sink, block_mask=block_mask)[:4]
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
                   (dout,))

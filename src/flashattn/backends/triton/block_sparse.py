@@ -4,12 +4,15 @@ q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv), kt a flashattn.masks.Blo
 A mask that is a band (sparse_routes.DenseBandRoute) runs the dense attention launchers with the band as
 its window; other masks run the Triton kernels, or the Gluon kernels' block-sparse variants on a route that
 names them (route.gluon_fwd, route.gluon_bwd: the default one where few of the mask's blocks are partial,
-or `gluon_route`).
+or `gluon_route`). As the dense launchers do, they keep a call signature's default route and, on the Gluon
+variants, its prepared launch: a repeated signature allocates and launches.
 """
 
 import torch
 
+from flashattn import config
 from flashattn.backends.triton import gluon, host, sparse_routes, tma
+from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.attention import (
     LOG2E,
     attention_backward,
@@ -20,9 +23,43 @@ from flashattn.backends.triton.attention import (
 from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
 
+_CACHED_SIGNATURES = 64
+_route_cache: dict = {}  # signature -> the default route
+_forward_cache: dict = {}  # signature -> (problem, the Gluon forward's prepared launch)
+
 
 def _rows(t):
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _signature(q, k, v, kt, softmax_scale, softcap, dropout_p, deterministic=False) -> tuple | None:
+    """What a call's default route and its Gluon launch depend on besides the tensors' addresses, or None
+    where they are not kept (calls not launched through plans: the interpreter's): q, k and v's layouts,
+    dtypes, device and alignment (the dense spec's), the options, the mask's blocks, rule, partial share
+    (on which side of the routing threshold) and list shapes (which fix the kernels' scalar arguments from
+    the mask, and so what a compiled kernel is specialised on), the settings' generation."""
+    if not launch_mod.direct(q):
+        return None
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, aligned, softmax_scale, softcap, dropout_p > 0, deterministic, kt.rule,
+            kt.partial_permille <= sparse_routes.GLUON_PARTIAL_PERMILLE, kt.shapes(), config.generation)
+
+
+def _remember(cache: dict, key: tuple, entry) -> None:
+    if len(cache) >= _CACHED_SIGNATURES:
+        cache.clear()
+    cache[key] = entry
+
+
+def _default_route(key, q, k, v, kt, softcap, dropout_p, deterministic=False):
+    """default_route, kept per signature (key: `_signature`'s, None: not kept)."""
+    route = None if key is None else _route_cache.get(key)
+    if route is None:
+        route = default_route(q, k, v, kt, softcap, dropout_p, deterministic)
+        if key is not None:
+            _remember(_route_cache, key, route)
+    return route
 
 
 def _common(q, k, v, kt, softmax_scale, softcap, dropout_p, rng_seed, rng_offset):
@@ -113,7 +150,17 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
                          route=None):
     """out (b, sq, h, dv) in q's dtype and lse (b, h, sq) float32 (+inf: the row sees no key). route:
     sparse_routes.SparseRoute or sparse_routes.DenseBandRoute to run instead of the default one."""
-    route = route or default_route(q, k, v, kt, softcap, dropout_p)
+    key = None
+    if route is None:
+        key = _signature(q, k, v, kt, softmax_scale, softcap, dropout_p)
+        hit = None if key is None else _forward_cache.get(key)
+        if hit is not None:
+            pb, gluon_fwd, prepared = hit
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+            gluon.forward(pb, gluon_fwd, q, k, v, out, lse, prepared, block_mask=kt)
+            return out, lse
+        route = _default_route(key, q, k, v, kt, softcap, dropout_p)
     if isinstance(route, sparse_routes.DenseBandRoute):
         return attention_forward(q, k, v, softmax_scale=softmax_scale, causal=False, window_size=route.window,
                                  softcap=softcap, dropout_p=dropout_p, rng_seed=rng_seed,
@@ -125,7 +172,9 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
     if route.gluon_fwd is not None:
         # the Gluon forward's block-sparse variant (route.gluon_fwd checked it takes the call: no dropout)
         pb = problem_of(q, k, v, softmax_scale, softcap)
-        gluon.forward(pb, route.gluon_fwd, q, k, v, out, lse, block_mask=kt)
+        prepared = gluon.forward(pb, route.gluon_fwd, q, k, v, out, lse, block_mask=kt)
+        if key is not None:
+            _remember(_forward_cache, key, (pb, route.gluon_fwd, prepared))
         return out, lse
     cfg = route.fwd
     block_m, block_n = cfg.block_m, cfg.block_n
@@ -148,7 +197,9 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
     use no atomics (deterministic); a band's dense backward and the Gluon backward's block-sparse variant
     (route.gluon_bwd) add dQ in a varying order, as flash_attn_func's default does, unless deterministic
     (then the dense backward's fixed order, and no Gluon block-sparse backward on the default route)."""
-    route = route or default_route(q, k, v, kt, softcap, dropout_p, deterministic)
+    if route is None:
+        key = _signature(q, k, v, kt, softmax_scale, softcap, dropout_p, deterministic)
+        route = _default_route(key, q, k, v, kt, softcap, dropout_p, deterministic)
     if isinstance(route, sparse_routes.DenseBandRoute):
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            window_size=route.window, softcap=softcap, dropout_p=dropout_p,
@@ -157,7 +208,7 @@ def block_sparse_backward(dout, q, k, v, out, lse, kt, *, softmax_scale, softcap
         return dq, dk, dv
     if route.gluon_bwd is not None:
         # the dense backward's launcher with the mask's column lists (route.gluon_bwd checked it takes the
-        # call: no dropout)
+        # call: no dropout), which keeps the launch per signature, route and mask shapes
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=False,
                                            softcap=softcap, route=route.gluon_bwd, block_mask=kt)
         return dq, dk, dv
