@@ -3,6 +3,9 @@ count and the CUDA stream faked, and every kernel replaced by a recorder whose c
 records instead of launching, so that the whole path down to `compiled.run` runs
 (tests/backends/triton/test_signature_cache.py, test_block_sparse_launch.py)."""
 
+import gc
+import types
+
 import torch
 
 import flashattn.kernels.gluon.attn_bwd as bwd_ws_kernels
@@ -90,3 +93,18 @@ def launches(log, names) -> list:
             assert call[3:9] == (1234, "function", "metadata", None, None, None)
             out.append((name, call[:3], tuple(map(show, call[9:]))))
     return out
+
+
+def objects_reached(*roots) -> int:
+    """How many objects the roots (caches) reach, short of code (kernels, classes, modules, functions) and
+    the fake's recorders, whose log keeps the launched tensors; asserts that none of them is a tensor."""
+    skip = (Kernel, Compiled, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+    seen, stack = set(), list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        assert not isinstance(obj, torch.Tensor), "a cache holds a tensor"
+        stack.extend(gc.get_referents(obj))
+    return len(seen)

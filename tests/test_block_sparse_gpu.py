@@ -227,6 +227,14 @@ def _empty_rows_mask(n):
                                    n, n)
 
 
+def _gqa_inputs(n, d, dv, seed, count=3):
+    """q (2, n, 4, d), k (2, n, 2, d), v (2, n, 2, dv) and, with count 4, a dout like the output: bf16 on the
+    GPU, drawn in that order from one seeded generator."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((2, n, 4, d), (2, n, 2, d), (2, n, 2, dv), (2, n, 4, dv))[:count]
+    return [torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) for s in shapes]
+
+
 SPARSE_FWD_MASKS = {
     # per head and per batch element, 128 x 128 blocks, full and partial ones
     "random_per_head": lambda n: BlockMask.from_mask_mod(
@@ -257,10 +265,7 @@ def test_gluon_sparse_forward(monkeypatch, mask_name, d, dv):
     monkeypatch.setattr(block_sparse, "sparse_fwd_kernel",
                         LaunchRecorder(block_sparse.sparse_fwd_kernel, triton_fwd))
     n = 1000
-    g = torch.Generator(device="cuda").manual_seed(7)
-    q = torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(2, n, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(2, n, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = _gqa_inputs(n, d, dv, seed=7)
     mask = SPARSE_FWD_MASKS[mask_name](n)
     kt = mask.to_kernel_tensors("cuda")
     route = block_sparse.gluon_route(q, k, v, kt)
@@ -301,11 +306,7 @@ def test_gluon_sparse_backward(monkeypatch, mask_name, d, dv, softcap):
     monkeypatch.setattr(block_sparse, "sparse_bwd_kernel",
                         LaunchRecorder(block_sparse.sparse_bwd_kernel, triton_bwd))
     n = 1000
-    g = torch.Generator(device="cuda").manual_seed(11)
-    q = torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(2, n, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(2, n, 2, dv, device="cuda", dtype=torch.bfloat16, generator=g)
-    dout = torch.randn(2, n, 4, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, dout = _gqa_inputs(n, d, dv, seed=11, count=4)
     mask = SPARSE_BWD_MASKS[mask_name](n)
     kt = mask.to_kernel_tensors("cuda")
     route = block_sparse.gluon_route(q, k, v, kt, softcap)

@@ -102,11 +102,10 @@ def default_route(q, k, v, kt, softcap: float = 0.0, dropout_p: float = 0.0,
     """The call's route (sparse_routes.sparse_route). The dense spec, which says whether the Gluon kernels'
     variants could take the call, is derived only where the mask is no band and few enough of its blocks
     are partial for routing to consider them."""
-    spec = _spec(q, v, kt)
-    if spec.band is None and kt.partial_permille <= sparse_routes.GLUON_PARTIAL_PERMILLE:
+    dense = None
+    if kt.partial_permille <= sparse_routes.GLUON_PARTIAL_PERMILLE and band_of(kt) is None:
         dense = spec_of(q, k, v, softcap=softcap, dropout_p=dropout_p, deterministic=deterministic)
-        spec = _spec(q, v, kt, dense)
-    return sparse_routes.sparse_route(spec)
+    return sparse_routes.sparse_route(_spec(q, v, kt, dense))
 
 
 def triton_route(q, v, kt) -> sparse_routes.SparseRoute:
