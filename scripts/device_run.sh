@@ -55,6 +55,9 @@
 #   decode-tiles-b1
 #                 scripts/tune_decode_tiles.py at batch 1 (4K, 16K, 64K; contiguous and paged 64), 16-bit cache:
 #                 tiles of two or three programs an SM beside split counts that fill them
+#   decode-tiles-b16
+#                 scripts/tune_decode_tiles.py at batch 16 (4K, 16K; contiguous and paged 64), 16-bit cache:
+#                 every tile beside 2, 3 (the heuristic at 4K), 4 and 6 splits
 #   decode-tiles-fp8
 #                 scripts/tune_decode_tiles.py --fp8: the FP8 cache's tiles and split counts at b1/b16 64K,
 #                 contiguous and paged 64, beside the 16-bit cache in the same process
@@ -211,6 +214,9 @@ for stage in "$@"; do
     decode-tiles-b1)
       timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --batches 1 --seqlens 4096,16384,65536 \
         --pages none,64 --split-factors 0,2,3 --out "$RES/tune_decode_b1.json" 2>&1 | grep "^b=" ;;
+    decode-tiles-b16)
+      timeout "${TUNE_S:-200}" python3 scripts/tune_decode_tiles.py --batches 16 --seqlens 4096,16384 \
+        --pages none,64 --split-factors 0,0.67,1.34,2 --out "$RES/tune_decode_b16.json" 2>&1 | grep "^b=" ;;
     decode-tiles-fp8)
       timeout "${TUNE_S:-300}" python3 scripts/tune_decode_tiles.py --fp8 --batches 16,1 --seqlens 65536 \
         --pages none,64 --split-factors 0,1.5,2 --out "$RES/tune_decode_fp8.json" 2>&1 | grep "^b=" ;;
