@@ -10,6 +10,7 @@ import torch
 
 import flashattn.kernels.gluon.attn_bwd as bwd_ws_kernels
 import flashattn.kernels.gluon.attn_fwd as fwd_ws_kernels
+import flashattn.kernels.triton.tiles as tile_kernels
 from flashattn import _internals, _validate, backends, config
 from flashattn.backends.triton import attention, block_sparse, gluon, tma
 from flashattn.backends.triton import launch as launch_mod
@@ -56,7 +57,7 @@ def install(monkeypatch) -> list:
     monkeypatch.setattr(gluon, "sm_count", lambda device: 132)
     for module, name in ((fwd_ws_kernels, "attn_fwd_ws_kernel"), (bwd_ws_kernels, "attn_bwd_ws_kernel"),
                          (attention, "attn_bwd_preprocess_kernel"), (attention, "attn_fwd_kernel"),
-                         (attention, "attn_bwd_kernel")):
+                         (attention, "attn_bwd_kernel"), (tile_kernels, "varlen_tile_offsets_kernel")):
         monkeypatch.setattr(module, name, Kernel(getattr(module, name), log))
     monkeypatch.setattr(attention, "_forward_cache", {})
     monkeypatch.setattr(attention, "_backward_cache", {})
@@ -72,7 +73,8 @@ def launches(log, names) -> list:
     a plan compare equal when they hand the kernel the same things. A tensor shows as the input it is (by
     address) or "new", with its dtype, shape and strides; a descriptor as its fields."""
     kernels = {"attn_fwd_ws_kernel": fwd_ws_kernels, "attn_bwd_ws_kernel": bwd_ws_kernels,
-               "sparse_fwd_kernel": block_sparse, "sparse_bwd_kernel": block_sparse}
+               "sparse_fwd_kernel": block_sparse, "sparse_bwd_kernel": block_sparse,
+               "varlen_tile_offsets_kernel": tile_kernels}
 
     def show(a):
         if isinstance(a, torch.Tensor):

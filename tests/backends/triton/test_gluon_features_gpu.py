@@ -227,6 +227,24 @@ def test_varlen_three_consumers(ws_calls, ws_bwd_calls, monkeypatch):
     check_varlen(ws_calls, ws_bwd_calls, lens_q, lens_k, 4, 2, 64, window_size=(100, 0))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_kept_launches_with_other_lengths(ws_calls, ws_bwd_calls, monkeypatch, d):
+    # the same tokens packed into as many documents, the longest the same: the second call runs the first's
+    # kept launches (attention.py's signature cache), forward and backward, on its own cu_seqlens
+    from flashattn.backends.triton import attention, gluon
+
+    monkeypatch.setattr(attention, "_backward_cache", {})
+    prepared = []
+    for name in ("_prepare_forward", "_prepare_backward"):
+        real = getattr(gluon, name)
+        monkeypatch.setattr(gluon, name, lambda *a, _real=real, **kw: prepared.append(a) or _real(*a, **kw))
+    torch.manual_seed(0)
+    check_varlen(ws_calls, ws_bwd_calls, [300, 17, 113, 1, 0], [300, 17, 113, 1, 0], 4, 2, d, causal=True)
+    assert len(prepared) == 2
+    check_varlen(ws_calls, ws_bwd_calls, [1, 0, 113, 300, 17], [1, 0, 113, 300, 17], 4, 2, d, causal=True)
+    assert len(prepared) == 2 and len(ws_calls) == len(ws_bwd_calls) == 2
+
+
 # ---------------------------------------------------------- the Gluon forward at d = 256
 # 64-key steps beside one Q buffer, no half-diagonal step (routes.gluon_forward_tiles); its backward is the
 # wide-head Gluon one (attn_bwd_dsplit.py)

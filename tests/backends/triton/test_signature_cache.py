@@ -10,6 +10,7 @@ down to `compiled.run` runs, the cached and the uncached one.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import fake_h200
 import pytest
@@ -255,3 +256,70 @@ def test_a_hit_launches_the_calls_own_slopes_and_sink(h200):
     bwd = launched["attn_bwd_ws_kernel"]
     bwd_names = bwd_ws_kernels.attn_bwd_ws_kernel.arg_names
     assert bwd[bwd_names.index("ALIBI")][0] == "slopes" and bwd[bwd_names.index("SINK")][0] == "sink"
+
+
+def _packed(lengths, d=128, h=2, hk=2):
+    """Packed q, k, v of these sequences and their cu_seqlens (int32, shared by q and k)."""
+    g = torch.Generator().manual_seed(1)
+    total = sum(lengths)
+    q = torch.randn(total, h, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(total, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return q, k, v, cu, max(lengths)
+
+
+def _varlen(cu, longest):
+    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+
+
+@pytest.mark.parametrize("hk", [2, 1])
+def test_a_varlen_hit_launches_as_the_uncached_path(h200, monkeypatch, hk):
+    q, k, v, cu, longest = _packed([100, 60, 96], hk=hk)
+    dout = torch.randn_like(q)
+    names = {t.data_ptr(): n for n, t in dict(q=q, k=k, v=v, dout=dout, cu=cu).items()}
+    runs = []
+    for cached in (True, True, False):
+        monkeypatch.setattr(attention, "_cacheable", attention._cacheable if cached else lambda *a: False)
+        h200.clear()
+        out, lse = _fwd(q, k, v, **_varlen(cu, longest))
+        names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
+        _bwd(q, k, v, out, lse, dout, **_varlen(cu, longest))
+        runs.append(fake_h200.launches(h200, names))
+        del names[out.data_ptr()], names[lse.data_ptr()]
+    miss, hit, uncached = runs
+    offsets = "varlen_tile_offsets_kernel"
+    assert [name for name, *_ in hit] == [offsets, "attn_fwd_ws_kernel", offsets,
+                                          "attn_bwd_preprocess_kernel", offsets, "attn_bwd_ws_kernel"]
+    assert hit == miss == uncached
+    assert len(attention._forward_cache) == len(attention._backward_cache) == 1
+
+
+def test_a_varlen_hit_launches_the_calls_own_offsets(h200):
+    # same batch, maxima and packed shapes, other lengths: a hit that hands the kernels this call's cu_seqlens
+    q, k, v, cu, longest = _packed([100, 60, 96])
+    out, lse = _fwd(q, k, v, **_varlen(cu, longest))
+    _bwd(q, k, v, out, lse, torch.randn_like(q), **_varlen(cu, longest))
+    other = torch.tensor([0, 60, 160, 256], dtype=torch.int32)
+    assert _hits(lambda: _fwd(q, k, v, **_varlen(other, longest)))
+    assert _hits(lambda: _bwd(q, k, v, out, lse, torch.randn_like(q), **_varlen(other, longest)))
+    h200.clear()
+    _fwd(q, k, v, **_varlen(other, longest))
+    launched = fake_h200.launches(h200, {other.data_ptr(): "other", cu.data_ptr(): "cu"})
+    cus = [a[0] for _, _, params in launched for a in params if isinstance(a, tuple) and a and
+           a[0] in ("other", "cu")]
+    assert cus and set(cus) == {"other"}
+
+
+@pytest.mark.parametrize("lengths, longest", [
+    ([128, 128], 128),  # another batch, the same packed shapes
+    ([100, 60, 96], 112),  # another max_seqlen
+])
+def test_any_change_the_varlen_derivations_read_misses(h200, lengths, longest):
+    q, k, v, cu, m = _packed([100, 60, 96])
+    out, lse = _fwd(q, k, v, **_varlen(cu, m))
+    dout = torch.randn_like(q)
+    _bwd(q, k, v, out, lse, dout, **_varlen(cu, m))
+    assert _hits(lambda: _fwd(q, k, v, **_varlen(cu, m)))
+    other = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    assert not _hits(lambda: _fwd(q, k, v, **_varlen(other, longest)))
+    assert not _hits(lambda: _bwd(q, k, v, out, lse, dout, **_varlen(other, longest)))

@@ -158,17 +158,26 @@ def _alibi_args(alibi_slopes, dummy):
     return alibi_slopes, (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
 
 
-def _cacheable(q, streamed: tuple, cu_seqlens_q, softmax_scale, window_size) -> bool:
-    """Whether a call's derivations are cached: it may take a Gluon kernel (padded layout, a head dim it
-    takes, 16-byte aligned streamed tensors), it launches through plans, and its options key a dict (a
-    float scale: an int one would specialise otherwise; a tuple window)."""
-    if not (launch_mod.direct(q) and cu_seqlens_q is None and type(softmax_scale) is float
-            and type(window_size) is tuple and q.shape[-1] in routes.GLUON_HEADDIMS):
+def _cacheable(q, streamed: tuple, softmax_scale, window_size) -> bool:
+    """Whether a call's derivations are cached: it may take a Gluon kernel (a head dim it takes, 16-byte
+    aligned streamed tensors), it launches through plans, and its options key a dict (a float scale: an int
+    one would specialise otherwise; a tuple window)."""
+    if not (launch_mod.direct(q) and type(softmax_scale) is float and type(window_size) is tuple
+            and q.shape[-1] in routes.GLUON_HEADDIMS):
         return False
     pointers = 0
     for t in streamed:
         pointers |= t.data_ptr()
     return pointers % 16 == 0
+
+
+def _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """What a varlen call adds to a signature: the batch and the maxima, which size the grids and the
+    buffers (the packed tensors' shapes are in the key already); cu_seqlens' values are per call (the
+    kernels read them, and the tile offsets a call launches derive from them). None: the padded layout."""
+    if cu_seqlens_q is None:
+        return None
+    return cu_seqlens_q.shape, cu_seqlens_k.shape, int(max_seqlen_q), int(max_seqlen_k)
 
 
 def _tensor_options(alibi_slopes, learnable_sink) -> tuple:
@@ -211,12 +220,12 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                               descales=descales, out_dtype=out_dtype)
     key = None
-    if descales is None and route is None and _cacheable(q, (q, k, v), cu_seqlens_q, softmax_scale,
-                                                         window_size):
+    if descales is None and route is None and _cacheable(q, (q, k, v), softmax_scale, window_size):
         # everything down to the launch's arguments but the tensors depends on these
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
-               _tensor_options(alibi_slopes, learnable_sink), config.generation)
+               _tensor_options(alibi_slopes, learnable_sink), config.generation,
+               _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
         hit = _forward_cache.get(key)
         if hit is not None:
             pb, route, out_shape, lse_shape, prepared = hit
@@ -226,7 +235,8 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
             # sizes unpacked: torch.empty parses separate ints faster than a tuple (~0.6 us), or a Size (~1.3)
             out = torch.empty(*out_shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(*lse_shape, dtype=torch.float32, device=q.device)
-            gluon.forward(pb, route, q, k, v, out, lse, prepared, alibi_slopes, learnable_sink)
+            gluon.forward(pb, route, q, k, v, out, lse, prepared, alibi_slopes, learnable_sink, cu_seqlens_q,
+                          cu_seqlens_k)
             return out, lse
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink,
@@ -367,21 +377,27 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # block-sparse call's launch is kept with its route and the mask's list shapes, which fix the mask's
     # scalar arguments (and so what the compiled kernel is specialised on)
     if ((route is None or block_mask is not None) and grads is None and not deterministic
-            and _cacheable(q, (q, k, v, dout), cu_seqlens_q, softmax_scale, window_size)):
+            and _cacheable(q, (q, k, v, dout), softmax_scale, window_size)):
         key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
                k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
                out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
                rng_seed, rng_offset, _tensor_options(alibi_slopes, learnable_sink), config.generation,
-               route, None if block_mask is None else block_mask.shapes())
+               route, None if block_mask is None else block_mask.shapes(),
+               _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
         hit = _backward_cache.get(key)
         if hit is not None:
             pb, route, preprocess, pre_args, prepared = hit
             dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)  # unpacked: as attention_forward's
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
             stats, dq_acc = gluon.backward_buffers(pb, q)
-            preprocess((out, dout, stats[1], q, dq_acc, lse, stats[0], None, *pre_args))
+            cu_q, stats_row0 = q, None
+            if pb.varlen:
+                cu_q = cu_seqlens_q
+                stats_row0 = gluon.varlen_tile_offsets(cu_seqlens_q, pb.batch, 4, q.shape[0])
+            preprocess((out, dout, stats[1], cu_q, dq_acc, lse, stats[0], stats_row0, *pre_args))
             return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
-                                  alibi_slopes, learnable_sink, block_mask=block_mask)[:4]
+                                  alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, stats_row0,
+                                  block_mask=block_mask)[:4]
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
                   (dout,))
