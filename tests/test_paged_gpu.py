@@ -90,6 +90,24 @@ def test_paged_in_kernel_equals_packed(pools_read, case):
     assert torch.equal(out, ref)
 
 
+def test_paged_kept_launch_with_another_table(pools_read, monkeypatch):
+    # the same shapes with other pages, keys and lengths: the second paged call (and its packed reference)
+    # runs the first's kept launch (attention.py's signature cache) on its own table and cu_seqlens
+    monkeypatch.setattr(attention, "_forward_cache", {})
+    prepared = []
+    real = gluon._prepare_forward
+    monkeypatch.setattr(gluon, "_prepare_forward", lambda *a, **kw: prepared.append(a) or real(*a, **kw))
+    for seed, (lq, lk) in enumerate((([300, 1, 200], [900, 5, 640]), ([1, 200, 300], [640, 900, 5]))):
+        q, k, v, k_pool, v_pool, table, cu_q, cu_k = _paged(lq, lk, 4, 2, 128, 128, 128, seed=seed)
+        with torch.no_grad():
+            out = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 300, 900, block_table=table,
+                                         causal=True)
+            ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, 900, causal=True)
+        assert pools_read[-2] is table and pools_read[-1] is None
+        assert torch.equal(out, ref)
+    assert len(prepared) == 2  # the first round's two launches, kept
+
+
 def test_paged_lse_equals_packed(pools_read):
     """The op's LSE too (flash_attn_varlen_func returns it only on the gathering path)."""
     q, k, v, k_pool, v_pool, table, cu_q, cu_k = _paged([300, 17], [1000, 17], 4, 2, 128, 128, 128)

@@ -323,3 +323,50 @@ def test_any_change_the_varlen_derivations_read_misses(h200, lengths, longest):
     other = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     assert not _hits(lambda: _fwd(q, k, v, **_varlen(other, longest)))
     assert not _hits(lambda: _bwd(q, k, v, out, lse, dout, **_varlen(other, longest)))
+
+
+def _paged(page=256, pages_per_seq=4, batch=3):
+    """q of 3 sequences, page pools of batch · pages_per_seq pages, a block table and cu_seqlens."""
+    g = torch.Generator().manual_seed(2)
+    lens_q, lens_k = [100, 17, 64], [700, 1000, 300]
+    q = torch.randn(sum(lens_q), 4, 128, generator=g).to(torch.bfloat16)
+    pool = (batch * pages_per_seq, page, 2, 128)
+    k, v = (torch.randn(pool, generator=g).to(torch.bfloat16) for _ in range(2))
+    table = torch.randperm(batch * pages_per_seq, generator=g).to(torch.int32).view(batch, pages_per_seq)
+    cu = [torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32) for ls in (lens_q, lens_k)]
+    return q, k, v, table, dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(lens_q),
+                                max_seqlen_k=max(lens_k))
+
+
+def test_a_paged_hit_launches_as_the_uncached_path_with_its_own_table(h200, monkeypatch):
+    q, k, v, table, lengths = _paged()
+    names = {t.data_ptr(): n for n, t in dict(q=q, k=k, v=v, table=table).items()}
+    runs, cacheable = [], attention._cacheable
+    for cached in (True, True, False):
+        monkeypatch.setattr(attention, "_cacheable", cacheable if cached else lambda *a: False)
+        h200.clear()
+        _fwd(q, k, v, block_table=table, **lengths)
+        runs.append(fake_h200.launches(h200, names))
+    miss, hit, uncached = runs
+    assert [name for name, *_ in hit] == ["varlen_tile_offsets_kernel", "attn_fwd_ws_kernel"]
+    assert hit == miss == uncached
+    ((_, _, params),) = [c for c in hit if c[0] == "attn_fwd_ws_kernel"]
+    assert params[fwd_ws_kernels.attn_fwd_ws_kernel.arg_names.index("PAGES")][0] == "table"
+    monkeypatch.setattr(attention, "_cacheable", cacheable)
+    other = table.flip(0).contiguous()  # another table of the same shape: a hit that reads its own
+    assert _hits(lambda: _fwd(q, k, v, block_table=other, **lengths))
+    h200.clear()
+    _fwd(q, k, v, block_table=other, **lengths)
+    ((_, _, params),) = [c for c in fake_h200.launches(h200, {other.data_ptr(): "other"})
+                         if c[0] == "attn_fwd_ws_kernel"]
+    assert params[fwd_ws_kernels.attn_fwd_ws_kernel.arg_names.index("PAGES")][0] == "other"
+
+
+def test_any_change_the_paged_derivations_read_misses(h200):
+    q, k, v, table, lengths = _paged()
+    _fwd(q, k, v, block_table=table, **lengths)
+    assert _hits(lambda: _fwd(q, k, v, block_table=table, **lengths))
+    wider = torch.cat([table, table[:, :1]], 1)  # another table width: another bound on the keys
+    assert not _hits(lambda: _fwd(q, k, v, block_table=wider, **lengths))
+    q2, k2, v2, table2, lengths2 = _paged(page=128, pages_per_seq=8)  # another page size
+    assert not _hits(lambda: _fwd(q2, k2, v2, block_table=table2, **lengths2))

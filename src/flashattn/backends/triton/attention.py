@@ -290,8 +290,22 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
 
 def _paged_forward(q, k, v, block_table, route, **kw):
     """attention_forward of a paged call: on the pools where the route reads pages, else on the keys
-    gathered into the packed layout (with the given route, or the packed call's default)."""
+    gathered into the packed layout (with the given route, or the packed call's default). A call on the
+    pools keeps its derivations as attention_forward's do, the block table's shape and strides in its
+    signature (the page size and pool size in the pools' shapes)."""
     descales = kw["descales"]
+    key = None
+    scale, window = kw["softmax_scale"], kw["window_size"]
+    if descales is None and route is None and _cacheable(q, (q, k, v), scale, window):
+        key = ("paged", block_table.shape, block_table.stride(), q.shape, k.shape, v.shape, q.stride(),
+               k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, scale, kw["causal"], window,
+               kw["softcap"], kw["dropout_p"], kw["rng_seed"], kw["rng_offset"],
+               _tensor_options(kw["alibi_slopes"], kw["learnable_sink"]), config.generation,
+               _varlen_key(kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"]))
+        hit = _forward_cache.get(key)
+        if hit is not None:
+            pb, chosen, prepared = hit
+            return _on_pools(pb, chosen, q, k, v, block_table, prepared, kw)[:2]
     pb = _problem(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_size"], kw["softcap"],
                   kw["alibi_slopes"], kw["dropout_p"], kw["rng_seed"], kw["rng_offset"], kw["cu_seqlens_q"],
                   kw["max_seqlen_q"], kw["max_seqlen_k"], kw["learnable_sink"],
@@ -301,12 +315,20 @@ def _paged_forward(q, k, v, block_table, route, **kw):
     if not routes.reads_pages(pb.spec, chosen) or block_table.shape[1] == 0:
         k, v = paged.gather_pages(k, v, block_table, kw["cu_seqlens_k"], kw["max_seqlen_k"])
         return attention_forward(q, k, v, route=route, **kw)
+    out, lse, prepared = _on_pools(pb, chosen, q, k, v, block_table, None, kw)
+    if key is not None:
+        _remember(_forward_cache, key, (pb, chosen, prepared))
+    return out, lse
+
+
+def _on_pools(pb, route, q, k, v, block_table, prepared, kw) -> tuple:
+    """(out, lse, the launch prepared) of a paged call on its pools (prepared: a kept one, or None)."""
     out = torch.empty((*q.shape[:-1], pb.dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((pb.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
-    gluon.forward(pb, chosen, q, k, v, out, lse, alibi_slopes=kw["alibi_slopes"],
-                  learnable_sink=kw["learnable_sink"], cu_seqlens_q=kw["cu_seqlens_q"],
-                  cu_seqlens_k=kw["cu_seqlens_k"], block_table=block_table)
-    return out, lse
+    prepared = gluon.forward(pb, route, q, k, v, out, lse, prepared, alibi_slopes=kw["alibi_slopes"],
+                             learnable_sink=kw["learnable_sink"], cu_seqlens_q=kw["cu_seqlens_q"],
+                             cu_seqlens_k=kw["cu_seqlens_k"], block_table=block_table)
+    return out, lse, prepared
 
 
 def _descale_args(descales, pb: _Problem, dummy) -> tuple[tuple, tuple]:
