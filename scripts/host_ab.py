@@ -9,7 +9,8 @@ and the report gives the medians over rounds and the median of the per-round rat
 Calls (tiny problems, so the GPU never holds the host back; wall time per call of back-to-back calls without
 a sync): the forward with inputs that require grad (what training does), forward + backward, inference
 (no grad), at b=1 h=2 N=256 d=128 causal and b=1 h=2 N=256 d=64; and decode (flash_attn_with_kvcache, batch 1,
-32 / 8 heads, 4K keys, d=128) beside SDPA-cuDNN's and SDPA-flash's decode.
+32 / 8 heads, 4K keys, d=128) beside SDPA-cuDNN's and SDPA-flash's decode; then packed documents (forward,
+forward + backward) and a paged prefill, which SDPA cannot express.
 
     PYTHONPATH=src:.baseline/src python scripts/host_ab.py OUT.json [NAME] [--rounds 15]
 """
@@ -84,7 +85,37 @@ def _cases(builds):
     for backend, label in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "sdpa-flash")):
         decode[label] = _sdpa(backend, qt, kt, vt, False)
     cases["decode b1 4K"] = decode
+    cases.update(_varlen_cases(builds))
     return cases
+
+
+def _varlen_cases(builds):
+    """Packed documents (8 short ones, h2 d128 causal: forward with grad, forward + backward) and a paged
+    prefill on its pools (pages of 128, no grad): calls cuDNN has no argument for."""
+    lens = [17, 64, 3, 100, 40, 9, 23, 0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    lens_k = [300, 17, 200]
+    cu_q = torch.tensor([0, 17, 34, 51], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    table = torch.arange(9, dtype=torch.int32, device="cuda").view(3, 3)
+    kp, vp = (torch.randn(9, 128, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qp = torch.randn(51, 4, 128, device="cuda", dtype=torch.bfloat16)
+    fwd, train, paged = {}, {}, {}
+    for label, fa in builds.items():
+        def call(fa=fa):
+            return fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        fwd[label] = call
+        train[label] = lambda call=call: torch.autograd.grad(call(), (q, k, v), do)
+
+        def pages(fa=fa):
+            with torch.no_grad():
+                return fa.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 17, max(lens_k), causal=True,
+                                                 block_table=table)
+        paged[label] = pages
+    return {"varlen docs fwd": fwd, "varlen docs fwd+bwd": train, "paged prefill": paged}
 
 
 def main():
@@ -112,7 +143,7 @@ def main():
     for case, per_impl in times.items():
         row = {impl: statistics.median(ts) for impl, ts in per_impl.items()}
         for impl in per_impl:
-            if impl != "cudnn":
+            if impl != "cudnn" and "cudnn" in per_impl:
                 pairs = zip(per_impl[impl], per_impl["cudnn"], strict=True)
                 row[f"{impl}/cudnn"] = statistics.median(a / c for a, c in pairs)
         if "baseline" in per_impl:
