@@ -4,7 +4,8 @@ The device machine's CPU speed moves by up to 2x between processes and within on
 processes do not compare. This imports this tree's `flashattn` and a second copy of another revision under
 another name (scripts/vendor_tree.sh REV NAME makes it: `.baseline/src/NAME`, its imports and op namespace
 renamed), then times each call in alternating rounds: every round runs each build and cuDNN back to back,
-and the report gives the medians over rounds and the median of the per-round ratios.
+and the report gives the medians over rounds and the median of the per-round ratios; the order within a
+round flips from one round to the next.
 
 Calls (tiny problems, so the GPU never holds the host back; wall time per call of back-to-back calls without
 a sync): the forward with inputs that require grad (what training does), forward + backward, inference
@@ -135,9 +136,11 @@ def main():
                 fn()
     torch.cuda.synchronize()
     times = {case: {impl: [] for impl in impls} for case, impls in cases.items()}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for case, impls in cases.items():
-            for impl, fn in impls.items():
+            # every other round in reverse: what runs first in a round reads a few percent slower (the
+            # 12-07 run's decode row, whose path the two builds shared, read 1.03x)
+            for impl, fn in list(impls.items())[::-1 if r % 2 else 1]:
                 times[case][impl].append(_per_call_us(fn, calls=20 if "fwd+bwd" in case else 100))
     report = {}
     for case, per_impl in times.items():
