@@ -16,14 +16,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.fixture(scope="session")
+def triton_cache(tmp_path_factory):
+    """One Triton cache for this run's compiles, shared by xdist's workers (their base temps have a parent of
+    this run's own): the families and parts compile many of the same kernels (the dense family's two parts
+    took about a fifth less time on one cache than on two), Triton's cache takes concurrent writers, and
+    the shared-memory check reads a cached kernel's metadata as a fresh one's."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sm90-triton-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 # a test per kernel family, the dense one (most of the compiles) in two interleaved parts, so that xdist's
 # workers share the compiles
 @pytest.mark.slow
 @pytest.mark.parametrize("family, part", [("dense", "0/2"), ("dense", "1/2"), ("decode", "0/1"),
                                           ("sparse", "0/1")])
-def test_every_kernel_compiles_for_sm90(tmp_path, family, part):
+def test_every_kernel_compiles_for_sm90(triton_cache, family, part):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT / "src"), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env.update(PYTHONPATH=str(ROOT / "src"), TRITON_CACHE_DIR=str(triton_cache))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/sm90_compile_check.py"), family, "--quick",
                            "--part", part],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -34,11 +46,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path, family, part):
 
 
 @pytest.mark.slow
-def test_sass_report_reads_the_backward_key_step_loop(tmp_path):
+def test_sass_report_reads_the_backward_key_step_loop(triton_cache):
     """scripts/sass_report.py on the Gluon backward at d = 64, causal: its consumers' key-step loops (the
     ones with the GEMMs), each with the masked path's branch over the unmasked one, and no spill."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT / "src"), TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env.update(PYTHONPATH=str(ROOT / "src"), TRITON_CACHE_DIR=str(triton_cache))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/sass_report.py"), "--d", "64", "--n", "300",
                            "--causal"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
