@@ -180,6 +180,16 @@ def _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return cu_seqlens_q.shape, cu_seqlens_k.shape, int(max_seqlen_q), int(max_seqlen_k)
 
 
+def _forward_signature(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
+                       rng_seed, rng_offset, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k):
+    """Everything a forward's derivations depend on down to the launch's arguments but the tensors."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
+            _tensor_options(alibi_slopes, learnable_sink), config.generation,
+            _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
 def _tensor_options(alibi_slopes, learnable_sink) -> tuple:
     """What the tensor options add to a signature: which are given, and the slopes' layout (its batch
     stride is a kernel argument), the tensors themselves being per call."""
@@ -221,11 +231,9 @@ def attention_forward(q, k, v, *, softmax_scale: float, causal: bool, window_siz
                               descales=descales, out_dtype=out_dtype)
     key = None
     if descales is None and route is None and _cacheable(q, (q, k, v), softmax_scale, window_size):
-        # everything down to the launch's arguments but the tensors depends on these
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed, rng_offset,
-               _tensor_options(alibi_slopes, learnable_sink), config.generation,
-               _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        key = _forward_signature(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                 dropout_p, rng_seed, rng_offset, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k)
         hit = _forward_cache.get(key)
         if hit is not None:
             pb, route, out_shape, lse_shape, prepared = hit
@@ -297,18 +305,17 @@ def _paged_forward(q, k, v, block_table, route, **kw):
     key = None
     scale, window = kw["softmax_scale"], kw["window_size"]
     if descales is None and route is None and _cacheable(q, (q, k, v), scale, window):
-        key = ("paged", block_table.shape, block_table.stride(), q.shape, k.shape, v.shape, q.stride(),
-               k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, scale, kw["causal"], window,
-               kw["softcap"], kw["dropout_p"], kw["rng_seed"], kw["rng_offset"],
-               _tensor_options(kw["alibi_slopes"], kw["learnable_sink"]), config.generation,
-               _varlen_key(kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"]))
+        key = ("paged", block_table.shape, block_table.stride(), _forward_signature(
+            q, k, v, scale, kw["causal"], window, kw["softcap"], kw["alibi_slopes"],
+            kw["dropout_p"], kw["rng_seed"], kw["rng_offset"], kw["learnable_sink"], kw["cu_seqlens_q"],
+            kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"]))
         hit = _forward_cache.get(key)
         if hit is not None:
             pb, chosen, prepared = hit
             return _on_pools(pb, chosen, q, k, v, block_table, prepared, kw)[:2]
-    pb = _problem(q, k, v, kw["softmax_scale"], kw["causal"], kw["window_size"], kw["softcap"],
-                  kw["alibi_slopes"], kw["dropout_p"], kw["rng_seed"], kw["rng_offset"], kw["cu_seqlens_q"],
-                  kw["max_seqlen_q"], kw["max_seqlen_k"], kw["learnable_sink"],
+    pb = _problem(q, k, v, scale, kw["causal"], window, kw["softcap"], kw["alibi_slopes"], kw["dropout_p"],
+                  kw["rng_seed"], kw["rng_offset"], kw["cu_seqlens_q"], kw["max_seqlen_q"],
+                  kw["max_seqlen_k"], kw["learnable_sink"],
                   out_dtype=kw["out_dtype"] if descales is not None else None, page_size=k.shape[1])
     chosen = route if route is not None else routes.forward_route(pb.spec)
     # a table without columns holds no key: the kernel's page lookup needs one column at least

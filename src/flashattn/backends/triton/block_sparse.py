@@ -15,6 +15,7 @@ from flashattn.backends.triton import gluon, host, sparse_routes, tma
 from flashattn.backends.triton import launch as launch_mod
 from flashattn.backends.triton.attention import (
     LOG2E,
+    _remember,
     attention_backward,
     attention_forward,
     problem_of,
@@ -23,7 +24,6 @@ from flashattn.backends.triton.attention import (
 from flashattn.kernels.triton.attn_bwd import attn_bwd_preprocess_kernel
 from flashattn.kernels.triton.attn_sparse import sparse_bwd_kernel, sparse_fwd_kernel
 
-_CACHED_SIGNATURES = 64
 _route_cache: dict = {}  # signature -> the default route
 _forward_cache: dict = {}  # signature -> (problem, the Gluon forward's prepared launch)
 
@@ -44,12 +44,6 @@ def _signature(q, k, v, kt, softmax_scale, softcap, dropout_p, deterministic=Fal
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, aligned, softmax_scale, softcap, dropout_p > 0, deterministic, kt.rule,
             kt.partial_permille <= sparse_routes.GLUON_PARTIAL_PERMILLE, kt.shapes(), config.generation)
-
-
-def _remember(cache: dict, key: tuple, entry) -> None:
-    if len(cache) >= _CACHED_SIGNATURES:
-        cache.clear()
-    cache[key] = entry
 
 
 def _default_route(key, q, k, v, kt, softcap, dropout_p, deterministic=False):
