@@ -190,6 +190,19 @@ def _forward_signature(q, k, v, softmax_scale, causal, window_size, softcap, ali
             _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
+def _backward_signature(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        dropout_p, rng_seed, rng_offset, learnable_sink, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, route, block_mask):
+    """Everything a backward's derivations depend on down to the launch's arguments but the tensors; a
+    block-sparse call's route and the mask's list shapes among them (they fix the mask's scalar arguments)."""
+    return (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
+            k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
+            out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p, rng_seed,
+            rng_offset, _tensor_options(alibi_slopes, learnable_sink), config.generation, route,
+            None if block_mask is None else block_mask.shapes(),
+            _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
 def _tensor_options(alibi_slopes, learnable_sink) -> tuple:
     """What the tensor options add to a signature: which are given, and the slopes' layout (its batch
     stride is a kernel argument), the tensors themselves being per call."""
@@ -407,12 +420,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # scalar arguments (and so what the compiled kernel is specialised on)
     if ((route is None or block_mask is not None) and grads is None and not deterministic
             and _cacheable(q, (q, k, v, dout), softmax_scale, window_size)):
-        key = (dout.shape, q.shape, k.shape, v.shape, out.shape, lse.shape, dout.stride(), q.stride(),
-               k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype, v.dtype,
-               out.dtype, lse.dtype, q.device, softmax_scale, causal, window_size, softcap, dropout_p,
-               rng_seed, rng_offset, _tensor_options(alibi_slopes, learnable_sink), config.generation,
-               route, None if block_mask is None else block_mask.shapes(),
-               _varlen_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        key = _backward_signature(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, dropout_p, rng_seed, rng_offset, learnable_sink, cu_seqlens_q,
+                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, route, block_mask)
         hit = _backward_cache.get(key)
         if hit is not None:
             pb, route, preprocess, pre_args, prepared = hit

@@ -1,0 +1,123 @@
+"""Host time of each step of a repeated attention call, forward and backward, on the launchers' cached path
+(CUDA only): what the layers of scripts/host_profile.py are made of, beside the same torch operations
+(an allocation, a cast, one elementwise kernel) as units.
+
+The problem is host_profile.py's tiny one (b=1, h=2, N=256, d=128, causal, bf16); each step runs on its own,
+back to back without a sync, the median of 7 repetitions of 200 calls (host_profile.per_call_us), the steps
+measured in turn within each repetition round so that drift spreads over all of them.
+
+    python scripts/host_steps.py OUT.json
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+from host_profile import per_call_us  # this script's folder is on sys.path
+
+from flashattn import flash_attn_func
+from flashattn.backends.triton import attention, gluon
+from flashattn.ops import attention as ops
+
+
+def _steps():
+    d, causal, scale = 128, True, 128 ** -0.5
+    q, k, v = (torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=causal)
+    o = out.detach()
+    lse = attention.attention_forward(q, k, v, softmax_scale=scale, causal=causal)[1]
+    rng = torch.zeros(2, dtype=torch.int64)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    window = (-1, -1)
+
+    def fwd_key():
+        attention._cacheable(qd, (qd, kd, vd), scale, window)
+        return attention._forward_cache.get(attention._forward_signature(
+            qd, kd, vd, scale, causal, window, 0.0, None, 0.0, 0, 0, None, None, None, None, None))
+
+    fwd_hit = fwd_key()
+    pb, route, out_shape, lse_shape, prepared = fwd_hit
+    fo = torch.empty(*out_shape, dtype=q.dtype, device=q.device)
+    fl = torch.empty(*lse_shape, dtype=torch.float32, device=q.device)
+
+    def bwd_key():
+        attention._cacheable(qd, (qd, kd, vd, do), scale, window)
+        return attention._backward_cache.get(attention._backward_signature(
+            do, qd, kd, vd, o, lse, scale, causal, window, 0.0, None, 0.0, 0, 0, None, None, None, None, None,
+            None, None))
+
+    attention.attention_backward(do, qd, kd, vd, o, lse, softmax_scale=scale, causal=causal)
+    bpb, broute, preprocess, pre_args, bprepared = bwd_key()
+    dk, dv = torch.empty_like(kd), torch.empty_like(vd)
+    stats, dq_acc = gluon.backward_buffers(bpb, qd)
+
+    def bwd_allocs():
+        torch.empty(*k.shape, dtype=k.dtype, device=k.device)
+        torch.empty(*v.shape, dtype=v.dtype, device=v.device)
+        gluon.backward_buffers(bpb, qd)
+
+    def bwd_main():  # gluon.backward's launch alone: no ALiBi, varlen, group split, sink or lock
+        bprepared((qd, do, kd, vd, dk, dv, dq_acc, stats),
+                  (*bprepared.args, *(None,) * 17, 0, 0, *gluon.sparse_backward_args(None)))
+
+    def grad(threads):
+        def run():
+            with torch.autograd.set_multithreading_enabled(threads):
+                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return run
+
+    x = torch.randn(256, 2, d, device="cuda", dtype=torch.bfloat16)
+    xf = x.float()
+    return {
+        "unit torch.empty": lambda: torch.empty(256, 2, d, dtype=torch.bfloat16, device="cuda"),
+        "unit float->bf16 .to": lambda: xf.to(torch.bfloat16),
+        "unit x * 2": lambda: x * 2,
+        "fwd public": lambda: flash_attn_func(q, k, v, causal=causal),
+        "fwd public nograd": lambda: flash_attn_func(qd, kd, vd, causal=causal),
+        "fwd op impl": lambda: ops._fwd_impl(qd, kd, vd, None, None, 256, 256, scale, causal, -1, -1, 0.0,
+                                             None, 0.0, None, False),
+        "fwd launcher": lambda: attention.attention_forward(qd, kd, vd, softmax_scale=scale, causal=causal),
+        "fwd key+lookup": fwd_key,
+        "fwd allocs": lambda: (torch.empty(*out_shape, dtype=q.dtype, device=q.device),
+                               torch.empty(*lse_shape, dtype=torch.float32, device=q.device)),
+        "fwd gluon.forward": lambda: gluon.forward(pb, route, qd, kd, vd, fo, fl, prepared),
+        "bwd public threads": grad(True),
+        "bwd public no threads": grad(False),
+        "bwd op impl": lambda: ops._bwd_impl(do, qd, kd, vd, o, lse, rng, None, None, 256, 256, scale, causal,
+                                             -1, -1, 0.0, None, 0.0, None, False),
+        "bwd launcher": lambda: attention.attention_backward(do, qd, kd, vd, o, lse, softmax_scale=scale,
+                                                             causal=causal),
+        "bwd key+lookup": bwd_key,
+        "bwd allocs": bwd_allocs,
+        "bwd preprocess": lambda: preprocess((o, do, stats[1], qd, dq_acc, lse, stats[0], None, *pre_args)),
+        "bwd main launch": bwd_main,
+        "bwd gluon.backward": lambda: gluon.backward(bpb, broute, qd, kd, vd, do, stats, dq_acc, dk, dv,
+                                                     scale, bprepared),
+        "bwd dq .to": lambda: dq_acc.to(q.dtype),
+    }
+
+
+def main(path):
+    steps = _steps()
+    for fn in steps.values():  # compiled and cached before timing
+        fn()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in steps}
+    t0 = time.perf_counter()
+    for _ in range(7):
+        for name, fn in steps.items():
+            samples[name].append(per_call_us(fn, reps=1))
+    results = {name: statistics.median(s) for name, s in samples.items()}
+    for name, us in results.items():
+        print(f"{name:28} {us:7.1f} us/call", flush=True)
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    with open(path, "w") as f:
+        json.dump({"us_per_call": results, "device": torch.cuda.get_device_name()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
