@@ -24,7 +24,7 @@ and flash_attn_func / flash_attn_varlen_func take FP8 (e4m3) q, k, v for inferen
 
 from flashattn import _validate, interface_fp8
 from flashattn.errors import FlashAttnError
-from flashattn.ops.attention import attention, default_scale
+from flashattn.ops.attention import attn_fwd, default_scale
 from flashattn.ops.probs import attention_probs
 
 
@@ -52,23 +52,35 @@ def check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slope
     return window
 
 
+def _attend(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+            learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(out, softmax_lse, rng_state) of checked arguments, with autograd: the op's arguments in its order."""
+    if cu_seqlens_q is None:
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                    bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
+                    float(dropout_p), learnable_sink, bool(deterministic))
+
+
 def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, probs,
             learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """(out, softmax_lse, S_dmask, rng_state) of checked arguments, with autograd: what the public functions
     and flash_attn_interface's private ones share. probs: compute S_dmask (with dropout; else it is the
     empty tensor flash_attn returns)."""
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if cu_seqlens_q is None:
-        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-    options = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=float(softcap),
-                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), cu_seqlens_q=cu_seqlens_q,
-                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    out, lse, rng_state = attention(q, k, v, learnable_sink=learnable_sink, deterministic=deterministic,
-                                    **options)
+    out, lse, rng_state = _attend(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                                  deterministic, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k)
     if probs and dropout_p > 0:
         # flash_attn's S_dmask, from the forward's own (seed, offset): the probabilities and the keep mask
         # the kernels used
-        s_dmask = attention_probs(q, k, rng_state, **options)
+        if cu_seqlens_q is None:
+            max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+        s_dmask = attention_probs(
+            q, k, rng_state, softmax_scale=default_scale(q.shape[-1]) if softmax_scale is None
+            else float(softmax_scale), causal=causal, window_size=window, softcap=float(softcap),
+            alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     else:
         s_dmask = q.new_empty(0)  # flash_attn returns an empty tensor without dropout
     return out, lse, s_dmask, rng_state
@@ -77,10 +89,14 @@ def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_sl
 def _run(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
          return_attn_probs, learnable_sink, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
          max_seqlen_k=None):
-    out, lse, s_dmask, _ = forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-                                   deterministic, return_attn_probs, learnable_sink, cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return (out, lse, s_dmask) if return_attn_probs else out
+    if return_attn_probs:
+        out, lse, s_dmask, _ = forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
+                                       alibi_slopes, deterministic, True, learnable_sink, cu_seqlens_q,
+                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return out, lse, s_dmask
+    # out alone: no S_dmask placeholder to allocate
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                   learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)[0]
 
 
 def flash_attn_func(

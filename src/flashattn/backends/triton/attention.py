@@ -429,13 +429,13 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             dk = torch.empty(*k.shape, dtype=k.dtype, device=k.device)  # unpacked: as attention_forward's
             dv = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
             stats, dq_acc = gluon.backward_buffers(pb, q)
-            cu_q, stats_row0 = q, None
+            cu_q, offsets = q, (None, None)
             if pb.varlen:
                 cu_q = cu_seqlens_q
-                stats_row0 = gluon.varlen_tile_offsets(cu_seqlens_q, pb.batch, 4, q.shape[0])
-            preprocess((out, dout, stats[1], cu_q, dq_acc, lse, stats[0], stats_row0, *pre_args))
+                offsets = gluon.varlen_backward_offsets(pb, route, cu_seqlens_q, cu_seqlens_k, q, k)
+            preprocess((out, dout, stats[1], cu_q, dq_acc, lse, stats[0], offsets[0], *pre_args))
             return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
-                                  alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, stats_row0,
+                                  alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, offsets,
                                   block_mask=block_mask)[:4]
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, rng_seed,
                   rng_offset, cu_seqlens_q, max_seqlen_q, max_seqlen_k, learnable_sink, deterministic,
@@ -457,12 +457,13 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     # the Gluon backward adds dQ into a float32 buffer and reads D with the LSE in base 2 from padded planes
     # (gluon.backward_buffers): the preprocess zeroes the one and fills the other (no launch of its own)
     on_gluon = isinstance(route, routes.GluonBackward)
-    stats_row0 = None
+    offsets = (None, None)
     if on_gluon:
         stats, dq_acc = gluon.backward_buffers(pb, q)
         if pb.varlen:
-            # each sequence's rows in the stats planes from a 16-byte aligned offset (gluon.backward_buffers)
-            stats_row0 = gluon.varlen_tile_offsets(cu_seqlens_q, pb.batch, 4, q.shape[0])
+            # each sequence's rows in the stats planes from a 16-byte aligned offset (gluon.backward_buffers),
+            # with the kernel's key tiles
+            offsets = gluon.varlen_backward_offsets(pb, route, cu_seqlens_q, cu_seqlens_k, q, k)
         delta, lse2 = stats[1], stats[0]
         delta_rows = stats.shape[-1]
         # the planes' rows: (b·h, sq padded), or (h, total_q) under varlen
@@ -478,12 +479,12 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
     )
     pre_args = (*pb.rows(out), *pb.rows(dout), *lse_strides, *delta_strides, pb.nheads, pb.bounds(q, k)[0],
                 delta_rows)
-    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, stats_row0, *pre_args))
+    preprocess((out, dout, delta, cu_q, dq_acc, lse, lse2, offsets[0], *pre_args))
     if on_gluon:
         dq, dk, dv, dsink, prepared = gluon.backward(
             pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, alibi_slopes=alibi_slopes,
             learnable_sink=learnable_sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            stats_row0=stats_row0, dq_out=dq_out, block_mask=block_mask)
+            varlen_offsets=offsets, dq_out=dq_out, block_mask=block_mask)
         if key is not None:
             _remember(_backward_cache, key, (pb, route, preprocess, pre_args, prepared))
         return dq, dk, dv, dsink

@@ -188,13 +188,25 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
 def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int, total: int) -> torch.Tensor:
     """(batch + 1,) int32: the tiles of block_m rows before each sequence of a packed tensor of `total` rows
     (the last entry: all of them; the sequences clamped into those rows), which the varlen forward walks as
-    one list of query tiles, and the varlen backward as one of key tiles (kernels/triton/tiles.py)."""
+    one list of query tiles (kernels/triton/tiles.py)."""
     from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
 
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=cu_seqlens.device)
-    launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, batch, total, BLOCK_M=block_m,
-           BLOCK_B=1024)
+    launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, total, block_m, cu_seqlens, offsets, total,
+           block_m, batch, BLOCK_B=1024)
     return offsets
+
+
+def varlen_backward_offsets(pb, route: GluonBackward, cu_seqlens_q, cu_seqlens_k, q, k) -> tuple:
+    """(stats_row0, key_tiles), (batch + 1,) int32 each, in one launch: the varlen backward's 4-row steps
+    before each sequence's rows in the stats planes (`backward_buffers`) and its key tiles before each
+    sequence (varlen_tile_offsets' lists, of the packed q's and k's rows)."""
+    from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
+
+    both = torch.empty(2, pb.batch + 1, dtype=torch.int32, device=q.device)
+    launch(varlen_tile_offsets_kernel, (2,), cu_seqlens_q, both[0], q.shape[0], 4, cu_seqlens_k, both[1],
+           k.shape[0], route.tiles.block_n, pb.batch, BLOCK_B=1024)
+    return both[0], both[1]
 
 
 def fp8_args(pb, descales) -> tuple:
@@ -306,9 +318,10 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
 def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
     """(stats, dq_acc) in one allocation. stats: the backward kernel's per-row statistics, which the
     preprocess fills: (2, b·h, sq rounded up to 4) float32, [0] the LSE in base 2, [1] D = rowsum(dO ∘ O);
-    varlen: (2, h, rows) with sequence b's rows from 4 · stats_row0[b] on (varlen_tile_offsets of cu_seqlens_q
-    in 4-row steps), a bound on those offsets' end, the rows between sequences unwritten (the kernel counts
-    every row past a sequence's end as a row without keys, whatever its stats). The kernel's loader brings
+    varlen: (2, h, rows) with sequence b's rows from 4 · stats_row0[b] on (`varlen_backward_offsets`: the
+    tiles of 4 rows before each query sequence), a bound on those offsets' end, the rows between sequences
+    unwritten (the kernel counts every row past a sequence's end as a row without keys, whatever its
+    stats). The kernel's loader brings
     both with each (Q, dO) tile through one TMA copy, whose start in the innermost dim must be 16-byte
     aligned (an unaligned one stopped the H200 on an illegal instruction): hence the padding. dq_acc: the
     float32 buffer shaped like q (contiguous) into which the kernel adds dQ, zeroed by the preprocess; it
@@ -324,13 +337,13 @@ def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale: float,
              prepared: Prepared | None = None, alibi_slopes=None, learnable_sink=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, stats_row0=None, dq_out=None, block_mask=None) -> tuple:
+             cu_seqlens_k=None, varlen_offsets=None, dq_out=None, block_mask=None) -> tuple:
     """dq, dk and dv (dk and dv filled: attention_backward's contract; dq written into dq_out where given)
     and the sink's gradient ((h,) float32, or None without learnable_sink), with the warp-specialised
     backward; stats and dq_acc: as
     `backward_buffers` gives them, filled by the preprocess. prepared: as `forward`'s. Varlen (pb.varlen,
-    cu_seqlens and stats_row0 given, see `backward_buffers`): the packed tensors go to the descriptors as one
-    batch, and the kernel gets the key tiles before each sequence (`varlen_tile_offsets`). block_mask: a
+    cu_seqlens and varlen_offsets given: `varlen_backward_offsets`' pair): the packed tensors go to the
+    descriptors as one batch, and the kernel gets the key tiles before each sequence. block_mask: a
     block-sparse call's BlockMaskKernelTensors (128 x 128 blocks, padded layout, no band) on attn_bwd.py's
     kernel, whose key tiles walk its column lists (kernels/gluon/sparse_bwd.py). Returns (dq, dk, dv, dsink,
     the launch prepared)."""
@@ -338,8 +351,8 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
     varlen = (None,) * 10
     if pb.varlen:
         streamed = tuple(t.unsqueeze(0) for t in streamed)
-        plan = varlen_tile_offsets(cu_seqlens_k, pb.batch, route.tiles.block_n, k.shape[0])
-        varlen = (cu_seqlens_q, cu_seqlens_k, plan, stats_row0, dk, dv, dk.stride(0), dk.stride(1),
+        stats_row0, key_tiles = varlen_offsets
+        varlen = (cu_seqlens_q, cu_seqlens_k, key_tiles, stats_row0, dk, dv, dk.stride(0), dk.stride(1),
                   dv.stride(0), dv.stride(1))
     split = (None, None)
     if route.group_split > 1:
