@@ -1,6 +1,6 @@
 """Host time of each step of a repeated attention call, forward and backward, on the launchers' cached path
 (CUDA only): what the layers of scripts/host_profile.py are made of, beside the same torch operations
-(an allocation, a cast, one elementwise kernel) as units.
+(an allocation, a cast, one elementwise kernel) as units and SDPA-cuDNN's forward and backward.
 
 The problem is host_profile.py's tiny one (b=1, h=2, N=256, d=128, causal, bf16); each step runs on its own,
 back to back without a sync, the median of 7 repetitions of 200 calls (host_profile.per_call_us), the steps
@@ -15,7 +15,9 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from host_profile import per_call_us  # this script's folder is on sys.path
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
 from flashattn.backends.triton import attention, gluon
@@ -70,9 +72,25 @@ def _steps():
                 torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         return run
 
+    qt, kt, vt, dot = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v, do))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    cudnn_out = cudnn()
+
+    def cudnn_grad(threads):
+        def run():
+            with torch.autograd.set_multithreading_enabled(threads):
+                torch.autograd.grad(cudnn_out, (qt, kt, vt), dot, retain_graph=True)
+        return run
+
     x = torch.randn(256, 2, d, device="cuda", dtype=torch.bfloat16)
     xf = x.float()
     return {
+        "cudnn fwd": cudnn,
+        "cudnn bwd threads": cudnn_grad(True),
+        "cudnn bwd no threads": cudnn_grad(False),
         "unit torch.empty": lambda: torch.empty(256, 2, d, dtype=torch.bfloat16, device="cuda"),
         "unit float->bf16 .to": lambda: xf.to(torch.bfloat16),
         "unit x * 2": lambda: x * 2,
