@@ -70,8 +70,9 @@
 #                 SPARSE_PROVIDERS: another list (flex-fa4-sparse added with FA4)
 #   profile-inference
 #                 Nsight Compute on the FP8 forward beside the bf16 one (d 64/128/256, 16K tokens) and on decode
-#                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache, contiguous and paged 64): sections and
-#                 pipe metrics, ncu-*.txt
+#                 steps (b1 4K/16K, b16 64K on a bf16 and an FP8 cache, contiguous and paged 64; b16 4K beside
+#                 SDPA-cuDNN's kernel on the same cache): sections and pipe metrics, ncu-*.txt
+#                 (PROFILE_CASES: a regex of case names)
 #   profile-training
 #                 Nsight Compute on one training backward (scripts/ncu_case.py; PROFILE_CASE, default the wide
 #                 heads' "192 8192 causal dv=128") for ours and for cuDNN's (and FA4's) kernel on the same
@@ -237,6 +238,8 @@ decode-b16-64k:decode_kernel:decode 16 65536
 decode-b16-64k-fp8:decode_kernel:decode 16 65536 fp8
 decode-b16-64k-page64:decode_kernel:decode 16 65536 page=64
 decode-b16-64k-fp8-page64:decode_kernel:decode 16 65536 fp8 page=64
+decode-b16-4k:decode_kernel:decode 16 4096
+decode-b16-4k-cudnn:sdpa:decode 16 4096 cudnn
 CASES
 )
       # compile every case first, side by side, so that each profiled process finds its kernels cached

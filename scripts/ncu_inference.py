@@ -3,13 +3,14 @@
     ncu --kernel-name regex:attn_fwd_ws --launch-skip 2 --launch-count 1 --section ... \
         python scripts/ncu_inference.py fwd D N [causal] [fp8]
     ncu --kernel-name regex:decode_kernel --launch-skip 2 --launch-count 1 --section ... \
-        python scripts/ncu_inference.py decode B KV [fp8] [page=P]
+        python scripts/ncu_inference.py decode B KV [fp8] [page=P] [cudnn]
 
 fwd: b x N = 16K tokens, h = 2048 / d (the fp8 suite's grid), q, k, v quantised per tensor with V laid out
 seqlen-contiguous (the layout the FP8 P.V product reads without a copy); without `fp8`, the same call in
 bf16. decode: one query per sequence, 32 query heads on 8 KV heads, d 128, every sequence KV keys, the
-cache bf16 or e4m3 (per (sequence, KV head) descales), contiguous or paged. Three calls run, so the profiled
-launch (skip 2) is compiled and cached.
+cache bf16 or e4m3 (per (sequence, KV head) descales), contiguous or paged; `cudnn`: SDPA-cuDNN's step on
+the same contiguous bf16 cache instead (enable_gqa; its kernels' names hold "sdpa"). Three calls run, so the
+profiled launch (skip 2) is compiled and cached.
 """
 
 import sys
@@ -45,6 +46,15 @@ else:
 
     def call():
         return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, **kwargs)
+    if "cudnn" in flags:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def call():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 for _ in range(3):
     call()
 torch.cuda.synchronize()
