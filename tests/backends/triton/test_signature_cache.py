@@ -277,9 +277,9 @@ def test_a_varlen_hit_launches_as_the_uncached_path(h200, monkeypatch, hk):
     q, k, v, cu, longest = _packed([100, 60, 96], hk=hk)
     dout = torch.randn_like(q)
     names = {t.data_ptr(): n for n, t in dict(q=q, k=k, v=v, dout=dout, cu=cu).items()}
-    runs = []
+    runs, cacheable = [], attention._cacheable
     for cached in (True, True, False):
-        monkeypatch.setattr(attention, "_cacheable", attention._cacheable if cached else lambda *a: False)
+        monkeypatch.setattr(attention, "_cacheable", cacheable if cached else lambda *a: False)
         h200.clear()
         out, lse = _fwd(q, k, v, **_varlen(cu, longest))
         names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
@@ -293,6 +293,14 @@ def test_a_varlen_hit_launches_as_the_uncached_path(h200, monkeypatch, hk):
                                           "attn_bwd_preprocess_kernel", "attn_bwd_ws_kernel"]
     assert hit == miss == uncached
     assert len(attention._forward_cache) == len(attention._backward_cache) == 1
+    # a hit's offsets through the launches kept with its Gluon launches: no argument keyed per call
+    keyed = []
+    monkeypatch.setattr(attention, "_cacheable", cacheable)
+    monkeypatch.setattr(gluon, "launch", lambda *a, **kw: keyed.append(a[0]))
+    h200.clear()
+    out, lse = _fwd(q, k, v, **_varlen(cu, longest))
+    _bwd(q, k, v, out, lse, dout, **_varlen(cu, longest))
+    assert not keyed and [name for _, name, _ in h200] == [name for name, *_ in hit]
 
 
 def test_a_varlen_hit_launches_the_calls_own_offsets(h200):

@@ -432,7 +432,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale: float, causal:
             cu_q, offsets = q, (None, None)
             if pb.varlen:
                 cu_q = cu_seqlens_q
-                offsets = gluon.varlen_backward_offsets(pb, route, cu_seqlens_q, cu_seqlens_k, q, k)
+                offsets = gluon.varlen_backward_offsets(pb, route, cu_seqlens_q, cu_seqlens_k, q, k,
+                                                        prepared.schedule)
             preprocess((out, dout, stats[1], cu_q, dq_acc, lse, stats[0], offsets[0], *pre_args))
             return gluon.backward(pb, route, q, k, v, dout, stats, dq_acc, dk, dv, softmax_scale, prepared,
                                   alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k, offsets,

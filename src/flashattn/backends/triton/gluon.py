@@ -102,12 +102,13 @@ class Prepared:
     then a plan); after that, where this Triton allows it (flashattn._internals.direct_launch), straight to
     the compiled kernel's launcher with the descriptors filled from their base tensors."""
 
-    __slots__ = ("launch", "specs", "args", "direct", "direct_plan")
+    __slots__ = ("launch", "specs", "args", "schedule", "direct", "direct_plan")
 
-    def __init__(self, launch: Bound, specs: tuple, args: tuple):
+    def __init__(self, launch: Bound, specs: tuple, args: tuple, schedule: Bound | None = None):
         self.launch = launch
         self.specs = specs  # _descriptor_spec of each descriptor parameter, in order (they come first)
         self.args = args  # the arguments between the per-call tensors that follow the descriptors
+        self.schedule = schedule  # a varlen call's launch of the tile-offsets kernel (`_schedule`)
         self.direct = None  # the direct launch of direct_plan's compiled kernel, where this Triton allows one
         self.direct_plan = None
 
@@ -166,18 +167,18 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     streamed = (q, k, v, out)
     if descales is not None:
         streamed = (q, k, kmajor_v(v, pb.varlen), out)
+    if prepared is None:
+        prepared = _prepare_forward(pb, route, *_as_batch(pb, streamed), lse, fp8=descales is not None)
     varlen = (None,) * 7
     if pb.varlen:
-        streamed = tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in streamed)
         # packed GQA tiles (route.pack, which divides block_m under varlen): block_m // pack positions each
-        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m // route.pack, q.shape[0])
+        offsets = varlen_tile_offsets(cu_seqlens_q, pb.batch, route.tiles.block_m // route.pack, q.shape[0],
+                                      prepared.schedule)
         varlen = (cu_seqlens_q, cu_seqlens_k, offsets, out, out.stride(0), out.stride(1), pb.dv)
     pages = (None,) * 5
     if block_table is not None:
         page_size = k.shape[1]
         pages = (block_table, block_table.stride(0), k.shape[0], page_size, block_table.shape[1] * page_size)
-    if prepared is None:
-        prepared = _prepare_forward(pb, route, *streamed, lse, fp8=descales is not None)
     # the tiles past the first of each program go to whichever program asks first: a zeroed counter
     rest = (lse, *prepared.args, _tile_counter(q.device), *alibi_args(alibi_slopes), learnable_sink, *varlen,
             *pages, *fp8_args(pb, descales), *sparse_args(block_mask, route.tiles.block_n))
@@ -185,28 +186,56 @@ def forward(pb, route: GluonForward, q, k, v, out, lse, prepared: Prepared | Non
     return prepared
 
 
-def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int, total: int) -> torch.Tensor:
-    """(batch + 1,) int32: the tiles of block_m rows before each sequence of a packed tensor of `total` rows
-    (the last entry: all of them; the sequences clamped into those rows), which the varlen forward walks as
-    one list of query tiles (kernels/triton/tiles.py)."""
+def _as_batch(pb, tensors: tuple) -> tuple:
+    """The streamed tensors as the descriptors see them: a varlen call's packed ones (tokens, heads, d) as
+    one batch (1, tokens, heads, d). Only a launch's preparation needs the views: a launch reads nothing of
+    a descriptor's base but its address, its shape and strides being the prepared ones."""
+    if not pb.varlen:
+        return tensors
+    return tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in tensors)
+
+
+def _schedule(pb, lists: int) -> Bound | None:
+    """A varlen call's launch of the tile-offsets kernel, `lists` lists (the forward's one, the backward's
+    two), kept in its Prepared: the call's signature fixes every argument of it but the tensors (the
+    packed tokens, the batch and the tiles)."""
     from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
 
+    return Bound(varlen_tile_offsets_kernel, (lists,), dict(BLOCK_B=1024)) if pb.varlen else None
+
+
+def _tile_offsets(schedule: Bound | None, lists: int, args: tuple) -> None:
+    if schedule is not None:
+        schedule(args)
+    else:
+        from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
+
+        launch(varlen_tile_offsets_kernel, (lists,), *args, BLOCK_B=1024)
+
+
+def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int, total: int,
+                        schedule: Bound | None = None) -> torch.Tensor:
+    """(batch + 1,) int32: the tiles of block_m rows before each sequence of a packed tensor of `total` rows
+    (the last entry: all of them; the sequences clamped into those rows), which the varlen forward walks as
+    one list of query tiles (kernels/triton/tiles.py). schedule: the forward's kept launch (Prepared), or
+    None."""
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=cu_seqlens.device)
-    launch(varlen_tile_offsets_kernel, (1,), cu_seqlens, offsets, total, block_m, cu_seqlens, offsets, total,
-           block_m, batch, BLOCK_B=1024)
+    # one list: the second one's arguments repeat the first's (a grid of one never reads them)
+    _tile_offsets(schedule, 1, (cu_seqlens, offsets, total, block_m) * 2 + (batch,))
     return offsets
 
 
-def varlen_backward_offsets(pb, route: GluonBackward, cu_seqlens_q, cu_seqlens_k, q, k) -> tuple:
+def varlen_backward_offsets(pb, route: GluonBackward, cu_seqlens_q, cu_seqlens_k, q, k,
+                            schedule: Bound | None = None) -> tuple:
     """(stats_row0, key_tiles), (batch + 1,) int32 each, in one launch: the varlen backward's 4-row steps
     before each sequence's rows in the stats planes (`backward_buffers`) and its key tiles before each
-    sequence (varlen_tile_offsets' lists, of the packed q's and k's rows)."""
-    from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
-
-    both = torch.empty(2, pb.batch + 1, dtype=torch.int32, device=q.device)
-    launch(varlen_tile_offsets_kernel, (2,), cu_seqlens_q, both[0], q.shape[0], 4, cu_seqlens_k, both[1],
-           k.shape[0], route.tiles.block_n, pb.batch, BLOCK_B=1024)
-    return both[0], both[1]
+    sequence (varlen_tile_offsets' lists, of the packed q's and k's rows). schedule: the backward's kept
+    launch (Prepared), or None."""
+    both = torch.empty(2 * (pb.batch + 1), dtype=torch.int32, device=q.device)
+    rows, tiles = both[:pb.batch + 1], both[pb.batch + 1:]
+    _tile_offsets(schedule, 2, (cu_seqlens_q, rows, q.shape[0], 4, cu_seqlens_k, tiles, k.shape[0],
+                                route.tiles.block_n, pb.batch))
+    return rows, tiles
 
 
 def fp8_args(pb, descales) -> tuple:
@@ -311,7 +340,7 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     return Prepared(
         Bound(attn_fwd_ws_kernel, (n_programs,), kwargs), specs,
         (*lse_strides, heads, *_lengths(pb, q, k), pb.scalars[0], n_bh, route.lpt_group, left, right,
-         *softcap_args(pb)),
+         *softcap_args(pb)), _schedule(pb, 1),
     )
 
 
@@ -350,7 +379,6 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
     streamed = (q, dout, k, v, dk, dv, dq_acc)
     varlen = (None,) * 10
     if pb.varlen:
-        streamed = tuple(t.unsqueeze(0) for t in streamed)
         stats_row0, key_tiles = varlen_offsets
         varlen = (cu_seqlens_q, cu_seqlens_k, key_tiles, stats_row0, dk, dv, dk.stride(0), dk.stride(1),
                   dv.stride(0), dv.stride(1))
@@ -382,7 +410,7 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
     elif block_mask is not None:
         raise FlashAttnError("the wide heads' Gluon backward has no block-sparse variant")
     if prepared is None:
-        prepared = _prepare_backward(pb, route, *streamed, stats, softmax_scale)
+        prepared = _prepare_backward(pb, route, *_as_batch(pb, streamed), stats, softmax_scale)
     prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split, learnable_sink,
                                   dsink, *lock, *sparse))
     if route.group_split > 1:
@@ -457,5 +485,5 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
     return Prepared(
         Bound(kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
         (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
-         *softcap_args(pb), pb.d, pb.dv),
+         *softcap_args(pb), pb.d, pb.dv), _schedule(pb, 2),
     )
