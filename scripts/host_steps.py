@@ -72,6 +72,12 @@ def _steps():
                 torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         return run
 
+    def step(threads, forward, inputs, grad_out):  # a training step's attention: forward, then backward
+        def run():
+            with torch.autograd.set_multithreading_enabled(threads):
+                torch.autograd.grad(forward(), inputs, grad_out)
+        return run
+
     qt, kt, vt, dot = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v, do))
 
     def cudnn():
@@ -91,6 +97,11 @@ def _steps():
         "cudnn fwd": cudnn,
         "cudnn bwd threads": cudnn_grad(True),
         "cudnn bwd no threads": cudnn_grad(False),
+        "cudnn fwd+bwd threads": step(True, cudnn, (qt, kt, vt), dot),
+        "cudnn fwd+bwd no threads": step(False, cudnn, (qt, kt, vt), dot),
+        "fwd+bwd public threads": step(True, lambda: flash_attn_func(q, k, v, causal=causal), (q, k, v), do),
+        "fwd+bwd public no threads": step(False, lambda: flash_attn_func(q, k, v, causal=causal), (q, k, v),
+                                          do),
         "unit torch.empty": lambda: torch.empty(256, 2, d, dtype=torch.bfloat16, device="cuda"),
         "unit float->bf16 .to": lambda: xf.to(torch.bfloat16),
         "unit x * 2": lambda: x * 2,
