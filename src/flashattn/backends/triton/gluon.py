@@ -350,11 +350,10 @@ def backward_buffers(pb, q) -> tuple[torch.Tensor, torch.Tensor]:
     varlen: (2, h, rows) with sequence b's rows from 4 · stats_row0[b] on (`varlen_backward_offsets`: the
     tiles of 4 rows before each query sequence), a bound on those offsets' end, the rows between sequences
     unwritten (the kernel counts every row past a sequence's end as a row without keys, whatever its
-    stats). The kernel's loader brings
-    both with each (Q, dO) tile through one TMA copy, whose start in the innermost dim must be 16-byte
-    aligned (an unaligned one stopped the H200 on an illegal instruction): hence the padding. dq_acc: the
-    float32 buffer shaped like q (contiguous) into which the kernel adds dQ, zeroed by the preprocess; it
-    starts 16-byte aligned after the planes."""
+    stats). The kernel's loader brings both with each (Q, dO) tile through one TMA copy, whose start in the
+    innermost dim must be 16-byte aligned (an unaligned one stopped the H200 on an illegal instruction):
+    hence the padding. dq_acc: the float32 buffer shaped like q (contiguous) into which the kernel adds dQ,
+    zeroed by the preprocess; it starts 16-byte aligned after the planes."""
     if pb.varlen:
         rows, planes = 4 * (-(-q.shape[0] // 4) + pb.batch), pb.nheads
     else:
