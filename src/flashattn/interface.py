@@ -24,7 +24,8 @@ and flash_attn_func / flash_attn_varlen_func take FP8 (e4m3) q, k, v for inferen
 
 from flashattn import _validate, interface_fp8
 from flashattn.errors import FlashAttnError
-from flashattn.ops.attention import attn_fwd, default_scale
+from flashattn.ops import attention as attention_ops
+from flashattn.ops.attention import default_scale
 from flashattn.ops.probs import attention_probs
 
 
@@ -58,9 +59,9 @@ def _attend(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_sl
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                    bool(causal), int(window[0]), int(window[1]), float(softcap), alibi_slopes,
-                    float(dropout_p), learnable_sink, bool(deterministic))
+    return attention_ops.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                  scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
+                                  alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))
 
 
 def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic, probs,
@@ -76,11 +77,12 @@ def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_sl
         # the kernels used
         if cu_seqlens_q is None:
             max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-        s_dmask = attention_probs(
-            q, k, rng_state, softmax_scale=default_scale(q.shape[-1]) if softmax_scale is None
-            else float(softmax_scale), causal=causal, window_size=window, softcap=float(softcap),
-            alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        s_dmask = attention_probs(q, k, rng_state, softmax_scale=scale, causal=causal, window_size=window,
+                                  softcap=float(softcap), alibi_slopes=alibi_slopes,
+                                  dropout_p=float(dropout_p), cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_k=max_seqlen_k)
     else:
         s_dmask = q.new_empty(0)  # flash_attn returns an empty tensor without dropout
     return out, lse, s_dmask, rng_state

@@ -151,11 +151,3 @@ def _paged_fwd_fake(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen
 # needs one takes attn_fwd on the gathered keys (flashattn.paged)
 attn_fwd_paged = Op("attn_fwd_paged", _paged_fwd_impl, fake=_paged_fwd_fake)
 
-
-def attention(q, k, v, *, softmax_scale: float, causal: bool, window_size=(-1, -1), softcap: float = 0.0,
-              alibi_slopes=None, dropout_p: float = 0.0, learnable_sink=None, deterministic: bool = False,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """(out, lse, rng_state) with autograd (none when nothing needs a gradient: inference)."""
-    return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                    float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-                    float(softcap), alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))
