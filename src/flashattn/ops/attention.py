@@ -150,4 +150,3 @@ def _paged_fwd_fake(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen
 # the paged varlen forward for calls that need no gradient (inference prefill): no autograd; a call that
 # needs one takes attn_fwd on the gathered keys (flashattn.paged)
 attn_fwd_paged = Op("attn_fwd_paged", _paged_fwd_impl, fake=_paged_fwd_fake)
-

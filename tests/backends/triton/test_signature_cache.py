@@ -21,6 +21,7 @@ import flashattn.kernels.gluon.attn_bwd as bwd_ws_kernels
 import flashattn.kernels.gluon.attn_fwd as fwd_ws_kernels
 from flashattn import _validate, flash_attn_func
 from flashattn.backends.triton import attention, gluon, routes
+from flashattn.backends.triton import launch as launch_mod
 
 
 @pytest.fixture
@@ -296,7 +297,7 @@ def test_a_varlen_hit_launches_as_the_uncached_path(h200, monkeypatch, hk):
     # a hit's offsets through the launches kept with its Gluon launches: no argument keyed per call
     keyed = []
     monkeypatch.setattr(attention, "_cacheable", cacheable)
-    monkeypatch.setattr(gluon, "launch", lambda *a, **kw: keyed.append(a[0]))
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: keyed.append(a[0]))
     h200.clear()
     out, lse = _fwd(q, k, v, **_varlen(cu, longest))
     _bwd(q, k, v, out, lse, dout, **_varlen(cu, longest))

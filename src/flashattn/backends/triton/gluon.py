@@ -31,7 +31,7 @@ import torch
 
 from flashattn import _internals
 from flashattn.backends.triton import host
-from flashattn.backends.triton.launch import Bound, launch
+from flashattn.backends.triton.launch import Bound
 from flashattn.backends.triton.merge import sm_count
 from flashattn.backends.triton.routes import HALF_M, GluonBackward, GluonForward
 from flashattn.errors import FlashAttnError
@@ -195,22 +195,17 @@ def _as_batch(pb, tensors: tuple) -> tuple:
     return tuple(t if t.dim() == 4 else t.unsqueeze(0) for t in tensors)
 
 
-def _schedule(pb, lists: int) -> Bound | None:
-    """A varlen call's launch of the tile-offsets kernel, `lists` lists (the forward's one, the backward's
-    two), kept in its Prepared: the call's signature fixes every argument of it but the tensors (the
-    packed tokens, the batch and the tiles)."""
+def _schedule(lists: int) -> Bound:
+    """A launch of the tile-offsets kernel writing `lists` lists (the forward's one, the backward's two). A
+    varlen call's Prepared keeps one: the call's signature fixes every argument of it but the tensors (the
+    packed tokens, the batch and the tiles); a fresh one's first call goes through `launch`."""
     from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
 
-    return Bound(varlen_tile_offsets_kernel, (lists,), dict(BLOCK_B=1024)) if pb.varlen else None
+    return Bound(varlen_tile_offsets_kernel, (lists,), dict(BLOCK_B=1024))
 
 
 def _tile_offsets(schedule: Bound | None, lists: int, args: tuple) -> None:
-    if schedule is not None:
-        schedule(args)
-    else:
-        from flashattn.kernels.triton.tiles import varlen_tile_offsets_kernel
-
-        launch(varlen_tile_offsets_kernel, (lists,), *args, BLOCK_B=1024)
+    (schedule if schedule is not None else _schedule(lists))(args)
 
 
 def varlen_tile_offsets(cu_seqlens, batch: int, block_m: int, total: int,
@@ -339,7 +334,7 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     return Prepared(
         Bound(attn_fwd_ws_kernel, (n_programs,), kwargs), specs,
         (*lse_strides, heads, *_lengths(pb, q, k), pb.scalars[0], n_bh, route.lpt_group, left, right,
-         *softcap_args(pb)), _schedule(pb, 1),
+         *softcap_args(pb)), _schedule(1) if pb.varlen else None,
     )
 
 
@@ -483,5 +478,5 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
     return Prepared(
         Bound(kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,
         (pb.nheads_k, *_lengths(pb, q, k), pb.scalars[0], softmax_scale, n_bhk, route.kv_group, left, right,
-         *softcap_args(pb), pb.d, pb.dv), _schedule(pb, 2),
+         *softcap_args(pb), pb.d, pb.dv), _schedule(2) if pb.varlen else None,
     )
