@@ -1,9 +1,10 @@
-"""Host time per call of two builds of flashattn side by side in one process, and SDPA-cuDNN's (CUDA only).
+"""Host time per call of two builds of flashattn side by side in one process, with SDPA-cuDNN's and
+FlashAttention-4's (CUDA only; FA4 where its wheels came along: carry .fa4a / .fa4b as device_run.sh says).
 
 The device machine's CPU speed moves by up to 2x between processes and within one, so host times from two
 processes do not compare. This imports this tree's `flashattn` and a second copy of another revision under
 another name (scripts/vendor_tree.sh REV NAME makes it: `.baseline/src/NAME`, its imports and op namespace
-renamed), then times each call in alternating rounds: every round runs each build and cuDNN back to back,
+renamed), then times each call in alternating rounds: every round runs each build, cuDNN and FA4 back to back,
 and the report gives the medians over rounds and the median of the per-round ratios; the order within a
 round flips from one round to the next.
 
@@ -11,7 +12,7 @@ Calls (tiny problems, so the GPU never holds the host back; wall time per call o
 a sync): the forward with inputs that require grad (what training does), forward + backward, inference
 (no grad), at b=1 h=2 N=256 d=128 causal and b=1 h=2 N=256 d=64; and decode (flash_attn_with_kvcache, batch 1,
 32 / 8 heads, 4K keys, d=128) beside SDPA-cuDNN's and SDPA-flash's decode; then packed documents (forward,
-forward + backward) and a paged prefill, which SDPA cannot express.
+forward + backward; FA4's varlen call beside them) and a paged prefill, which SDPA cannot express.
 
     PYTHONPATH=src:.baseline/src python scripts/host_ab.py OUT.json [NAME] [--rounds 15]
 """
@@ -45,8 +46,19 @@ def _sdpa(backend, q, k, v, causal):
     return call
 
 
+def _fa4():
+    """FlashAttention-4's interface where its wheels came along (device_run.sh's fa4-libs), else None."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError:
+        return None
+    return interface
+
+
 def _cases(builds):
-    """{case: {impl: closure}}: each build's calls and SDPA-cuDNN's on the same tensors."""
+    """{case: {impl: closure}}: each build's calls, SDPA-cuDNN's and FA4's (where it imports) on the same
+    tensors."""
+    fa4 = _fa4()
     cases = {}
     for d, causal in ((128, True), (64, False)):
         q, k, v = (torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -69,6 +81,15 @@ def _cases(builds):
         fwd["cudnn"] = cudnn
         train["cudnn"] = lambda cudnn=cudnn, dot=dot, qt=qt, kt=kt, vt=vt: torch.autograd.grad(
             cudnn(), (qt, kt, vt), dot)
+        if fa4 is not None:
+            fwd["fa4"] = lambda q=q, k=k, v=v, c=causal: fa4.flash_attn_func(q, k, v, causal=c)[0]
+            train["fa4"] = lambda q=q, k=k, v=v, do=do, c=causal: torch.autograd.grad(
+                fa4.flash_attn_func(q, k, v, causal=c)[0], (q, k, v), do)
+
+            def fa4_nograd(q=q, k=k, v=v, c=causal):
+                with torch.no_grad():
+                    return fa4.flash_attn_func(q, k, v, causal=c)[0]
+            infer["fa4"] = fa4_nograd
 
         def cudnn_nograd(cudnn=cudnn):
             with torch.no_grad():
@@ -86,11 +107,11 @@ def _cases(builds):
     for backend, label in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "sdpa-flash")):
         decode[label] = _sdpa(backend, qt, kt, vt, False)
     cases["decode b1 4K"] = decode
-    cases.update(_varlen_cases(builds))
+    cases.update(_varlen_cases(builds, fa4))
     return cases
 
 
-def _varlen_cases(builds):
+def _varlen_cases(builds, fa4):
     """Packed documents (8 short ones, h2 d128 causal: forward with grad, forward + backward) and a paged
     prefill on its pools (pages of 128, no grad): calls cuDNN has no argument for."""
     lens = [17, 64, 3, 100, 40, 9, 23, 0]
@@ -116,6 +137,12 @@ def _varlen_cases(builds):
                 return fa.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 17, max(lens_k), causal=True,
                                                  block_table=table)
         paged[label] = pages
+    if fa4 is not None:
+        def fa4_call():
+            return fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                              max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True)[0]
+        fwd["fa4"] = fa4_call
+        train["fa4"] = lambda: torch.autograd.grad(fa4_call(), (q, k, v), do)
     return {"varlen docs fwd": fwd, "varlen docs fwd+bwd": train, "paged prefill": paged}
 
 
@@ -149,9 +176,10 @@ def main():
             if impl != "cudnn" and "cudnn" in per_impl:
                 pairs = zip(per_impl[impl], per_impl["cudnn"], strict=True)
                 row[f"{impl}/cudnn"] = statistics.median(a / c for a, c in pairs)
-        if "baseline" in per_impl:
-            row["current/baseline"] = statistics.median(
-                a / b for a, b in zip(per_impl["current"], per_impl["baseline"], strict=True))
+        for other in ("baseline", "fa4"):
+            if other in per_impl:
+                row[f"current/{other}"] = statistics.median(
+                    a / b for a, b in zip(per_impl["current"], per_impl[other], strict=True))
         report[case] = row
         shown = (f"{k} {v:.3f}" if "/" in k else f"{k} {v:.1f} us" for k, v in row.items())
         print(f"{case:22}", "  ".join(shown), flush=True)

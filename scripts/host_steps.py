@@ -1,6 +1,7 @@
 """Host time of each step of a repeated attention call, forward and backward, on the launchers' cached path
 (CUDA only): what the layers of scripts/host_profile.py are made of, beside the same torch operations
-(an allocation, a cast, one elementwise kernel) as units and SDPA-cuDNN's forward and backward.
+(an allocation, a cast, one elementwise kernel) as units, SDPA-cuDNN's forward and backward, and
+FlashAttention-4's where its wheels came along (scripts/host_ab.py's `_fa4`).
 
 The problem is host_profile.py's tiny one (b=1, h=2, N=256, d=128, causal, bf16); each step runs on its own,
 back to back without a sync, the median of 7 repetitions of 200 calls (host_profile.per_call_us), the steps
@@ -16,7 +17,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from host_profile import per_call_us  # this script's folder is on sys.path
+from host_ab import _fa4  # this script's folder is on sys.path
+from host_profile import per_call_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
@@ -93,7 +95,15 @@ def _steps():
 
     x = torch.randn(256, 2, d, device="cuda", dtype=torch.bfloat16)
     xf = x.float()
+    fa4 = _fa4()
+    fa4_steps = {}
+    if fa4 is not None:
+        def fa4_fwd():
+            return fa4.flash_attn_func(q, k, v, causal=causal)[0]
+        fa4_steps = {"fa4 fwd": fa4_fwd, "fa4 fwd+bwd threads": step(True, fa4_fwd, (q, k, v), do),
+                     "fa4 fwd+bwd no threads": step(False, fa4_fwd, (q, k, v), do)}
     return {
+        **fa4_steps,
         "cudnn fwd": cudnn,
         "cudnn bwd threads": cudnn_grad(True),
         "cudnn bwd no threads": cudnn_grad(False),
