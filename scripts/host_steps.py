@@ -1,6 +1,7 @@
 """Host time of each step of a repeated attention call, forward and backward, on the launchers' cached path
 (CUDA only): what the layers of scripts/host_profile.py are made of, beside the same torch operations
-(an allocation, a cast, one elementwise kernel) as units, SDPA-cuDNN's forward and backward, and
+(an allocation, a cast, one elementwise kernel, the autograd engine around nodes that launch nothing) as
+units, SDPA-cuDNN's forward and backward, and
 FlashAttention-4's where its wheels came along (scripts/host_ab.py's `_fa4`).
 
 The problem is host_profile.py's tiny one (b=1, h=2, N=256, d=128, causal, bf16); each step runs on its own,
@@ -24,6 +25,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashattn import flash_attn_func
 from flashattn.backends.triton import attention, gluon
 from flashattn.ops import attention as ops
+
+
+class _Pass(torch.autograd.Function):
+    """A node of three inputs whose backward launches nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad, grad
 
 
 def _steps():
@@ -68,11 +81,16 @@ def _steps():
         bprepared((qd, do, kd, vd, dk, dv, dq_acc, stats),
                   (*bprepared.args, *(None,) * 17, 0, 0, *gluon.sparse_backward_args(None)))
 
-    def grad(threads):
+    def grad(threads, output=out, inputs=(q, k, v)):
         def run():
             with torch.autograd.set_multithreading_enabled(threads):
-                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                torch.autograd.grad(output, inputs, do, retain_graph=True)
         return run
+
+    # the engine's own cost around a node that launches nothing: a Python node like ours (three inputs)
+    # and a C++ one (a view's), each on the calling thread and on the device threads
+    passed = _Pass.apply(q, k, v)
+    viewed = q.view(q.shape)
 
     def step(threads, forward, inputs, grad_out):  # a training step's attention: forward, then backward
         def run():
@@ -100,7 +118,10 @@ def _steps():
     if fa4 is not None:
         def fa4_fwd():
             return fa4.flash_attn_func(q, k, v, causal=causal)[0]
-        fa4_steps = {"fa4 fwd": fa4_fwd, "fa4 fwd+bwd threads": step(True, fa4_fwd, (q, k, v), do),
+        fa4_out = fa4_fwd()
+        fa4_steps = {"fa4 fwd": fa4_fwd, "fa4 bwd threads": grad(True, fa4_out),
+                     "fa4 bwd no threads": grad(False, fa4_out),
+                     "fa4 fwd+bwd threads": step(True, fa4_fwd, (q, k, v), do),
                      "fa4 fwd+bwd no threads": step(False, fa4_fwd, (q, k, v), do)}
     return {
         **fa4_steps,
@@ -115,6 +136,10 @@ def _steps():
         "unit torch.empty": lambda: torch.empty(256, 2, d, dtype=torch.bfloat16, device="cuda"),
         "unit float->bf16 .to": lambda: xf.to(torch.bfloat16),
         "unit x * 2": lambda: x * 2,
+        "unit python node bwd threads": grad(True, passed),
+        "unit python node bwd no threads": grad(False, passed),
+        "unit c++ view node bwd threads": grad(True, viewed, (q,)),
+        "unit c++ view node bwd no threads": grad(False, viewed, (q,)),
         "fwd public": lambda: flash_attn_func(q, k, v, causal=causal),
         "fwd public nograd": lambda: flash_attn_func(qd, kd, vd, causal=causal),
         "fwd op impl": lambda: ops._fwd_impl(qd, kd, vd, None, None, 256, 256, scale, causal, -1, -1, 0.0,
