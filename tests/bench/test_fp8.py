@@ -15,15 +15,17 @@ import math
 
 import pytest
 import torch
+from route_specs import spec as route_spec
 
 from flashattn import config as flashattn_config
 from flashattn import fp8
+from flashattn.backends.triton import routes
 from flashattn.bench import accuracy, cli, providers, results, suites
 from flashattn.bench.case import Case
 from flashattn.bench.check import FP8_FLOOR, Fp8Oracle
 from flashattn.bench.flops import attention_flops
 from flashattn.bench.providers.base import Provider
-from flashattn.bench.providers.fp8 import RECIPES, Recipe, fp8_attention, prepare
+from flashattn.bench.providers.fp8 import RECIPES, TILE_VARIANTS, Recipe, fp8_attention, prepare, tiled_route
 from flashattn.bench.runner import RunConfig, Runner
 from flashattn.bench.suites.fp8 import (
     ACCURACY_MODE,
@@ -34,6 +36,7 @@ from flashattn.bench.suites.fp8 import (
     skip,
 )
 from flashattn.bench.timing import TimerConfig
+from flashattn.errors import FlashAttnError
 
 SUITE = suites.get("fp8")
 FP8_PROVIDERS = tuple(RECIPES)
@@ -93,6 +96,27 @@ def test_sdpa_cudnn_is_skipped_without_cuda(monkeypatch):
     assert all(skip(case, p) is None for p in (*FP8_PROVIDERS, "flashattn"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert skip(case, "sdpa-cudnn") is None
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_tile_variants_build_their_routes(d):
+    # each A/B provider's route is the default Gluon FP8 route with its tiles replaced, and what the route
+    # derives from them (two Q buffers where they fit, the registers of two or three consumers) follows
+    spec = route_spec(dtype="float8_e4m3fn", out_dtype="bfloat16", headdim=d, headdim_v=d, seqlen_q=16384,
+                      seqlen_k=16384)
+    default = routes.gluon_forward_route(spec)
+    for name, tiles, _ in TILE_VARIANTS:
+        if d == 256 and tiles.get("num_stages") == 3:
+            # three 128-key stages of d = 256 pass the shared memory: the row fails, naming the override
+            with pytest.raises(FlashAttnError, match="KiB of shared memory at d = 256"):
+                tiled_route(routes.gluon_forward_route, spec, tiles)
+            continue
+        route = tiled_route(routes.gluon_forward_route, spec, tiles)
+        assert route.tiles == dataclasses.replace(default.tiles, **tiles), name
+        assert route.q_buffers == routes.gluon_q_buffers(spec, route.tiles, route.head_dim)
+        three = route.tiles.block_m == 192
+        assert route.maxnreg == (routes.MAXNREG_THREE if three else routes.MAXNREG_TWO)
+    assert flashattn_config.tile_overrides == {}  # the override ends with the build
 
 
 # -- the providers' quantisation

@@ -9,6 +9,10 @@ k_descale and v_descale, on the case's inputs quantised by flashattn.fp8 (the ou
 - `flashattn-fp8-gluon` / `flashattn-fp8-triton`: flashattn-fp8 on the warp-specialised Gluon forward's FP8
   variant / on the Triton forward's, through the launcher with that route named (the default route takes
   the Gluon one from 2K tokens, routes.takes_gluon_fp8_forward);
+- `flashattn-fp8-k64`, `flashattn-fp8-k128s3`, `flashattn-fp8-m128`: flashattn-fp8 on the Gluon FP8 variant
+  with other tiles (A/B timing of the tile table's FP8 rows): 64-key steps over 2 K/V stages, 128-key steps
+  over 3, two consumer warpgroups of 64 rows (128-row tiles) where the table has three; the Q buffers that
+  fit (routes.gluon_q_buffers);
 - `flashattn-fp8+quant`: flashattn-fp8 with the three quantize calls (q, k, v from the case's dtype) inside
   the timed call, so its time says whether quantising costs more than FP8 saves;
 - `flashattn-fp8+rot+quant`: the same with the rotation of incoherent processing (quantize's rotate_seed:
@@ -21,6 +25,7 @@ the calls run under torch.no_grad (entered once, outside the timed region); a ba
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -105,20 +110,36 @@ def fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dic
                                      **options)
 
 
-def named_route(route_name: str) -> Callable:
-    """A call of the FP8 forward on x through the launcher with routes.<route_name>(spec) named."""
+def named_route(route_name: str, **tiles: int) -> Callable:
+    """A call of the FP8 forward on x through the launcher with routes.<route_name>(spec) named; tiles: the
+    route's tile fields replaced (block_m, block_n, num_stages) as a tile override would (the route built
+    under it once per spec: everything it derives from the tiles follows them)."""
+    tiled: dict = {}
 
     def call(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dict) -> torch.Tensor:
         from flashattn.backends.triton import attention, routes
 
         spec = attention.spec_of(x.q8, x.k8, x.v8, causal=case.causal, out_dtype=out_dtype, **options)
-        route = getattr(routes, route_name)(spec)
+        make = getattr(routes, route_name)
+        if not tiles:
+            route = make(spec)
+        elif (route := tiled.get(spec)) is None:
+            route = tiled[spec] = tiled_route(make, spec, tiles)
         out, _ = attention.attention_forward_fp8(x.q8, x.k8, x.v8, x.q_descale, x.k_descale, x.v_descale,
                                                  out_dtype=out_dtype, softmax_scale=x.q8.shape[-1] ** -0.5,
                                                  causal=case.causal, route=route, **options)
         return out
 
     return call
+
+
+def tiled_route(make: Callable, spec, tiles: dict):
+    """make(spec) (a Gluon forward route maker) with its tiles' fields replaced by `tiles`, built under that
+    tile override, so that what the route derives from its tiles (Q buffers, registers) follows them."""
+    from flashattn import config
+
+    with config.use_tiles({"fwd_ws": dataclasses.replace(make(spec).tiles, **tiles)}):
+        return make(spec)
 
 
 Call = Callable[[Fp8Inputs, Case, torch.dtype, dict], torch.Tensor]
@@ -173,6 +194,12 @@ _DESCRIPTIONS = {
     "flashattn-fp8-gluon": "flashattn-fp8 on the Gluon forward's FP8 variant (its route named)",
     "flashattn-fp8-triton": "flashattn-fp8 on the Triton forward's FP8 variant (its route named)",
 }
+# A/B tiles of the Gluon FP8 variant: (name, the route's tile fields replaced, description)
+TILE_VARIANTS = (
+    ("flashattn-fp8-k64", dict(block_n=64, num_stages=2), "64-key steps over 2 K/V stages"),
+    ("flashattn-fp8-k128s3", dict(block_n=128, num_stages=3), "128-key steps over 3 K/V stages"),
+    ("flashattn-fp8-m128", dict(block_m=128), "128-row tiles (two consumer warpgroups)"),
+)
 
 
 def _setup(recipe: Recipe) -> Callable[..., Prepared]:
@@ -188,4 +215,8 @@ PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recip
              lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=named_route("triton_forward_route"),
                                            route_fwd="TritonForward"),
              _DESCRIPTIONS["flashattn-fp8-triton"]),
+    *(Provider(name, lambda case, q, k, v, tiles=tiles: prepare(
+        Recipe(), case, q, k, v, call=named_route("gluon_forward_route", **tiles), route_fwd="GluonForward"),
+        f"flashattn-fp8 on the Gluon forward's FP8 variant with {text} (A/B timing)")
+      for name, tiles, text in TILE_VARIANTS),
 ]

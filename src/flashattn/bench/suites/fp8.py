@@ -65,7 +65,8 @@ OURS = "flashattn-fp8"
 PROVIDERS = (OURS, "flashattn-fp8-rowv", "flashattn-fp8-gluon", "flashattn-fp8-triton", "flashattn-fp8+quant",
              "flashattn-fp8+rot+quant", BF16, "sdpa-cudnn")
 # the Gluon kernels do not run under the interpreter; the named-route ones are A/B timing of the GPU's routes
-CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon", "flashattn-fp8-triton")
+CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon", "flashattn-fp8-triton", "flashattn-fp8-k64",
+             "flashattn-fp8-k128s3", "flashattn-fp8-m128")
 
 ACCURACY_MODE = "accuracy"
 ACCURACY_SEQLEN = 4096
