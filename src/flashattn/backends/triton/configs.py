@@ -54,7 +54,8 @@ _H200 = {
     # d = 256: 64-key steps over 2 stages (128 KiB) beside one Q buffer (64), 1.20-1.22x the 32-key steps
     # beside two Q buffers (H100, b2 N8K h8, full and causal, one process:
     # benchmarks/results/2026-12-06-workloads-fa4-h100) though they spill ~0.1 KB beside the 64 x 256 float32
-    # output per warpgroup (128 registers a thread); FP8 keeps the 32-key row (_H200_FP8)
+    # output per warpgroup (128 registers a thread). FP8 likewise: 1.27-1.37x its 32-key steps (H100, 16K
+    # tokens h8, full / causal, beside two Q buffers; benchmarks/results/2026-12-07-fp8-tiles-h100)
     ("fwd_ws", 256): TileConfig(128, 64, 4, 2),
     # d_qk 129..192 (Q and K in three 64-wide chunks): 128-key steps, the registers of d = 128's (S 64 x 128,
     # O 64 x dv per consumer); their 2-stage ring (160 KiB at dv = 128) leaves room for one Q buffer (48)
@@ -95,12 +96,6 @@ _H200_SHORT = {  # (kernel, head dim) -> (longest sequence it is used for, confi
 _H200_SHORT_CAUSAL = {
     ("fwd_ws", 64): (4096, TileConfig(128, 128, 4, 3)),
 }
-# The FP8 forward's rows where they differ: d = 256 measured on 32-key steps
-# (benchmarks/results/2026-12-01-fp8) before the 16-bit row moved to 64-key steps, which are untimed for FP8
-# (e4m3 wgmma, a 16-bit O staged apart)
-_H200_FP8 = {
-    ("fwd_ws", 256): TileConfig(128, 32, 4, 2),
-}
 _LIMITS = sorted({limit for limit, _ in [*_H200_SHORT.values(), *_H200_SHORT_CAUSAL.values()]})
 
 _INTERPRETER = {
@@ -111,16 +106,14 @@ _INTERPRETER = {
 
 
 def tile_config(kernel: str, block_d: int, cuda: bool, seqlen: int | None = None,
-                causal: bool = False, fp8: bool = False) -> TileConfig:
+                causal: bool = False) -> TileConfig:
     """The config for `kernel` ('fwd' | 'dkdv' | 'dq' | 'fwd_ws' | 'bwd_ws') at padded head dim `block_d`
     on a CUDA device (`cuda`) or the interpreter; `seqlen` (the longer of sq and sk; None: long) picks the
-    short-sequence rows, `causal` the causal variant of a row where one is listed, `fp8` the FP8 row where
-    one is listed."""
+    short-sequence rows, `causal` the causal variant of a row where one is listed. The FP8 forward takes the
+    16-bit rows (its tiles measured against them: benchmarks/results/2026-12-07-fp8-tiles-h100)."""
     override = config.tile_overrides.get(kernel)
     if override is not None:
         return override
-    if fp8 and cuda and (kernel, block_d) in _H200_FP8:
-        return _H200_FP8[(kernel, block_d)]
     # the smallest row limit that covers seqlen (None: long): a handful of distinct cache keys
     bucket = next((lim for lim in _LIMITS if seqlen is not None and seqlen <= lim), None)
     return _table_entry(kernel, block_d, cuda, bucket, causal)
