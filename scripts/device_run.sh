@@ -50,8 +50,8 @@
 #                 16-bit cache, at the points (b16 64K/128K, b1 64K)
 #   fp8-decode    the fp8 stage's FP8-cache rows alone
 #   fp8-tiles     the fp8 suite's forward at 16K tokens (FP8_SEQLENS) on the Gluon FP8 variant with its
-#                 table's tiles and the A/B ones (flashattn-fp8-k64, -k128s3, -m128) beside our bf16
-#                 forward, cuDNN (and FA4)
+#                 table's tiles and the A/B ones (FP8_TILES: flashattn-fp8-k64, -k64s3, -k128s3, -m128,
+#                 -m192; default the first four) beside our bf16 forward, cuDNN (and FA4)
 #   decode-merge-ab
 #                 the split kernel's merge over the packed rows beside the merge over the whole query block,
 #                 batch 1 and 16, 4K-64K, contiguous and paged 64 (scripts/tune_decode_tiles.py --merge-ab)
@@ -211,7 +211,7 @@ for stage in "$@"; do
         --providers "flashattn-kvcache,flashattn-kvcache-graph,flashattn-fp8cache,flashattn-fp8cache-graph" ;;
     fp8-tiles)
       bench "${FP8_S:-300}" fp8-tiles --suite fp8 --modes fwd --seqlens "${FP8_SEQLENS:-16384}" \
-        --providers "flashattn-fp8-gluon,flashattn-fp8-k64,flashattn-fp8-k128s3,flashattn-fp8-m128,flashattn,sdpa-cudnn$FA4" ;;
+        --providers "flashattn-fp8-gluon,${FP8_TILES:-flashattn-fp8-k64,flashattn-fp8-k128s3,flashattn-fp8-m128},flashattn,sdpa-cudnn$FA4" ;;
     sparse)
       bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens "${SPARSE_SEQLENS:-16384}" \
         --modes "${SPARSE_MODES:-fwd,fwd+bwd}" \

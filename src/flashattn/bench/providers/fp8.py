@@ -9,10 +9,10 @@ k_descale and v_descale, on the case's inputs quantised by flashattn.fp8 (the ou
 - `flashattn-fp8-gluon` / `flashattn-fp8-triton`: flashattn-fp8 on the warp-specialised Gluon forward's FP8
   variant / on the Triton forward's, through the launcher with that route named (the default route takes
   the Gluon one from 2K tokens, routes.takes_gluon_fp8_forward);
-- `flashattn-fp8-k64`, `flashattn-fp8-k128s3`, `flashattn-fp8-m128`: flashattn-fp8 on the Gluon FP8 variant
-  with other tiles (A/B timing of the tile table's FP8 rows): 64-key steps over 2 K/V stages, 128-key steps
-  over 3, two consumer warpgroups of 64 rows (128-row tiles) where the table has three; the Q buffers that
-  fit (routes.gluon_q_buffers);
+- `flashattn-fp8-k64`, `-k64s3`, `-k128s3`, `-m128`, `-m192`: flashattn-fp8 on the Gluon FP8 variant with
+  other tiles (A/B timing of the tile table's rows for FP8): 64-key steps over 2 or 3 K/V stages, 128-key
+  steps over 3, two or three consumer warpgroups of 64 rows (128- or 192-row tiles); the Q buffers that fit
+  (routes.gluon_q_buffers); a config the Gluon forward cannot take at a head dim fails that row;
 - `flashattn-fp8+quant`: flashattn-fp8 with the three quantize calls (q, k, v from the case's dtype) inside
   the timed call, so its time says whether quantising costs more than FP8 saves;
 - `flashattn-fp8+rot+quant`: the same with the rotation of incoherent processing (quantize's rotate_seed:
@@ -199,6 +199,8 @@ TILE_VARIANTS = (
     ("flashattn-fp8-k64", dict(block_n=64, num_stages=2), "64-key steps over 2 K/V stages"),
     ("flashattn-fp8-k128s3", dict(block_n=128, num_stages=3), "128-key steps over 3 K/V stages"),
     ("flashattn-fp8-m128", dict(block_m=128), "128-row tiles (two consumer warpgroups)"),
+    ("flashattn-fp8-m192", dict(block_m=192), "192-row tiles (three consumer warpgroups, serial steps)"),
+    ("flashattn-fp8-k64s3", dict(block_n=64, num_stages=3), "64-key steps over 3 K/V stages"),
 )
 
 

@@ -48,7 +48,7 @@ from ..accuracy import errors, gaussian
 from ..case import Case, Grid, torch_dtype
 from ..check import FP8_FLOOR
 from ..check import REFERENCE as DENSE_REFERENCE
-from ..providers.fp8 import Recipe, fp8_attention
+from ..providers.fp8 import TILE_VARIANTS, Recipe, fp8_attention
 from ..results import KEY_FIELDS
 from .base import MS, TFLOPS, View
 from .features import FeatureSuite
@@ -65,8 +65,8 @@ OURS = "flashattn-fp8"
 PROVIDERS = (OURS, "flashattn-fp8-rowv", "flashattn-fp8-gluon", "flashattn-fp8-triton", "flashattn-fp8+quant",
              "flashattn-fp8+rot+quant", BF16, "sdpa-cudnn")
 # the Gluon kernels do not run under the interpreter; the named-route ones are A/B timing of the GPU's routes
-CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon", "flashattn-fp8-triton", "flashattn-fp8-k64",
-             "flashattn-fp8-k128s3", "flashattn-fp8-m128")
+CUDA_ONLY = ("sdpa-cudnn", "flashattn-fp8-gluon", "flashattn-fp8-triton",
+             *(name for name, _, _ in TILE_VARIANTS))
 
 ACCURACY_MODE = "accuracy"
 ACCURACY_SEQLEN = 4096
