@@ -1,8 +1,8 @@
 """Host time of each step of a repeated attention call, forward and backward, on the launchers' cached path
 (CUDA only): what the layers of scripts/host_profile.py are made of, beside the same torch operations
 (an allocation, a cast, one elementwise kernel, the autograd engine around nodes that launch nothing) as
-units, SDPA-cuDNN's forward and backward, and
-FlashAttention-4's where its wheels came along (scripts/host_ab.py's `_fa4`).
+units, SDPA-cuDNN's forward and backward, and FlashAttention-4's where its wheels came along
+(scripts/host_ab.py's `_fa4`).
 
 The problem is host_profile.py's tiny one (b=1, h=2, N=256, d=128, causal, bf16); each step runs on its own,
 back to back without a sync, the median of 7 repetitions of 200 calls (host_profile.per_call_us), the steps
