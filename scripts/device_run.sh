@@ -4,7 +4,11 @@
 # writes itself, removing $OUT/res: a tar of $OUT/res after it finds no folder and leaves an empty archive
 # in the one's place.
 #
-#   FLASHATTN_GIT_SHA=$(git rev-parse HEAD) bash scripts/device_run.sh STAGE [STAGE ...]
+#   FLASHATTN_GIT_SHA=<sha> bash scripts/device_run.sh STAGE [STAGE ...]
+#
+# The sha written literally into the command (`git rev-parse --short HEAD` here, before the call): the
+# device's copy of the tree carries git metadata that can lag the working tree, so a $(git rev-parse) run
+# there labels the results with an older commit.
 #
 # Stages, each named for what it measures:
 #   fa4-libs      store FlashAttention-4's libraries for the next call (call carrying .fa4a; see
