@@ -53,12 +53,20 @@ def check_options(q, dropout_p, softmax_scale, window_size, softcap, alibi_slope
     return window
 
 
-def _attend(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
-            learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """(out, softmax_lse, rng_state) of checked arguments, with autograd: the op's arguments in its order."""
+def _scale_and_lengths(q, k, softmax_scale, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> tuple:
+    """(softmax scale, max_seqlen_q, max_seqlen_k) as the op takes them: the default scale where none is
+    given, the padded layout's lengths from the shapes."""
     if cu_seqlens_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return scale, max_seqlen_q, max_seqlen_k
+
+
+def _attend(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+            learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(out, softmax_lse, rng_state) of checked arguments, with autograd: the op's arguments in its order."""
+    scale, max_seqlen_q, max_seqlen_k = _scale_and_lengths(q, k, softmax_scale, cu_seqlens_q, max_seqlen_q,
+                                                           max_seqlen_k)
     return attention_ops.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                   scale, bool(causal), int(window[0]), int(window[1]), float(softcap),
                                   alibi_slopes, float(dropout_p), learnable_sink, bool(deterministic))
@@ -75,9 +83,8 @@ def forward(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_sl
     if probs and dropout_p > 0:
         # flash_attn's S_dmask, from the forward's own (seed, offset): the probabilities and the keep mask
         # the kernels used
-        if cu_seqlens_q is None:
-            max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
-        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        scale, max_seqlen_q, max_seqlen_k = _scale_and_lengths(q, k, softmax_scale, cu_seqlens_q,
+                                                               max_seqlen_q, max_seqlen_k)
         s_dmask = attention_probs(q, k, rng_state, softmax_scale=scale, causal=causal, window_size=window,
                                   softcap=float(softcap), alibi_slopes=alibi_slopes,
                                   dropout_p=float(dropout_p), cu_seqlens_q=cu_seqlens_q,
