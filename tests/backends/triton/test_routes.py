@@ -582,3 +582,18 @@ def test_decode_routes():
     # a window shortens the key span a split may cover
     narrow = decode_routes.decode_route(dataclasses.replace(spec, window=(127, 0)))
     assert narrow.num_splits <= -(-(128 + 16) // narrow.tiles.block_n) + 1
+
+
+@pytest.mark.parametrize("headdim, headdim_v, window, rows", [
+    (128, 128, (-1, -1), 192), (96, 128, (-1, -1), 192), (128, 128, CAUSAL, 128), (128, 128, (1023, 0), 128),
+    (64, 64, (-1, -1), 192), (256, 256, (-1, -1), 128),
+])
+def test_fp8_forward_rows(headdim, headdim_v, window, rows):
+    # FP8 at d = 128 without a band: three consumer warpgroups of 64 rows (its own table row); under a band,
+    # and at the other widths, the 16-bit rows; the 16-bit d = 128 call keeps two
+    spec = _spec(headdim=headdim, headdim_v=headdim_v, seqlen_q=8192, seqlen_k=8192, window=window,
+                 dtype="float8_e4m3fn", out_dtype="bfloat16")
+    route = routes.forward_route(spec)
+    assert isinstance(route, routes.GluonForward) and route.tiles.block_m == rows
+    sixteen = routes.forward_route(dataclasses.replace(spec, dtype="bfloat16", out_dtype=None))
+    assert sixteen.tiles.block_m == (192 if headdim == 64 else 128)

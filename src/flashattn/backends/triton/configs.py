@@ -96,6 +96,13 @@ _H200_SHORT = {  # (kernel, head dim) -> (longest sequence it is used for, confi
 _H200_SHORT_CAUSAL = {
     ("fwd_ws", 64): (4096, TileConfig(128, 128, 4, 3)),
 }
+# The FP8 forward's rows where they differ, outside a band: at d = 128 three consumer warpgroups of 64 rows
+# (serial steps), 1.09x two (H100, b1 N16K h16: 920 against 842 TFLOP/s; causal 867 against 839, within the
+# run's noise, and that build spills: benchmarks/results/2026-12-07-fp8-tiles2-h100). The other FP8 rows are
+# the 16-bit ones (benchmarks/results/2026-12-07-fp8-tiles-h100)
+_H200_FP8 = {
+    ("fwd_ws", 128): TileConfig(192, 128, 4, 2),
+}
 _LIMITS = sorted({limit for limit, _ in [*_H200_SHORT.values(), *_H200_SHORT_CAUSAL.values()]})
 
 _INTERPRETER = {
@@ -106,14 +113,16 @@ _INTERPRETER = {
 
 
 def tile_config(kernel: str, block_d: int, cuda: bool, seqlen: int | None = None,
-                causal: bool = False) -> TileConfig:
+                causal: bool = False, fp8: bool = False) -> TileConfig:
     """The config for `kernel` ('fwd' | 'dkdv' | 'dq' | 'fwd_ws' | 'bwd_ws') at padded head dim `block_d`
     on a CUDA device (`cuda`) or the interpreter; `seqlen` (the longer of sq and sk; None: long) picks the
-    short-sequence rows, `causal` the causal variant of a row where one is listed. The FP8 forward takes the
-    16-bit rows (its tiles measured against them: benchmarks/results/2026-12-07-fp8-tiles-h100)."""
+    short-sequence rows, `causal` the causal (or banded) variant of a row where one is listed, `fp8` an FP8
+    call's row where one is listed for calls without a band (else the 16-bit one)."""
     override = config.tile_overrides.get(kernel)
     if override is not None:
         return override
+    if fp8 and cuda and not causal and (kernel, block_d) in _H200_FP8:
+        return _H200_FP8[(kernel, block_d)]
     # the smallest row limit that covers seqlen (None: long): a handful of distinct cache keys
     bucket = next((lim for lim in _LIMITS if seqlen is not None and seqlen <= lim), None)
     return _table_entry(kernel, block_d, cuda, bucket, causal)
