@@ -88,7 +88,8 @@
 #                 with scripts/ncu_hotspots.py) (PROFILE_WHO: a subset of "ours cudnn fa4")
 #   host-time     host time per call, layer by layer, beside SDPA-cuDNN (scripts/host_profile.py), and the
 #                 autograd engine's share, device threads on and off (scripts/autograd_host.py)
-#   host-steps    host time of each step of a repeated call, forward and backward (scripts/host_steps.py)
+#   host-steps    host time of each step of a repeated call, forward and backward, and cProfile's listing of
+#                 the public forward and backward (scripts/host_steps.py)
 #   host-ab       host time of this tree and of .baseline/src/flashattn_base (scripts/vendor_tree.sh) in one
 #                 process, beside SDPA-cuDNN (scripts/host_ab.py)
 #   decode-host   decode host time per call beside SDPA (scripts/decode_host_time.py)
@@ -293,7 +294,8 @@ CASES
       timeout 120 python3 scripts/host_profile.py "$RES/host_time.json" 2>&1 | grep "us/call"
       timeout 60 python3 scripts/autograd_host.py "$RES/autograd_host.json" 2>&1 | grep "us/call" ;;
     host-steps)
-      timeout 120 python3 scripts/host_steps.py "$RES/host_steps.json" 2>&1 | tail -25 ;;
+      timeout 150 python3 scripts/host_steps.py "$RES/host_steps.json" "$RES/host_steps_profile.txt" 2>&1 \
+        | tail -40 ;;
     host-ab)
       PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src timeout 200 python3 scripts/host_ab.py "$RES/host_ab.json" \
         flashattn_base 2>&1 | tail -12 ;;

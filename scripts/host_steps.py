@@ -8,10 +8,19 @@ The problem is host_profile.py's tiny one (b=1, h=2, N=256, d=128, causal, bf16)
 back to back without a sync, the median of 7 repetitions of 200 calls (host_profile.per_call_us), the steps
 measured in turn within each repetition round so that drift spreads over all of them.
 
-    python scripts/host_steps.py OUT.json
+    python scripts/host_steps.py OUT.json [PROFILE.txt]
+
+"bwd public no threads stubbed" runs the public backward with the backward op's implementation replaced by
+one that returns gradients computed beforehand: its time is the autograd engine and the Python between it
+and the op.
+PROFILE.txt: cProfile's listing (by own time) of 300 calls of the public forward and of the public backward
+(no device threads), each apart.
 """
 
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -123,6 +132,21 @@ def _steps():
                      "fa4 bwd no threads": grad(False, fa4_out),
                      "fa4 fwd+bwd threads": step(True, fa4_fwd, (q, k, v), do),
                      "fa4 fwd+bwd no threads": step(False, fa4_fwd, (q, k, v), do)}
+    bwd_impl = ops.attn_bwd.impl
+    bwd_done = bwd_impl(do, qd, kd, vd, o, lse, rng, None, None, 256, 256, scale, causal, -1, -1, 0.0, None,
+                        0.0, None, False)
+
+    def stubbed(fn):
+        # the backward op's implementation returns the gradients computed above (fresh ones would add only
+        # their allocations: "bwd allocs"); inside the backward (grad mode off) the Op calls Op.impl
+        def run():
+            ops.attn_bwd.impl = lambda *a: bwd_done
+            try:
+                fn()
+            finally:
+                ops.attn_bwd.impl = bwd_impl
+        return run
+
     return {
         **fa4_steps,
         "cudnn fwd": cudnn,
@@ -151,6 +175,7 @@ def _steps():
         "fwd gluon.forward": lambda: gluon.forward(pb, route, qd, kd, vd, fo, fl, prepared),
         "bwd public threads": grad(True),
         "bwd public no threads": grad(False),
+        "bwd public no threads stubbed": stubbed(grad(False)),
         "bwd op impl": lambda: ops._bwd_impl(do, qd, kd, vd, o, lse, rng, None, None, 256, 256, scale, causal,
                                              -1, -1, 0.0, None, 0.0, None, False),
         "bwd launcher": lambda: attention.attention_backward(do, qd, kd, vd, o, lse, softmax_scale=scale,
@@ -165,7 +190,21 @@ def _steps():
     }
 
 
-def main(path):
+def _profile(steps, path):
+    with open(path, "w") as f:
+        for name in ("fwd public", "bwd public no threads"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                steps[name]()
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            f.write(f"== {name}: 300 calls\n{text.getvalue()}\n")
+
+
+def main(path, profile_path=None):
     steps = _steps()
     for fn in steps.values():  # compiled and cached before timing
         fn()
@@ -181,7 +220,9 @@ def main(path):
     print(f"({time.perf_counter() - t0:.1f} s)")
     with open(path, "w") as f:
         json.dump({"us_per_call": results, "device": torch.cuda.get_device_name()}, f, indent=1)
+    if profile_path:
+        _profile(steps, profile_path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
