@@ -500,6 +500,10 @@ def test_flex_gets_the_same_mask(pattern, params):
     theirs = BlockMask.from_flex(sparse.flex_block_mask(spec, torch.device("cpu")))
     assert theirs.shape == (1, 2, 384, 384)  # per head always: one flex compilation per N
     assert torch.equal(theirs.to_dense(), ours.to_dense().expand(1, 2, -1, -1))
+    # flex on FA4's kernels takes the pattern's own mask_mod (no captured tensors): the same mask
+    rule = sparse.pattern_mask_mod(spec.pattern, spec.window, spec.global_tokens)
+    fa4s = BlockMask.from_flex(sparse.flex_block_mask(spec, torch.device("cpu"), rule))
+    assert torch.equal(fa4s.to_dense(), ours.to_dense().expand(1, 2, -1, -1))
 
 
 @pytest.mark.parametrize("n_bh, n_blocks, subtiles",

@@ -14,11 +14,14 @@ is the plain `flashattn` provider; the suite skips it where it cannot express th
 by the case's extra fields (`pattern`, `target_density`, `window`, `global_tokens`, `seed`, `block`), built
 once, and shared by the providers and the suite's oracle.
 
-One mask_mod serves every flex case: its parameters live in module tensors that each case overwrites in
-place, and every flex block mask is per head, so flex compiles once per N instead of once per mask (a
+One mask_mod serves every flex-sparse case: its parameters live in module tensors that each case overwrites
+in place, and every flex block mask is per head, so flex compiles once per N instead of once per mask (a
 compile costs tens of seconds; the anchors page warns what a silent recompile-limit fallback does). The
 price is a band test and one table lookup per element of flex's partial tiles, where a dedicated mask_mod
-would do only one of them.
+would do only one of them. `flex-fa4-sparse` takes a mask_mod per pattern instead (`pattern_mask_mod`):
+FA4's CuTe DSL traces a mask_mod's index arithmetic but not a captured tensor indexed by constants (it
+failed on the shared one with "Expected TensorSSA, but got int"), so it compiles once per pattern and
+parameters.
 """
 
 from __future__ import annotations
@@ -136,6 +139,22 @@ def _set_flex_state(spec: MaskSpec, device: torch.device) -> None:
     _table.copy_(table)
 
 
+@functools.cache
+def pattern_mask_mod(pattern: str, window: int = -1, global_tokens: int = 0):
+    """The element rule of a pattern's partial blocks as plain index arithmetic (one function per pattern and
+    parameters, so that flex finds its compilation again): causal, or a symmetric band of `window` with the
+    first `global_tokens` queries and keys seeing everything. dense and random masks have no partial block
+    (every set block is full): their rule is never evaluated, and keeps every element."""
+    if pattern == "causal":
+        return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
+    if pattern == "local_global":
+        def local_global(b, h, q_idx, kv_idx):
+            band = (q_idx - kv_idx <= window) & (kv_idx - q_idx <= window)
+            return band | (kv_idx < global_tokens) | (q_idx < global_tokens)
+        return local_global
+    return lambda b, h, q_idx, kv_idx: q_idx >= 0
+
+
 def _sorted_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool (B, H, M, N) -> (num (B, H, M), idx (B, H, M, N)) int32: the set blocks of each row first, in
     ascending order (flex's list convention; entries past num are padding). Full width N, unlike the kernels'
@@ -146,9 +165,9 @@ def _sorted_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, idx
 
 
-def flex_block_mask(spec: MaskSpec, device: torch.device):
+def flex_block_mask(spec: MaskSpec, device: torch.device, mask_mod=None):
     """flex's BlockMask of the case: the block lists of our own BlockMask, the shared mask_mod for the
-    partial blocks.
+    partial blocks (or the given one, of the same rule: pattern_mask_mod's).
 
     Taking our lists (rather than create_block_mask over the mask_mod) makes the two providers visit exactly
     the same tiles, and skips a compiled create_block_mask, whose cold compile can take minutes at some
@@ -166,7 +185,8 @@ def flex_block_mask(spec: MaskSpec, device: torch.device):
     kv_num, kv_idx = _sorted_lists(state == PARTIAL)
     full_num, full_idx = _sorted_lists(state == FULL)
     return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                        mask_mod=_flex_mask_mod, seq_lengths=(spec.seqlen, spec.seqlen))
+                                        mask_mod=mask_mod or _flex_mask_mod,
+                                        seq_lengths=(spec.seqlen, spec.seqlen))
 
 
 def sparse_routes_info(q, k, v, kt) -> dict:
@@ -264,13 +284,15 @@ def _setup_flex_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 def _setup_flex_fa4_sparse(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
-    """flex-sparse on FlashAttention-4's kernels: flex_attention runs its block mask and mask_mod there with
-    kernel_options BACKEND=FLASH, which needs CUDA and flash_attn.cute (FA4's wheels) in the process."""
+    """flex-sparse on FlashAttention-4's kernels: flex_attention runs its block mask and the pattern's own
+    mask_mod there with kernel_options BACKEND=FLASH, which needs CUDA and flash_attn.cute (FA4's wheels) in
+    the process."""
     if q.device.type != "cuda":
         raise RuntimeError("flex-fa4-sparse needs a CUDA device (flex's FLASH backend is FlashAttention-4)")
     import flash_attn.cute  # noqa: F401  (an ImportError here says FA4 is missing, not a flex error later)
 
-    fmask = flex_block_mask(MaskSpec.of(case), q.device)
+    spec = MaskSpec.of(case)
+    fmask = flex_block_mask(spec, q.device, pattern_mask_mod(spec.pattern, spec.window, spec.global_tokens))
     flex = _compiled_flex()
     leaves = make_leaves(q, k, v, "bhsd")
     qh, kh, vh = leaves
