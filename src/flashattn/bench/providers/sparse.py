@@ -144,7 +144,7 @@ def pattern_mask_mod(pattern: str, window: int = -1, global_tokens: int = 0):
     """The element rule of a pattern's partial blocks as plain index arithmetic (one function per pattern and
     parameters, so that flex finds its compilation again): causal, or a symmetric band of `window` with the
     first `global_tokens` queries and keys seeing everything. dense and random masks have no partial block
-    (every set block is full): their rule is never evaluated, and keeps every element."""
+    (every set block is full): their rule is flex's noop_mask, never evaluated."""
     if pattern == "causal":
         return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
     if pattern == "local_global":
@@ -152,7 +152,9 @@ def pattern_mask_mod(pattern: str, window: int = -1, global_tokens: int = 0):
             band = (q_idx - kv_idx <= window) & (kv_idx - q_idx <= window)
             return band | (kv_idx < global_tokens) | (q_idx < global_tokens)
         return local_global
-    return lambda b, h, q_idx, kv_idx: q_idx >= 0
+    from torch.nn.attention.flex_attention import noop_mask
+
+    return noop_mask
 
 
 def _sorted_lists(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
