@@ -97,9 +97,10 @@ _H200_SHORT_CAUSAL = {
     ("fwd_ws", 64): (4096, TileConfig(128, 128, 4, 3)),
 }
 # The FP8 forward's rows where they differ, outside a band: at d = 128 three consumer warpgroups of 64 rows
-# (serial steps), 1.09x two (H100, b1 N16K h16: 920 against 842 TFLOP/s; causal 867 against 839, within the
-# run's noise, and that build spills: benchmarks/results/2026-12-07-fp8-tiles2-h100). The other FP8 rows are
-# the 16-bit ones (benchmarks/results/2026-12-07-fp8-tiles-h100)
+# (serial steps), 1.09-1.14x two (H100, b1 N16K h16: 920 against 842 TFLOP/s, then 937 against 825 in
+# benchmarks/results/2026-12-07-fp8-d128-rows-h100; causal 867 against 839, within the run's noise, and that
+# build spills: 2026-12-07-fp8-tiles2-h100). The other FP8 rows are the 16-bit ones
+# (benchmarks/results/2026-12-07-fp8-tiles-h100)
 _H200_FP8 = {
     ("fwd_ws", 128): TileConfig(192, 128, 4, 2),
 }
