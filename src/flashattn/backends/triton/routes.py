@@ -276,7 +276,7 @@ def gluon_forward_tiles(spec: Spec) -> TileConfig:
     # under a band a query tile's work is that of a causal tile at a length of about the band's width (not
     # measured apart from causal masking): the causal rows at that length
     width = gluon_head_dim(spec)
-    tiles = tile_config("fwd_ws", width, spec.cuda, spec.span, spec.banded, spec.element_size == 1)
+    tiles = tile_config("fwd_ws", width, spec.cuda, spec.span, spec.banded, fp8=spec.element_size == 1)
     rows = (2 * HALF_M,) if width > 128 else (2 * HALF_M, 3 * HALF_M)
     smem = _forward_smem(spec, tiles, width, 1)
     if smem > SMEM_BYTES:
