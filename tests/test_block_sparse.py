@@ -504,6 +504,10 @@ def test_flex_gets_the_same_mask(pattern, params):
     rule = sparse.pattern_mask_mod(spec.pattern, spec.window, spec.global_tokens)
     fa4s = BlockMask.from_flex(sparse.flex_block_mask(spec, torch.device("cpu"), rule))
     assert torch.equal(fa4s.to_dense(), ours.to_dense().expand(1, 2, -1, -1))
+    # flex's FLASH backend drops the block lists where the mask_mod is noop_mask: only the dense mask has it
+    from torch.nn.attention.flex_attention import noop_mask
+
+    assert (rule is noop_mask) == (pattern == "dense")
 
 
 @pytest.mark.parametrize("n_bh, n_blocks, subtiles",

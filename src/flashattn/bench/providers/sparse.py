@@ -144,7 +144,10 @@ def pattern_mask_mod(pattern: str, window: int = -1, global_tokens: int = 0):
     """The element rule of a pattern's partial blocks as plain index arithmetic (one function per pattern and
     parameters, so that flex finds its compilation again): causal, or a symmetric band of `window` with the
     first `global_tokens` queries and keys seeing everything. dense and random masks have no partial block
-    (every set block is full): their rule is flex's noop_mask, never evaluated."""
+    (every set block is full), so their rule is never evaluated: the dense mask's is flex's noop_mask, with
+    which the FLASH backend runs FA4's dense kernel; a random mask's must not be, as that backend drops the
+    block lists of a call whose mask_mod is noop_mask's constant (torch's
+    flex_flash_attention.is_trivial_mask_graph), so it gets a comparison that always holds."""
     if pattern == "causal":
         return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
     if pattern == "local_global":
@@ -152,6 +155,8 @@ def pattern_mask_mod(pattern: str, window: int = -1, global_tokens: int = 0):
             band = (q_idx - kv_idx <= window) & (kv_idx - q_idx <= window)
             return band | (kv_idx < global_tokens) | (q_idx < global_tokens)
         return local_global
+    if pattern == "random":
+        return lambda b, h, q_idx, kv_idx: kv_idx >= 0
     from torch.nn.attention.flex_attention import noop_mask
 
     return noop_mask
