@@ -25,7 +25,8 @@ from flashattn.bench.case import Case
 from flashattn.bench.check import FP8_FLOOR, Fp8Oracle
 from flashattn.bench.flops import attention_flops
 from flashattn.bench.providers.base import Provider
-from flashattn.bench.providers.fp8 import RECIPES, TILE_VARIANTS, Recipe, fp8_attention, prepare, tiled_route
+from flashattn.bench.providers.fp8 import RECIPES, TILE_VARIANTS, Recipe, fp8_attention, prepare
+from flashattn.bench.providers.ours import tiled_route
 from flashattn.bench.runner import RunConfig, Runner
 from flashattn.bench.suites.fp8 import (
     ACCURACY_MODE,

@@ -25,7 +25,6 @@ the calls run under torch.no_grad (entered once, outside the timed region); a ba
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,7 +33,7 @@ import torch
 
 from ..case import Case, torch_dtype
 from .base import Prepared, Provider
-from .ours import routes_info
+from .ours import routes_info, tiled_route
 
 # the seed of rotate_qk's random signs: fixed, so every run and every provider rotates alike
 ROTATION_SEED = 0
@@ -131,15 +130,6 @@ def named_route(route_name: str, **tiles: int) -> Callable:
         return out
 
     return call
-
-
-def tiled_route(make: Callable, spec, tiles: dict):
-    """make(spec) (a Gluon forward route maker) with its tiles' fields replaced by `tiles`, built under that
-    tile override, so that what the route derives from its tiles (Q buffers, registers) follows them."""
-    from flashattn import config
-
-    with config.use_tiles({"fwd_ws": dataclasses.replace(make(spec).tiles, **tiles)}):
-        return make(spec)
 
 
 Call = Callable[[Fp8Inputs, Case, torch.dtype, dict], torch.Tensor]

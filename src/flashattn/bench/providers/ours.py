@@ -207,20 +207,26 @@ def _group_split(n: int) -> Callable:
     return make
 
 
+def tiled_route(make: Callable, spec, tiles: dict):
+    """make(spec) (a Gluon forward route maker) with its tiles' fields replaced by `tiles`, built under that
+    tile override, so that what the route derives from its tiles (Q buffers, the deferred release, the
+    half-diagonal step, registers) follows them as the route's own rules have it."""
+    from flashattn import config
+
+    with config.use_tiles({"fwd_ws": dataclasses.replace(make(spec).tiles, **tiles)}):
+        return make(spec)
+
+
 def _forward_keys(block_n: int, stages: int) -> Callable:
-    """The default forward route, its Gluon one on block_n-key steps over `stages` K/V slots, with two Q
-    buffers where they fit (routes.gluon_q_buffers; one defers no release) and the half-diagonal step only
-    on 128-key tiles."""
+    """The default forward route, its Gluon one on block_n-key steps over `stages` K/V slots (tiled_route:
+    two Q buffers where they fit, the half-diagonal step only on 128-key tiles)."""
     from flashattn.backends.triton import routes as r
 
     def make(spec):
         route = r.forward_route(spec)
         if not isinstance(route, r.GluonForward):
             return route
-        tiles = dataclasses.replace(route.tiles, block_n=block_n, num_stages=stages)
-        q_buffers = r.gluon_q_buffers(spec, tiles, route.head_dim)
-        return dataclasses.replace(route, tiles=tiles, q_buffers=q_buffers, defer_release=q_buffers == 2,
-                                   half_diag=route.half_diag and block_n == 128)
+        return tiled_route(r.forward_route, spec, dict(block_n=block_n, num_stages=stages))
 
     return make
 
