@@ -128,8 +128,8 @@ def test_varlen_dq_buffer_counts_the_packed_rows():
 def test_d256_takes_the_gluon_forward_and_the_wide_gluon_backward(kw):
     # 64-key steps beside one Q buffer (two of 128 x 256 and the ring pass the shared memory), hence no
     # deferred release and no half-diagonal step; FP8 takes the same 64-key steps beside two (its 8-bit Q and
-    # K/V tiles leave room for them). The
-    # backward: attn_bwd_dsplit.py on 64 x 64 steps, two Q stages and one dO stage (two pass 227 KiB)
+    # K/V tiles leave room for them). The backward: attn_bwd_dsplit.py on 64 x 64 steps, two Q stages and one
+    # dO stage (two pass 227 KiB)
     spec = _spec(headdim=256, headdim_v=256, **kw)
     route = routes.forward_route(spec)
     assert isinstance(route, routes.GluonForward)
