@@ -12,7 +12,7 @@ named, disassembles its cubin with Triton's nvdisasm and reports what the tuning
 
     python scripts/sass_report.py [--kernel attn_bwd_ws_kernel] [--d 64] [--n 1024] [--heads 4]
         [--dv 128] [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
-        [--deterministic] [--pages 128] [--sass OUT.sass]
+        [--deterministic] [--pages 128] [--sass OUT.sass] [--ptx OUT.ptx]
 
 Counts are per thread (every thread of a warp issues the same stream), as nvdisasm lists them.
 """
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--pages", type=int, default=0,
                    help="the varlen forward alone on page pools of this many keys (paged prefill, no grad)")
     p.add_argument("--sass", help="also write the whole disassembly here")
+    p.add_argument("--ptx", help="also write the kernel's PTX here")
     args = p.parse_args(argv)
 
     compiled = {}
@@ -100,6 +101,9 @@ def main(argv=None) -> int:
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)
+    if args.ptx:
+        with open(args.ptx, "w") as f:
+            f.write(compiled[args.kernel].asm["ptx"])
     print(f"{args.kernel} (sm_90a), {vars(args)}")
     print(report(sass))
     return 0
