@@ -18,14 +18,16 @@
 #                 xdist workers (default 8: the compiles are the cost, and they run on the host's cores;
 #                 decode's GPU files need <= 8: each worker holds its caches on the one GPU)
 #   sanitize      compute-sanitizer memcheck and racecheck on small odd shapes of every kernel
-#                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK: the cases, unset all, empty none; SANITIZE_S: seconds a case)
+#                 (SANITIZE_MEMCHECK / SANITIZE_RACECHECK / SANITIZE_SYNCCHECK: the cases, unset all (synccheck:
+#                 the backward's), empty none; SANITIZE_S: seconds a case)
 #   fuzz-memcheck the fuzz's GPU sample under compute-sanitizer memcheck (tests/test_fuzz.py's GPU test: 150
 #                 calls in 4 shards side by side; each log ends with the call that faulted, if one did)
 #   train-table   the train suite (d 64/128, N 1K-16K, causal or not, fwd and bwd) beside cuDNN (and FA4)
 #                 (TRAIN_SEQLENS: a subset of N, e.g. 1024,16384; TRAIN_MODES: fwd or bwd alone;
 #                 TRAIN_PROVIDERS: another list, flashattn-baseline among them with .baseline carried)
 #   ab-workloads  the workloads suite beside another revision of this tree in the same process (provider
-#                 flashattn-baseline: `bash scripts/vendor_tree.sh REV flashattn_base`, carry .baseline) and FA4
+#                 flashattn-baseline: `bash scripts/vendor_tree.sh REV flashattn_base`, carry .baseline), cuDNN
+#                 and FA4 (AB_MODES: fwd or bwd alone)
 #   padded-heads  head dims below the Gluon kernels' tile widths (d 40, 80, 96, dv < d): their forced-route
 #                 GPU tests, memcheck on ws_padded, and the train suite at d 80 and 96 on the default routes
 #                 (Triton) beside the forced Gluon ones (flashattn-gluon) and cuDNN (PADDED_S: the bench's limit)
@@ -70,7 +72,7 @@
 #                 contiguous and paged 64, beside the 16-bit cache in the same process
 #   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
-#   sparse        the sparse suite at 16K (SPARSE_SEQLENS), forward and forward + backward (SPARSE_MODES)
+#   sparse        the sparse suite at 16K (SPARSE_SEQLENS: one run each), forward and forward + backward (SPARSE_MODES)
 #                 beside flex (and flex on FA4's kernels), the block-sparse kernels (flashattn-sparse-kernels) and
 #                 the same with the forward on the Gluon kernel's variant (flashattn-sparse-gluon-fwd) and
 #                 with the backward on the Gluon backward's too (flashattn-sparse-gluon);
@@ -160,6 +162,11 @@ for stage in "$@"; do
           $case > "$RES/racecheck-$case.log" 2>&1
         tail -3 "$RES/racecheck-$case.log" | tee -a "$RES/racecheck.log"
       done
+      # synccheck: the backward kernels' named barrier across both consumer warpgroups (bwd_dq.consumers_barrier)
+      for case in ${SANITIZE_SYNCCHECK-ws_bwd ws_wide_bwd ws_keys}; do
+        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool synccheck python3 scripts/sanitize_cases.py $case 2>&1 \
+          | tail -3 | tee -a "$RES/synccheck.log"
+      done
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     fuzz-memcheck)
       timeout "${FUZZ_S:-540}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_fuzz.py -k memcheck \
@@ -196,7 +203,7 @@ for stage in "$@"; do
         --providers "${WORKLOADS_PROVIDERS:-flashattn,flashattn-triton-bwd,sdpa-cudnn$FA4}" ${WORKLOADS_ARGS:-} ;;
     ab-workloads)
       PYTHONPATH=$PYTHONPATH:$PWD/.baseline/src bench "${WORKLOADS_S:-300}" ab-workloads --suite workloads \
-        --modes fwd,bwd --providers "flashattn,flashattn-baseline$FA4" ;;
+        --modes "${AB_MODES:-fwd,bwd}" --providers "flashattn,flashattn-baseline,sdpa-cudnn$FA4" ;;
     deterministic)
       timeout "${GPU_TESTS_S:-240}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
         --results-log "$RES/gpu_results.log" -k deterministic tests/backends/triton > "$RES/pytest_gpu.log" 2>&1
@@ -218,9 +225,11 @@ for stage in "$@"; do
       bench "${FP8_S:-300}" fp8-tiles --suite fp8 --modes fwd --seqlens "${FP8_SEQLENS:-16384}" \
         --providers "flashattn-fp8-gluon,${FP8_TILES:-flashattn-fp8-k64,flashattn-fp8-k128s3,flashattn-fp8-m128},flashattn,sdpa-cudnn$FA4" ;;
     sparse)
-      bench "${SPARSE_S:-200}" sparse --suite sparse --seqlens "${SPARSE_SEQLENS:-16384}" \
-        --modes "${SPARSE_MODES:-fwd,fwd+bwd}" \
-        --providers "${SPARSE_PROVIDERS:-flashattn-sparse,flashattn-sparse-kernels,flashattn-sparse-gluon-fwd,flashattn-sparse-gluon,flashattn,flex-sparse}${FA4:+,flex-fa4-sparse}" ;;
+      # one bench run per length (sparse-N), so that a long one cut off by its limit keeps the shorter's
+      for n in $(echo "${SPARSE_SEQLENS:-16384}" | tr , ' '); do
+        bench "${SPARSE_S:-200}" "sparse-$n" --suite sparse --seqlens "$n" --modes "${SPARSE_MODES:-fwd,fwd+bwd}" \
+          --providers "${SPARSE_PROVIDERS:-flashattn-sparse,flashattn-sparse-kernels,flashattn-sparse-gluon-fwd,flashattn-sparse-gluon,flashattn,flex-sparse}${FA4:+,flex-fa4-sparse}"
+      done ;;
     decode-merge-ab)
       timeout "${TUNE_S:-200}" python3 scripts/tune_decode_tiles.py --merge-ab --batches 1,16 \
         --seqlens 4096,16384,65536 --pages none,64 --out "$RES/decode_merge_ab.json" 2>&1 | grep "^b=" ;;
