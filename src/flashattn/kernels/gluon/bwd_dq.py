@@ -45,18 +45,6 @@ def store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexpr
 
 
 @gluon.jit
-def consumers_barrier():
-    """Both consumer warpgroups (8 warps) meet: bar.sync on named barrier 15, of which Triton's warp
-    specialisation uses none (its partitions sync on the lowest ids). After each warpgroup has written its
-    part of a step's dS (or P) to shared memory and fenced it for the tensor cores, this is FA3's rendezvous
-    before the products that read both parts: one hardware barrier where an mbarrier's arrive (behind a
-    warpgroup bar.sync) and its poll were. Every thread of both warpgroups must reach it equally often."""
-    lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r,r", [lanes], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def warp_lanes():
     """0..31 across the dQ writer's one warp."""
     return gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
