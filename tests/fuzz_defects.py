@@ -92,6 +92,9 @@ def _varlen_defect(d: Draw, env) -> Call:
                                                                      num_splits=2),
         "private seqused_k": lambda: fai._flash_attn_varlen_forward(
             q, k, v, cu, cu, 6, 6, 0.0, 0.25, False, seqused_k=torch.tensor([4, 0, 6], **i32)),
+        "private leftpad_k": lambda: fai._flash_attn_varlen_forward(
+            q, k, v, cu, cu, 6, 6, 0.0, 0.25, False, leftpad_k=torch.tensor(d.pick([[0, 1, 0], [4, 0, 0],
+                                                                                   [0, 0, -2]]), **i32)),
     }
     del lens
     name = d.pick(sorted(defects))

@@ -174,13 +174,66 @@ def test_varlen_seqused_k(backend):
         fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False, seqused_k=used + 1)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_leftpad_k(backend, causal):
+    # flash_attn's leftpad_k: sequence b's keys are rows cu_seqlens_k[b] + leftpad_k[b] up to the end of its
+    # range, or up to cu_seqlens_k[b] + seqused_k[b]; the causal diagonal sits at the end of those keys
+    q, k, v, cu_q, cu_k = _varlen([3, 4, 2], [10, 12, 5])
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([4, 0, 5], **i32)
+    out, lse, _, _ = fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, causal,
+                                                    leftpad_k=pad)
+    keep = torch.cat([torch.arange(4, 10), torch.arange(10, 22)]).to(DEVICE)  # the last sequence: no keys
+    cu_kept = torch.tensor([0, 6, 18, 18], **i32)
+    want, want_lse, _ = fai.flash_attn_varlen_func(q, k[keep], v[keep], cu_q, cu_kept, 4, 12,
+                                                   softmax_scale=0.3, causal=causal, return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    ref, pt = (attention_ref_varlen(q, k[keep], v[keep], cu_q, cu_kept, softmax_scale=0.3, causal=causal,
+                                    upcast=u)[0] for u in (True, False))
+    assert_close_to_ref(out, ref, pt)
+    used = torch.tensor([9, 12, 5], **i32)
+    out = fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, causal, leftpad_k=pad,
+                                         seqused_k=used)[0]
+    keep = torch.cat([torch.arange(4, 9), torch.arange(10, 22)]).to(DEVICE)
+    want = fai.flash_attn_varlen_func(q, k[keep], v[keep], cu_q, torch.tensor([0, 5, 17, 17], **i32), 4, 12,
+                                      softmax_scale=0.3, causal=causal)
+    assert torch.equal(out, want)
+    # the extension's entry point passes it on
+    got = fai.flash_attn_gpu.varlen_fwd(q, k, v, None, cu_q, cu_k, used, pad, None, None, 4, 12, 0.0, 0.3,
+                                        False, causal, -1, -1, 0.0, False, None)[0]
+    assert torch.equal(got, out)
+
+
+def test_varlen_leftpad_k_errors(backend):
+    q, k, v, cu_q, cu_k = _varlen([3, 4], [10, 12])
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    with pytest.raises(FlashAttnError, match=r"leftpad_k\[1\] is 13; expected 0 <= leftpad_k\[b\] <= the "
+                                             r"sequence's keys, 12"):
+        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
+                                       leftpad_k=torch.tensor([0, 13], **i32))
+    with pytest.raises(FlashAttnError, match=r"leftpad_k\[0\] is 7; expected 0 <= leftpad_k\[b\] <= "
+                                             r"seqused_k\[b\], 6"):
+        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
+                                       leftpad_k=torch.tensor([7, 0], **i32),
+                                       seqused_k=torch.tensor([6, 12], **i32))
+    with pytest.raises(FlashAttnError, match=r"leftpad_k\[0\] is -1"):
+        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
+                                       leftpad_k=torch.tensor([-1, 0], **i32))
+    with pytest.raises(FlashAttnError, match=r"leftpad_k must be an int32 tensor of shape \(2,\)"):
+        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
+                                       leftpad_k=torch.zeros(3, **i32))
+
+
 def test_errors_flash_attn_code_expects(backend):
     q, k, v, cu_q, cu_k = _varlen([3, 4], [10, 12])
     with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
         fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False, num_splits=2)
-    with pytest.raises(RuntimeError, match="leftpad_k"):
-        fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
-                                       leftpad_k=torch.zeros(2, dtype=torch.int32))
+    # as flash_attn's varlen forward: left padding of paged keys is refused
+    pages = k.view(2, 11, *k.shape[1:])
+    table = torch.arange(2, dtype=torch.int32, device=DEVICE).view(2, 1)
+    with pytest.raises(RuntimeError, match="leftpad_k with block_table"):
+        fai._flash_attn_varlen_forward(q, pages, pages, cu_q, cu_k, 4, 12, 0.0, 0.3, False, block_table=table,
+                                       leftpad_k=torch.zeros(2, dtype=torch.int32, device=DEVICE))
     qp, kp, vp = _qkv()
     out, lse, _, _ = fai._flash_attn_forward(qp, kp, vp, 0.0, 0.2, False, -1, -1, 0.0, None, False)
     with pytest.raises(RuntimeError, match="softmax_lse"):

@@ -30,6 +30,8 @@ spelling of flash_attn before 2.6). The forward functions run without building a
 flash_attn's custom ops; every argument goes through the public functions' checks (flashattn._validate).
 """
 
+import itertools
+
 import torch
 
 from flashattn import _validate, paged
@@ -145,28 +147,34 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
                                seqused_k=None, zero_tensors=False, num_splits=0, *, window_size=None):
     """flash_attn's varlen forward, without autograd. block_table: paged keys (flash_attn_varlen_func's);
-    seqused_k (batch,) int32: sequence b uses only the first seqused_k[b] keys of its cu_seqlens_k range
-    (costs a device-to-host copy); zero_tensors: the rows of out past cu_seqlens_q[-1] are 0 and their
-    softmax_lse -inf (else left unspecified); num_splits 0 or 1 (the split count is the kernels' choice);
-    leftpad_k is not supported."""
-    if leftpad_k is not None:
-        raise FlashAttnError("leftpad_k is not supported by the varlen forward; pass keys without left "
-                             "padding (or use flash_attn_with_kvcache's cache_leftpad)")
+    seqused_k (batch,) int32: sequence b uses only the first seqused_k[b] keys of its cu_seqlens_k range;
+    leftpad_k (batch,) int32: its keys start leftpad_k[b] rows into that range (flash_attn's: sequence b
+    attends to rows cu_seqlens_k[b] + leftpad_k[b] up to cu_seqlens_k[b + 1], or to cu_seqlens_k[b] +
+    seqused_k[b]; not with block_table, as in flash_attn); each costs a device-to-host copy; zero_tensors:
+    the rows of out past cu_seqlens_q[-1] are 0 and their softmax_lse -inf (else left unspecified);
+    num_splits 0 or 1 (the split count is the kernels' choice)."""
+    if leftpad_k is not None and block_table is not None:
+        raise FlashAttnError("leftpad_k with block_table (paged keys) is not supported, as in flash_attn; "
+                             "pass leftpad_k=None (flash_attn_with_kvcache takes cache_leftpad with pages)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise FlashAttnError(f"num_splits must be an int >= 0, got {num_splits!r}")
     if num_splits > 1:
         raise FlashAttnError(f"num_splits > 1 is not supported by the varlen forward (got {num_splits}); "
                              f"pass 0, the kernels choose their own split")
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
-    cu_used = None if seqused_k is None else _used_cu_seqlens(cu_seqlens_k, seqused_k, q)
+    used = None
+    if seqused_k is not None or leftpad_k is not None:
+        used = _used_key_ranges(cu_seqlens_k, seqused_k, leftpad_k, q)
+        ends = itertools.accumulate((b - a for a, b in used), initial=0)
+        cu_used = torch.tensor(list(ends), dtype=torch.int32, device=cu_seqlens_k.device)
     if block_table is None:
         max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                   max_seqlen_k)
-        if cu_used is not None:
-            (k, v), cu_seqlens_k = _used_keys(k, v, cu_seqlens_k, seqused_k), cu_used
+        if used is not None:
+            (k, v), cu_seqlens_k = _used_keys(k, v, used), cu_used
     else:
         # the pages hold positions [0, length) of each sequence: its first keys are the ones it uses
-        cu_seqlens_k = cu_seqlens_k if cu_used is None else cu_used
+        cu_seqlens_k = cu_seqlens_k if used is None else cu_used
         max_seqlen_q, max_seqlen_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                   max_seqlen_k, block_table)
     scale = _scale(softmax_scale, q)
@@ -191,30 +199,39 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return out, lse, s_dmask, rng_state
 
 
-def _used_cu_seqlens(cu_seqlens_k, seqused_k, q):
-    """cu_seqlens of the keys seqused_k selects (checked against cu_seqlens_k: one device-to-host copy)."""
+def _index_arg(name, t, batch, q):
+    if not isinstance(t, torch.Tensor):
+        raise FlashAttnError(f"{name} must be an int32 tensor of shape ({batch},), got {type(t).__name__}")
+    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != q.device:
+        raise FlashAttnError(f"{name} must be an int32 tensor of shape ({batch},) on {q.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t.tolist()
+
+
+def _used_key_ranges(cu_seqlens_k, seqused_k, leftpad_k, q) -> list[tuple[int, int]]:
+    """Each sequence's rows of the packed keys, [start, end): cu_seqlens_k[b] + leftpad_k[b] up to
+    cu_seqlens_k[b] + seqused_k[b] (or cu_seqlens_k[b + 1]), checked against cu_seqlens_k (device-to-host
+    copies of the three)."""
     _validate.check_cu_seqlens_shapes(cu_seqlens_k, cu_seqlens_k, q)
     batch = cu_seqlens_k.shape[0] - 1
-    if not isinstance(seqused_k, torch.Tensor):
-        raise FlashAttnError(f"seqused_k must be an int32 tensor of shape ({batch},), got "
-                             f"{type(seqused_k).__name__}")
-    if seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (batch,) or seqused_k.device != q.device:
-        raise FlashAttnError(f"seqused_k must be an int32 tensor of shape ({batch},) on {q.device}, got "
-                             f"{seqused_k.dtype} {tuple(seqused_k.shape)} on {seqused_k.device}")
-    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-    for b, (n, length) in enumerate(zip(seqused_k.tolist(), lengths, strict=True)):
+    cu = cu_seqlens_k.tolist()
+    lengths = [cu[b + 1] - cu[b] for b in range(batch)]
+    used = lengths if seqused_k is None else _index_arg("seqused_k", seqused_k, batch, q)
+    pads = [0] * batch if leftpad_k is None else _index_arg("leftpad_k", leftpad_k, batch, q)
+    for b, (n, length) in enumerate(zip(used, lengths, strict=True)):
         if not 0 <= n <= length:
             raise FlashAttnError(f"seqused_k[{b}] is {n}; expected 0 <= seqused_k[b] <= the sequence's "
                                  f"{length} keys (cu_seqlens_k[b + 1] - cu_seqlens_k[b])")
-    cu_used = torch.zeros_like(cu_seqlens_k)
-    cu_used[1:] = torch.cumsum(seqused_k, 0)
-    return cu_used
+    bound = "seqused_k[b]" if seqused_k is not None else "the sequence's keys"
+    for b, (pad, n) in enumerate(zip(pads, used, strict=True)):
+        if not 0 <= pad <= n:
+            raise FlashAttnError(f"leftpad_k[{b}] is {pad}; expected 0 <= leftpad_k[b] <= {bound}, {n}")
+    return [(cu[b] + pads[b], cu[b] + used[b]) for b in range(batch)]
 
 
-def _used_keys(k, v, cu_seqlens_k, seqused_k):
-    """The rows of packed k, v that seqused_k selects: the first seqused_k[b] of each sequence."""
-    starts, used = cu_seqlens_k[:-1].tolist(), seqused_k.tolist()
-    rows = torch.cat([torch.arange(s, s + n, device=k.device) for s, n in zip(starts, used, strict=True)]
+def _used_keys(k, v, ranges):
+    """The rows of packed k, v in the given [start, end) ranges, in order."""
+    rows = torch.cat([torch.arange(a, b, device=k.device) for a, b in ranges]
                      + [torch.zeros(0, dtype=torch.long, device=k.device)])
     return k[rows], v[rows]
 
