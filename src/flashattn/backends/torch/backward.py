@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flashattn.backends.torch.tiles import Tiles, copy_as, heads_first
+from flashattn.backends.torch.tiles import Tiles, copy_as, exp_, heads_first
 
 
 def backward_group(tiles: Tiles, dout, q, k, v, out, lse, dq, dk, dv, dsink) -> None:
@@ -53,7 +53,7 @@ def backward_group(tiles: Tiles, dout, q, k, v, out, lse, dq, dk, dv, dsink) -> 
             n = j1 - j0
             kc, vc = kf[:, :, j0:j1], vf[:, :, j0:j1]
             s, t = tiles.scores(qs, kc, i0, i1, j0, j1, keep_tanh=True)
-            p = s.sub_(lse_c).exp_()  # (nb, hk, g, m, n)
+            p = exp_(s.sub_(lse_c), tiles.partial(i0, i1, j0, j1))  # (nb, hk, g, m, n)
             keep = tiles.keep(i0, i1, j0, j1, q.device)
             p_drop = p if keep is None else p.masked_fill(~keep, 0.0).mul_(spec.drop_scale)
             # dV += (P∘Z)^T dO, summed over the group and the chunk rows: (nb, hk, n, g*m) x (nb, hk, g*m, dv)

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from flashattn.backends.torch.tiles import exp_
 from flashattn.dropout import rand_uniform
 from flashattn.masks._kernel import unpack_bits
 
@@ -165,7 +166,7 @@ def block_sparse_forward(q, k, v, kt, *, softmax_scale, softcap=0.0, dropout_p=0
             m_new = torch.maximum(m_i, s.amax(-1))
             m_ref = torch.where(torch.isinf(m_new), 0.0, m_new)
             alpha = torch.exp(m_i - m_ref)
-            p = torch.exp(s - m_ref.unsqueeze(-1))
+            p = exp_(s - m_ref.unsqueeze(-1))
             l_i = l_i * alpha + p.sum(-1)
             if pb.dropout_p > 0:
                 row_idx = ((m0 + torch.arange(m1 - m0, device=pb.dev)).view(-1, 1) * bm
@@ -195,7 +196,7 @@ def _dq_pass(pb, qb, kflat, vflat, dob, lseb, deltab):
         for kind, s0, s1 in _kv_steps(pb, m0, m1, slots):
             kg, vg, vis, cols = _gather_kv(pb, kflat, vflat, kind, m0, m1, s0, s1)
             s, t = pb.scores(qs, kg)
-            p = torch.exp(s.masked_fill(~vis, -math.inf) - lse)  # +inf LSE (empty rows) gives P = 0
+            p = exp_(s.masked_fill(~vis, -math.inf) - lse)  # +inf LSE (empty rows) gives P = 0
             dp = torch.matmul(do, vg.transpose(-1, -2))  # (b, h, G, bm, dv) x (.., dv, S·bn)
             if pb.dropout_p > 0:
                 row_idx = ((m0 + torch.arange(m1 - m0, device=pb.dev)).view(-1, 1) * bm
@@ -266,7 +267,7 @@ def _dkdv_pass(pb, qb, kflat, vflat, dob, lseb, deltab):
                 delta = deltaflat.index_select(0, flat).view(*shape).unsqueeze(-2)
                 vis = _col_mask(pb, kind, n0, n1, s0, s1)
                 s_t, t_t = pb.scores(qg, ks, transposed=True)  # (b, h, Gk, bn, S·bm)
-                p_t = torch.exp(s_t.masked_fill(~vis, -math.inf) - lse)
+                p_t = exp_(s_t.masked_fill(~vis, -math.inf) - lse)
                 dp_t = torch.matmul(vs, dog.transpose(-1, -2))  # (b, h, Gk, bn, dv) x (.., dv, S·bm)
                 pz_t = p_t
                 if pb.dropout_p > 0:

@@ -13,6 +13,7 @@ import math
 import torch
 
 from flashattn.backends.torch.attention import attention_forward
+from flashattn.backends.torch.tiles import exp_
 from flashattn.fp8 import FP8, FP8_MAX
 
 _QUERY_CHUNK = 64  # query rows per dense score block of a masked call: (rows, heads, keys) fp32 scores
@@ -92,7 +93,7 @@ def _masked_attention(q, k, v, keep, lo, diag, *, softmax_scale, window, softcap
             visible = visible & (rel <= window[1])
         s = s.masked_fill(~visible, -math.inf)
         m = s.amax(-1, keepdim=True)
-        p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+        p = exp_(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
         denom = p.sum(-1)  # (h, rows)
         seen = denom > 0
         o = torch.einsum("hin,nhd->ihd", p, vf) / torch.where(seen, denom, 1.0).t().unsqueeze(-1)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flashattn.backends.torch.tiles import Tiles, copy_as, heads_first
+from flashattn.backends.torch.tiles import Tiles, copy_as, exp_, heads_first
 
 
 def forward_group(tiles: Tiles, q, k, v, out, lse) -> None:
@@ -44,7 +44,7 @@ def forward_group(tiles: Tiles, q, k, v, out, lse) -> None:
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m_i - m_ref)
-            p = s.sub_(m_ref.unsqueeze(-1)).exp_()
+            p = exp_(s.sub_(m_ref.unsqueeze(-1)), tiles.partial(i0, i1, j0, j1))
             # the normaliser counts every probability; dropout only zeroes what reaches V
             l_i = l_i * alpha + p.sum(dim=-1)
             keep = tiles.keep(i0, i1, j0, j1, q.device)

@@ -28,6 +28,19 @@ def chunk_size(batch_heads: int) -> int:
     return c
 
 
+LOG2E = 1.4426950408889634
+
+
+def exp_(x, masked: bool = True):
+    """exp(x) in place. masked: x may hold -inf (masked scores). Where exp's result underflows, torch's CPU
+    exp (float32, AVX-512) takes a slow path: on a tile whose masked half is -inf it ran 5x slower than on
+    finite scores, at -200 14x (the cost of a whole causal forward). So a masked tile goes through
+    exp2(x · log2 e), as fast there as on finite values, for one more pass over the tile; an unmasked one
+    keeps exp (that pass made non-causal calls 7-21% slower). The product's rounding adds at most
+    |x| · 2^-24 to the exponent (a relative error of ~1e-6 at x = -20)."""
+    return x.mul_(LOG2E).exp2_() if masked else x.exp_()
+
+
 def compute_dtype(*tensors):
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -99,20 +112,28 @@ class Tiles:
         hi = self.sk if self.right is None else min(self.sk, i1 - 1 + self.offset + self.right + 1)
         return lo, hi
 
-    def mask(self, i0, i1, j0, j1, device):
-        """Bool (m, n) visibility, or None when every query of the chunk sees every key of it."""
+    def partial(self, i0, i1, j0, j1) -> bool:
+        """Whether some query of the chunk does not see some key of it (the tile is masked)."""
         full_right = self.right is None or j1 - 1 <= i0 + self.offset + self.right
         full_left = self.left is None or j0 >= i1 - 1 + self.offset - self.left
-        if full_right and full_left:
+        return not (full_right and full_left)
+
+    def mask_bias(self, i0, i1, j0, j1, device):
+        """The (m, n) visibility as an additive bias in the compute dtype (0 where a query sees a key, -inf
+        where not), or None when every query of the chunk sees every key of it. Added to a tile's finite
+        scores it masks them as a masked fill would, at a fifth of its CPU time (broadcast over the batch
+        and heads, torch's masked_fill_ ran 3.3 ms on a 2M-element float32 tile, add_ 0.2)."""
+        if not self.partial(i0, i1, j0, j1):
             return None
         diag = torch.arange(i0, i1, device=device).view(-1, 1) + self.offset
         j = torch.arange(j0, j1, device=device).view(1, -1)
-        vis = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool, device=device)
+        hidden = torch.zeros(i1 - i0, j1 - j0, dtype=torch.bool, device=device)
         if self.right is not None:
-            vis &= j <= diag + self.right
+            hidden |= j > diag + self.right
         if self.left is not None:
-            vis &= j >= diag - self.left
-        return vis
+            hidden |= j < diag - self.left
+        bias = torch.zeros(hidden.shape, dtype=self.spec.cdtype, device=device)
+        return bias.masked_fill_(hidden, -math.inf)
 
     def scores(self, qs, kc, i0, i1, j0, j1, keep_tanh=False):
         """Scaled, softcapped, ALiBi-biased, masked scores ``(nb, hk, g, m, n)``, and with ``keep_tanh`` the
@@ -134,9 +155,9 @@ class Tiles:
             rows = torch.arange(i0, i1, device=s.device).view(-1, 1) + self.offset
             dist = (rows - torch.arange(j0, j1, device=s.device).view(1, -1)).abs().to(s.dtype)
             s.sub_(self.slopes * dist)
-        vis = self.mask(i0, i1, j0, j1, s.device)
-        if vis is not None:
-            s.masked_fill_(~vis, -math.inf)
+        bias = self.mask_bias(i0, i1, j0, j1, s.device)
+        if bias is not None:
+            s.add_(bias)
         return s, t
 
     def keep(self, i0, i1, j0, j1, device):
