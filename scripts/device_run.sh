@@ -162,7 +162,7 @@ for stage in "$@"; do
           $case > "$RES/racecheck-$case.log" 2>&1
         tail -3 "$RES/racecheck-$case.log" | tee -a "$RES/racecheck.log"
       done
-      # synccheck: the backward kernels' named barrier across both consumer warpgroups (bwd_dq.consumers_barrier)
+      # synccheck: barrier use in the backward kernels (a named barrier across both consumer warpgroups: v83)
       for case in ${SANITIZE_SYNCCHECK-ws_bwd ws_wide_bwd ws_keys}; do
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool synccheck python3 scripts/sanitize_cases.py $case 2>&1 \
           | tail -3 | tee -a "$RES/synccheck.log"
