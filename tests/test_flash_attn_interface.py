@@ -219,7 +219,7 @@ def test_varlen_leftpad_k_errors(backend):
     with pytest.raises(FlashAttnError, match=r"leftpad_k\[0\] is -1"):
         fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
                                        leftpad_k=torch.tensor([-1, 0], **i32))
-    with pytest.raises(FlashAttnError, match=r"leftpad_k must be an int32 tensor of shape \(2,\)"):
+    with pytest.raises(FlashAttnError, match=r"leftpad_k has shape \(3,\); expected \(2,\) = \(batch,\)"):
         fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 12, 0.0, 0.3, False,
                                        leftpad_k=torch.zeros(3, **i32))
 

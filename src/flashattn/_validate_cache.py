@@ -20,7 +20,7 @@ from flashattn.errors import FlashAttnError
 from flashattn.fp8 import FP8
 
 
-def _check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(batch,)") -> None:
+def check_index_tensor(name: str, t, b: int, q: Tensor, shape_text: str = "(batch,)") -> None:
     if not isinstance(t, Tensor):
         raise FlashAttnError(
             f"{name} must be a torch.Tensor {shape_text} of dtype torch.int32, got {type(t).__name__}"
@@ -49,7 +49,7 @@ def capacity_text(k_cache: Tensor, block_table) -> str:
 
 def check_block_table(block_table, b: int, q: Tensor) -> None:
     """(batch, max_pages) int32 on q's device (flash_attn_with_kvcache, and varlen with paged KV)."""
-    _check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
+    check_index_tensor("block_table", block_table, b, q, "(batch, max_pages)")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise FlashAttnError(f"block_table has shape {tuple(block_table.shape)}; expected ({b}, max_pages) = "
                              f"(batch, max_pages)")
@@ -181,15 +181,15 @@ def check_args(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, cache_batch_i
                                  f"{capacity_text(k_cache, block_table)}")
 
     if isinstance(cache_seqlens, Tensor):
-        _check_index_tensor("cache_seqlens", cache_seqlens, b, q)
+        check_index_tensor("cache_seqlens", cache_seqlens, b, q)
     elif cache_seqlens is not None and (isinstance(cache_seqlens, bool)
                                         or not isinstance(cache_seqlens, numbers.Integral)):
         raise FlashAttnError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
                         f"{type(cache_seqlens).__name__}")
     if cache_batch_idx is not None:
-        _check_index_tensor("cache_batch_idx", cache_batch_idx, b, q)
+        check_index_tensor("cache_batch_idx", cache_batch_idx, b, q)
     if cache_leftpad is not None:
-        _check_index_tensor("cache_leftpad", cache_leftpad, b, q)
+        check_index_tensor("cache_leftpad", cache_leftpad, b, q)
 
     if (cos is None) != (sin is None):
         raise FlashAttnError("rotary_cos and rotary_sin must be given together")

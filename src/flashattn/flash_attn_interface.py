@@ -35,6 +35,7 @@ import itertools
 import torch
 
 from flashattn import _validate, paged
+from flashattn._validate_cache import check_index_tensor
 from flashattn.dropout import s_dmask_block_n
 from flashattn.errors import FlashAttnError
 from flashattn.interface import (
@@ -199,12 +200,8 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return out, lse, s_dmask, rng_state
 
 
-def _index_arg(name, t, batch, q):
-    if not isinstance(t, torch.Tensor):
-        raise FlashAttnError(f"{name} must be an int32 tensor of shape ({batch},), got {type(t).__name__}")
-    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != q.device:
-        raise FlashAttnError(f"{name} must be an int32 tensor of shape ({batch},) on {q.device}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+def _index_list(name, t, batch, q) -> list[int]:
+    check_index_tensor(name, t, batch, q)
     return t.tolist()
 
 
@@ -216,8 +213,8 @@ def _used_key_ranges(cu_seqlens_k, seqused_k, leftpad_k, q) -> list[tuple[int, i
     batch = cu_seqlens_k.shape[0] - 1
     cu = cu_seqlens_k.tolist()
     lengths = [cu[b + 1] - cu[b] for b in range(batch)]
-    used = lengths if seqused_k is None else _index_arg("seqused_k", seqused_k, batch, q)
-    pads = [0] * batch if leftpad_k is None else _index_arg("leftpad_k", leftpad_k, batch, q)
+    used = lengths if seqused_k is None else _index_list("seqused_k", seqused_k, batch, q)
+    pads = [0] * batch if leftpad_k is None else _index_list("leftpad_k", leftpad_k, batch, q)
     for b, (n, length) in enumerate(zip(used, lengths, strict=True)):
         if not 0 <= n <= length:
             raise FlashAttnError(f"seqused_k[{b}] is {n}; expected 0 <= seqused_k[b] <= the sequence's "
