@@ -61,24 +61,6 @@ def _descriptor_spec(t, rows: int, cols: int, dtype_name: str | None = None) -> 
     return list(t.shape), list(t.stride()), list(block), _shared_layout(block, dtype_name)
 
 
-def _dq_strips_spec(t, rows: int, cols: int) -> tuple:
-    """_descriptor_spec of the float32 dQ buffer t (batch, seqlen, heads, d), d a multiple of 8, as the
-    rank-5 view (batch, heads, d / 8, seqlen, 8) with (1, 1, cols / 8, rows, 8) blocks, unswizzled: the
-    staging tile's strips of 8 columns take the wgmma accumulator's stores without bank conflicts
-    (bwd_dq.py's `_stage`); the reduce-add adds the same elements."""
-    b, n, h, d = t.shape
-    block = (1, 1, cols // 8, rows, 8)
-    return ([b, h, d // 8, n, 8], [t.stride(0), t.stride(2), 8, t.stride(1), 1], list(block),
-            _strips_layout())
-
-
-@functools.cache
-def _strips_layout():
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=5)
-
-
 def _packed_spec(t, group: int, pack: int, cols: int) -> tuple:
     """_descriptor_spec of a (batch, seqlen, heads, d) tensor t as the (batch, seqlen, heads_k, group, d)
     view of FA3's pack_gqa (routes.gqa_pack): blocks of HALF_M rows, HALF_M // pack positions x `pack` heads
@@ -485,12 +467,9 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
         # every tile as wide as d's padded width (dv <= d: routes.takes_gluon_backward),
         # the columns past them read as zeros and clipped from the stores; two warpgroups of half the keys
         width = host.block_d(pb.d)
-        # dQ's staging in strips of 8 columns where d is a multiple of 8 (a strip past d would reach the next
-        # head's columns: the descriptor bounds the strips, not the columns inside one)
-        dq_spec = (_dq_strips_spec(dq_acc, m, width // 2) if pb.d % 8 == 0
-                   else _descriptor_spec(dq_acc, m, width // 2, "float32"))
         specs = (*(_descriptor_spec(t, m, width) for t in (q, dout)),
-                 *(_descriptor_spec(t, n // 2, width) for t in (k, v, dk, dv)), dq_spec, stats_spec)
+                 *(_descriptor_spec(t, n // 2, width) for t in (k, v, dk, dv)),
+                 _descriptor_spec(dq_acc, m, width // 2, "float32"), stats_spec)
         if route.dq_order_rows % m:
             raise FlashAttnError(f"dq_order_rows is {route.dq_order_rows}; it must be a multiple of the "
                                  f"backward's query rows a step ({m})")

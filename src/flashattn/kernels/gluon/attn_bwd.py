@@ -9,10 +9,10 @@ pair, attn_bwd.py).
     128 for d = 64 without a mask), with the rows' LSE and D (the preprocess's stats planes), through a ring
     of TMA stages;
   - two consumer warpgroups own 64 keys each. Per query tile one issues Sᵀ = K Qᵀ and dPᵀ = V dOᵀ together,
-    computes Pᵀ while dPᵀ runs, issues dV += Pᵀ dO and dK += dSᵀ Q, and writes its dSᵀ half to shared memory;
-    once both halves are there (a named barrier both meet at), each computes half of dQ's columns over all 128
-    keys and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order,
-    which leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here.
+    computes Pᵀ while dPᵀ runs, issues dV += Pᵀ dO and dK += dSᵀ Q, and writes its dSᵀ half to shared
+    memory; once both halves are there (an mbarrier), each computes half of dQ's columns over all 128 keys
+    and reduce-adds them. Each step waits for its dV, dK and dQ before the next begins: FA3's order, which
+    leaves them in flight under the next step's Sᵀ and dPᵀ, measured 12-37% slower here.
     DEFER_DQ (d = 64, 64-row steps): each step computes the previous step's dQ, so the dSᵀ hand-off no
     longer holds the two warpgroups in step.
     SPLIT > 1 (GQA/MQA): SPLIT programs per key tile and kv head, each over GROUP / SPLIT of the group's
@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashattn.kernels.gluon.bwd_dq import consumers_barrier, dq_writer, store_dq
+from flashattn.kernels.gluon.bwd_dq import dq_writer, store_dq
 from flashattn.kernels.gluon.bwd_tiles import (
     add_key_tile,
     key_sequence,
@@ -183,8 +183,9 @@ def _loader(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
 
 
 @gluon.jit
-def _dq_of(ds_smem, b, k0_cols, k1_cols, q_zero):
-    """Issue this warpgroup's dQ columns of the step whose dSᵀ halves sit in buffer b (both written)."""
+def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
+    """Issue this warpgroup's dQ columns of the step whose dSᵀ halves sit in buffer b, once both are there."""
+    mbarrier.wait(ds_ready.index(b), phase)
     dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0_cols, q_zero, use_acc=False, is_async=True)
     return warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1_cols, dq, is_async=True)
 
@@ -317,23 +318,20 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         dst = dst.to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
         # both halves of dSᵀ in shared memory, then dQ[:, this half of d] = dS K over all 128 keys.
-        # In step order both warpgroups meet at a named barrier (FA3's) and march in step (their softmaxes
-        # coincide); DEFER_DQ computes the previous step's dQ instead, whose other half was written a step
-        # ago, so neither waits for the other's current step: an mbarrier per buffer, arrived at by each.
-        # Buffers: the other warpgroup's arrival at a step's barrier means it finished the step before; a
-        # buffer is rewritten NBUF steps later, after its last reader's dQ.
+        # In step order the barrier makes the warpgroups march in step (their softmaxes coincide); DEFER_DQ
+        # computes the previous step's dQ instead, whose other half was written a step ago, so neither waits
+        # for the other's current step. Buffers: the other warpgroup's arrival at a step's barrier means it
+        # finished the step before; a buffer is rewritten NBUF steps later, after its last reader's dQ.
         ds_buf = ds_smem.index(2 * b + WG)
         ds_buf.store(dst)
         fence_async_shared()
+        mbarrier.arrive(ds_ready.index(b), count=1)
         if DEFER_DQ:
-            mbarrier.arrive(ds_ready.index(b), count=1)
             if c > 0:
                 pb_ = (c - 1) % NBUF
-                mbarrier.wait(ds_ready.index(pb_), ((c - 1) // NBUF) & 1)
-                dq = _dq_of(ds_smem, pb_, k0_cols, k1_cols, q_zero)
+                dq = _dq_of(ds_smem, ds_ready, pb_, ((c - 1) // NBUF) & 1, k0_cols, k1_cols, q_zero)
         else:
-            consumers_barrier()
-            dq = _dq_of(ds_smem, b, k0_cols, k1_cols, q_zero)
+            dq = _dq_of(ds_smem, ds_ready, b, (c // NBUF) & 1, k0_cols, k1_cols, q_zero)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         # this tile's Q and dO have no reader left
         mbarrier.arrive(empty.index(s), count=1)
@@ -354,8 +352,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         if n_steps > 0:
             # the last step's dQ
             last = n_steps - 1
-            mbarrier.wait(ds_ready.index(last % NBUF), (last // NBUF) & 1)
-            dq_last = _dq_of(ds_smem, last % NBUF, k0_cols, k1_cols, q_zero)
+            dq_last = _dq_of(ds_smem, ds_ready, last % NBUF, (last // NBUF) & 1, k0_cols, k1_cols, q_zero)
             dq_last = warpgroup_mma_wait(0, deps=(dq_last,))
             store_dq(dq_last, dq_buf, dq_desc, desc_b, q_start + m0_prev, off_h_prev, sm_scale, WG, BLOCK_M,
                       HALF_D, handoff, last)
@@ -453,6 +450,7 @@ def attn_bwd_ws_kernel(
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # varlen: the program's tile and sequence, from the loader's search (schedule.publish_tile's slots;
     # 32 bytes, allocated in the padded layout too, where nothing uses them)
@@ -471,14 +469,9 @@ def attn_bwd_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-    # DEFER_DQ: each buffer's dSᵀ halves both written (in step order the consumers meet at a named barrier)
-    if DEFER_DQ:
-        ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NBUF):
-            mbarrier.init(ds_ready.index(i), count=2)
-        bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
-    else:
-        bars = (kv_bar, ready, empty, None, done, seq_ready)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ds_ready.index(i), count=2)
+    bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     sparse = (Q_FULL_NUM, Q_FULL_IDX, Q_PART_NUM, Q_PART_IDX, Q_PART_SLOT, K_ORDER, PART_BITS, mask_b, mask_h,
               n_kblocks, n_qblocks, max_qfull, max_qpart, max_part)

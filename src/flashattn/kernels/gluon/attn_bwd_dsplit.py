@@ -6,12 +6,12 @@ warpgroups see all of them, and they split each step's work two ways:
   - by query rows for the scores: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the 64 keys and its
     32 of the step's 64 query rows (a wgmma N of 32), recomputes its part of Pᵀ and dSᵀ, and writes it into
     the step's P and dS tiles in shared memory (rows: queries);
-  - by columns for the gradients: once both parts are there (a named barrier both meet at), each warpgroup
-    adds its columns of dV += Pᵀ dO and dK += dSᵀ Q and computes its columns of dQ = dS K, every operand from
-    shared memory. The columns go in 64-wide units so that both warpgroups issue the same matrix work
-    (`_consumer`'s K0 / KW, V0 / VW, Q0 / QW): at d = dv = 256, 128 of each; at d 192 / dv 128, dK 128 + dV 64
-    + dQ 64 against 64 + 64 + 128 (the second warpgroup's second dQ unit, issued after dK and dV, then staged,
-    is what it does beyond the first's).
+  - by columns for the gradients: once both parts are there (an mbarrier), each warpgroup adds its columns
+    of dV += Pᵀ dO and dK += dSᵀ Q and computes its columns of dQ = dS K, every operand from shared memory.
+    The columns go in 64-wide units so that both warpgroups issue the same matrix work (`_consumer`'s
+    K0 / KW, V0 / VW, Q0 / QW): at d = dv = 256, 128 of each; at d 192 / dv 128, dK 128 + dV 64 + dQ 64
+    against 64 + 64 + 128 (the second warpgroup's second dQ unit, issued after dK and dV, then staged, is
+    what it does beyond the first's).
 Per thread: dK and dV 64 registers each at d = 256, dQ 64 while it is in flight, Sᵀ and dPᵀ 16 each.
 dQ leaves as attn_bwd.py's does, by TMA reduce-adds into a float32 buffer, one 64-column unit at a time
 through a staging tile; dK and dV, staged in K's and V's tiles once no one reads those, by TMA stores.
@@ -43,7 +43,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashattn.kernels.gluon.attn_bwd import dtanh, sink_step
 from flashattn.kernels.gluon.bwd_dq import (
-    consumers_barrier,
     count_in,
     count_slot,
     reduce_add,
@@ -82,7 +81,7 @@ def _loader(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.con
         t, b = key_sequence(problem, SPLIT)
         publish_tile(seq_smem, seq_ready, 0, t, b)
     # DETERMINISTIC's launch order: each head's key tiles last first under a right edge (causal included)
-    reverse: gl.constexpr = args[15][0] is not None and (CAUSAL or problem[6] is not None)
+    reverse: gl.constexpr = args[16][0] is not None and (CAUSAL or problem[6] is not None)
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, _, _ = key_tile(
         problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, reverse)
     HEADS: gl.constexpr = GROUP // SPLIT
@@ -214,7 +213,7 @@ def _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink, ST
 
 
 @gluon.jit
-def _share_pds(pt, dst, c, p_smem, ds_smem, WG: gl.constexpr):
+def _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG: gl.constexpr):
     """This warpgroup's rows of step c's P and dS (rows: queries) into the step's buffers, then wait for the
     other's. Two buffers: a warpgroup reaches step c + 2's writes only after the other arrived at step
     c + 1's barrier, which it does once its step-c products (the readers of buffer c % 2) are done."""
@@ -223,7 +222,8 @@ def _share_pds(pt, dst, c, p_smem, ds_smem, WG: gl.constexpr):
     p_smem.index(b).slice(WG * ROWS, ROWS, dim=0).store(gl.permute(pt.to(dtype), (1, 0)))
     ds_smem.index(b).slice(WG * ROWS, ROWS, dim=0).store(gl.permute(dst.to(dtype), (1, 0)))
     fence_async_shared()
-    consumers_barrier()
+    mbarrier.arrive(pds_ready.index(b), count=1)
+    mbarrier.wait(pds_ready.index(b), (c // 2) & 1)
 
 
 @gluon.jit
@@ -270,8 +270,8 @@ def _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, coord, q_empty, do
 def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
               D_QK: gl.constexpr, WG: gl.constexpr):
-    (_, smems, bars, problem, dk_desc, dv_desc, dq_desc, p_smem, ds_smem, dq_smem, done, scales, kv_rows,
-     kv_acc, sink, det, widths) = args
+    (_, smems, bars, problem, dk_desc, dv_desc, dq_desc, p_smem, ds_smem, dq_smem, pds_ready, done, scales,
+     kv_rows, kv_acc, sink, det, widths) = args
     handoff = None
     if det[0] is not None:
         handoff = (det[2], det[3].index(WG))
@@ -345,7 +345,7 @@ def _consumer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.c
         pt, dst, sink_acc = _probs_ds(st, dpt, c, sink_acc, rows, band, diag_r, diag_l, scales, sink,
                                       STAGES, BLOCK_M, CAUSAL, varlen, WG, s_layout, HEADS)
         off_h, m0, _last = step_rows(c, rows[1], rows[2], rows[3], BLOCK_M, HEADS)
-        _share_pds(pt, dst, c, p_smem, ds_smem, WG)
+        _share_pds(pt, dst, c, p_smem, ds_smem, pds_ready, WG)
         dq, dk, dv = _issue_grads(c, dk, dv, k, p_smem, ds_smem, q_smem, do_smem, STAGES, DO_STAGES,
                                   K0, KW, V0, VW, Q0, q_zero)
         dk, dv = _finish_grads(c, dq, dk, dv, k, ds_smem, dq_buf, dq_desc, (desc_b, q_start + m0, off_h),
@@ -419,7 +419,7 @@ def _dq_writer(args, STAGES: gl.constexpr, DO_STAGES: gl.constexpr, BLOCK_M: gl.
     seq_smem = args[1][5]
     seq_ready = args[2][5]
     problem = args[3]
-    det = args[15]
+    det = args[16]
     dq_full = det[2]
     dq_empty = det[3]
     left = problem[5]
@@ -485,6 +485,7 @@ def attn_bwd_dsplit_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    pds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     seq_smem = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -498,6 +499,8 @@ def attn_bwd_dsplit_kernel(
     for i in gl.static_range(DO_STAGES):
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(pds_ready.index(i), count=2)
     # DETERMINISTIC: a round's staged units (count: the warpgroups with a unit in it), and each staging
     # tile's release (one per use: a warpgroup waits only for its own tile's previous use)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -511,7 +514,8 @@ def attn_bwd_dsplit_kernel(
     smems = (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem)
     bars = (kv_bar, q_ready, q_empty, do_ready, do_empty, seq_ready)
     args = ((q_desc, do_desc, k_desc, v_desc, stats_desc), smems, bars, problem, dk_desc, dv_desc, dq_desc,
-            p_smem, ds_smem, dq_smem, done, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b),
+            p_smem, ds_smem, dq_smem, pds_ready, done, (qk_scale, sm_scale, cap_in, cap_out, ALIBI,
+                                                         stride_alibi_b),
             (DK, DV, stride_km, stride_kh, stride_vm, stride_vh), (DK_ACC, DV_ACC), (SINK, DSINK),
             (LOCK, (stride_lock_b, stride_lock_h), dq_full, dq_empty), (d_qk, d_v))
     # registers: as attn_bwd.py's, 240 per consumer thread and 24 for the loader's (and the dQ writer's)

@@ -9,11 +9,11 @@ every query tile's dQ is reduce-added once per 64 keys. Here, as in attn_bwd.py,
   - computes Sᵀ = K Qᵀ over the 192 columns (a 128- and a 64-column product) and dPᵀ = V dOᵀ, recomputes
     Pᵀ and dSᵀ, and adds dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ from registers (wgmma K = 32);
   - writes dS (rows: queries) for its 64 keys into the step's buffer, and once the other warpgroup's half is
-    there (a named barrier both meet at), computes dQ transposed, dQᵀ = Kᵀ dSᵀ over all 128 keys, for its
-    64-column units (the first warpgroup units 0 and 1, the second unit 2: M = 64 columns, N = 32 rows, 16
-    registers a unit), each reduce-added into the float32 buffer through a staging tile, transposed back. Two
-    staging tiles per warpgroup, used in turn: a unit's store waits only for the reduce-add before the latest
-    to have read its tile, so the first warpgroup's second unit does not wait on its first (H100, d 192 / d_v
+    there (an mbarrier), computes dQ transposed, dQᵀ = Kᵀ dSᵀ over all 128 keys, for its 64-column units
+    (the first warpgroup units 0 and 1, the second unit 2: M = 64 columns, N = 32 rows, 16 registers a
+    unit), each reduce-added into the float32 buffer through a staging tile, transposed back. Two staging
+    tiles per warpgroup, used in turn: a unit's store waits only for the reduce-add before the latest to
+    have read its tile, so the first warpgroup's second unit does not wait on its first (H100, d 192 / d_v
     128 causal: 434 TFLOP/s against one tile's 423, and against 365 with dQ split by rows instead).
 Q and K go through 256-wide tiles (TMA reads zeros past d), of which the products take the first 192
 columns; dO and V through 128. The options are attn_bwd.py's compile-time variants (scores.py's band,
@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashattn.kernels.gluon.attn_bwd import HALF_N, _loader, dtanh, sink_step
-from flashattn.kernels.gluon.bwd_dq import consumers_barrier, dq_writer, reduce_add
+from flashattn.kernels.gluon.bwd_dq import dq_writer, reduce_add
 from flashattn.kernels.gluon.bwd_tiles import (
     add_key_tile,
     key_tile,
@@ -93,7 +93,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
      scales, problem, kv_rows, kv_acc, sink, det, widths) = args
     d_qk, d_v = widths
     SINK, DSINK = sink
-    kv_bar, ready, empty, _, done, seq_ready = bars
+    kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
     left = problem[5]
     right = problem[6]
@@ -205,7 +205,8 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         # which it does once its step-c dQ products (the readers of buffer c % 2) are done
         ds_smem.index(2 * b + WG).store(gl.permute(dst, (1, 0)))
         fence_async_shared()
-        consumers_barrier()
+        mbarrier.arrive(ds_ready.index(b), count=1)
+        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
         coord = (desc_b, q_start + m0, off_h)
         if DET:
             # unit u staged in tile 3 · (c % 2) + u for the dQ writer (two sets: a step's units are staged
@@ -304,6 +305,7 @@ def attn_bwd_keys_kernel(
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     seq_smem = gl.allocate_shared_memory(gl.int32, [4, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -322,8 +324,9 @@ def attn_bwd_keys_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # released by both consumer warpgroups
-    # attn_bwd.py's slot of DEFER_DQ's dS barriers: none here (the consumers meet at a named barrier)
-    bars = (kv_bar, ready, empty, None, done, seq_ready)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+    bars = (kv_bar, ready, empty, ds_ready, done, seq_ready)
     problem = (nheads_k, seqlen_q, seqlen_k, n_bhk, lpt_group, left, right, CU_Q, CU_K, PLAN, STATS_ROW0)
     args = (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem,
             seq_smem, bars, (qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b), problem,

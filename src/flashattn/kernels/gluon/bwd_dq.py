@@ -34,61 +34,14 @@ def store_dq(dq, dq_buf, dq_desc, desc_b, row, off_h, sm_scale, WG: gl.constexpr
         dq_full, dq_empty = handoff
         # a fresh mbarrier counts as having completed the phase before 0, so the first store does not wait
         mbarrier.wait(dq_empty, (k & 1) ^ 1)
-        _stage(dq * sm_scale, dq_buf, BLOCK_M, HALF_D)
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
         fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
     else:
         tma.store_wait(0)  # the previous reduce-add has read the staging tile
-        _stage(dq * sm_scale, dq_buf, BLOCK_M, HALF_D)
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * sm_scale)
         fence_async_shared()
-        reduce_add(dq_desc, dq_coord(dq_desc, desc_b, row, off_h, WG * HALF_D), dq_buf)
-
-
-@gluon.jit
-def _stage(dq, dq_buf, BLOCK_M: gl.constexpr, HALF_D: gl.constexpr):
-    """dq (BLOCK_M rows, HALF_D columns, a wgmma accumulator) into its staging tile. In the 128-byte
-    swizzle of a (1, BLOCK_M, 1, HALF_D) tile a half-warp's stores of two floats a thread (four rows of
-    eight columns) fall on four of a row's eight 16-byte chunks, twice each; in the unswizzled strips of
-    the rank-5 view (1, 1, HALF_D / 8, BLOCK_M, 8) (`dq_coord`) a strip's row is 32 bytes and those four
-    rows fill a 128-byte line: half the wavefronts."""
-    IN_STRIPS: gl.constexpr = len(dq_buf.shape) == 5
-    if IN_STRIPS:
-        STRIPS: gl.constexpr = HALF_D // 8
-        strips = gl.permute(gl.reshape(dq, [BLOCK_M, STRIPS, 8]), (1, 0, 2))
-        dq_buf.reshape([STRIPS, BLOCK_M, 8]).store(strips)
-    else:
-        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq)
-
-
-@gluon.constexpr_function
-def dq_unit_width(block):
-    """The dQ columns one staging tile holds, from the dQ descriptor's block shape (`dq_coord`'s views)."""
-    return block[2] * block[4] if len(block) == 5 else block[3]
-
-
-@gluon.jit
-def dq_coord(dq_desc, desc_b, row, off_h, col):
-    """The coordinates of the dQ tile at (row, head, first column) in the dQ buffer's descriptor: (batch, row,
-    head, column), or in the rank-5 strips view of the same (batch, seqlen, heads, d) buffer, (batch, head,
-    column / 8, row, 0) (backends/triton/gluon.py, `_dq_strips_spec`)."""
-    STRIPS: gl.constexpr = len(dq_desc.block_type.shape) == 5
-    if STRIPS:
-        coord = [desc_b, off_h, col // 8, row, 0]
-    else:
-        coord = [desc_b, row, off_h, col]
-    return coord
-
-
-@gluon.jit
-def consumers_barrier():
-    """Both consumer warpgroups (8 warps) meet: bar.sync on named barrier 15, of which Triton's warp
-    specialisation uses none (its partitions sync on the lowest ids). After each warpgroup has written its
-    part of a step's dS (or P) to shared memory and fenced it for the tensor cores, this is FA3's rendezvous
-    before the products that read both parts: one hardware barrier where an mbarrier's arrive (behind a
-    warpgroup bar.sync) and its poll were. Every thread of both warpgroups must reach it equally often."""
-    lanes = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r,r", [lanes], dtype=gl.int32,
-                              is_pure=False, pack=1)
+        reduce_add(dq_desc, [desc_b, row, off_h, WG * HALF_D], dq_buf)
 
 
 @gluon.jit
@@ -190,7 +143,7 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     TILE: gl.constexpr = BLOCK_M if COUNT_M == 0 else COUNT_M
     gl.static_assert(TILE % BLOCK_M == 0)
     # the staged tiles: HEAD_DIM's columns in units of the dQ descriptor's width, one tile per unit
-    W: gl.constexpr = dq_unit_width(dq_desc.block_type.shape)
+    W: gl.constexpr = dq_desc.block_type.shape[3]
     UNITS: gl.constexpr = HEAD_DIM // W
     lanes = warp_lanes()
     c = 0  # the stores so far
@@ -208,7 +161,7 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
                 st = c + j
                 mbarrier.wait(dq_full.index(st % SETS), (st // SETS) & 1)
                 for w in gl.static_range(UNITS):
-                    reduce_add(dq_desc, dq_coord(dq_desc, desc_b, q_start + m0 + j * BLOCK_M, off_h, w * W),
+                    reduce_add(dq_desc, [desc_b, q_start + m0 + j * BLOCK_M, off_h, w * W],
                                dq_smem.index((st % SETS) * UNITS + w))
                 tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
                 mbarrier.arrive(dq_empty.index(st % SETS), count=1)
