@@ -26,10 +26,11 @@ option that is off.
 The packed (varlen) layout is a variant too: its query tiles form one list for the persistent schedule
 (schedule.py), and a sequence's last rows are stored by masked stores rather than TMA. Q's and K's head
 dim is the padded width the route names: 64, 128 and 256 as one tile, 192 as three 64-wide column chunks
-(a tile's shape is a power of two), QK^T one wgmma per chunk (`_qk`); V's and O's 64, 128 or 256. Q_BUFS = 1
-(where two Q tiles and the K/V ring pass the shared memory: d = 192 beside 128-key steps, d = 256 beside
-64-key ones) loads a tile's Q once the previous tile's O is stored. Dropout, fp32 and other head dims
-keep the Triton kernel (kernels/triton/attn_fwd.py), whose online-softmax invariants this body shares.
+(a tile's shape is a power of two), QK^T one wgmma per chunk (`fwd_steps.qk`); V's and O's 64, 128 or
+256. Q_BUFS = 1 (where two Q tiles and the K/V ring pass the shared memory: d = 192 beside 128-key steps,
+d = 256 beside 64-key ones) loads a tile's Q once the previous tile's O is stored. Dropout, fp32 and other
+head dims keep the Triton kernel (kernels/triton/attn_fwd.py), whose online-softmax invariants this body
+shares.
 A block-sparse mask is a variant too (sparse.py; the launcher passes its tensors, else None): a query tile
 is a mask's query block, its key steps that block's lists (full blocks unmasked, partial ones through their
 bitmasks), with no band and one query head a tile.
@@ -51,153 +52,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashattn.kernels.gluon.fwd_loader import loader
+from flashattn.kernels.gluon.fwd_steps import (
+    half_last_step,
+    halves,
+    last_pv,
+    qk,
+    release_q,
+    serial_step,
+    v_tile,
+)
 from flashattn.kernels.gluon.schedule import next_tile, store_rows, tile
 from flashattn.kernels.gluon.scores import HALF_M, ROW_PARTS, softmax_step
 from flashattn.kernels.gluon.sparse import block_lists, partial_bits
 
 LN2 = gl.constexpr(0.6931471805599453)  # the kernel works in base 2; LSE leaves it as a natural log
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def _v_tile(v_smem, stage, N: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr):
-    """Keys [0, N) of ring slot `stage` as the [N, HEAD_DIM_V] B operand of PV: in place, or, for an FP8 V
-    (held K-major as [HEAD_DIM_V, BLOCK_N], as e4m3 wgmma takes its B), through a transposed view."""
-    t = v_smem.index(stage)
-    if v_smem.dtype.primitive_bitwidth == 8:
-        t = t.reshape([HEAD_DIM_V, BLOCK_N])
-        if N < BLOCK_N:
-            t = t.slice(0, N, 1)
-        t = t.permute((1, 0))
-    else:
-        t = t.reshape([BLOCK_N, HEAD_DIM_V])
-        if N < BLOCK_N:
-            t = t.slice(0, N)
-    return t
-
-
-@gluon.jit
-def _qk(q_smem, qi, k_smem, stage, s_zero, N: gl.constexpr, BLOCK_N: gl.constexpr, NCH: gl.constexpr):
-    """Issue S = Q Kᵀ (asynchronous) for Q buffer qi against the first N keys of K ring slot `stage`: one
-    wgmma per column chunk of Q and K, into one accumulator. A head dim that is not a power of two (192) is
-    held as 64-wide chunks (a tile's shape must be a power of two); the others as one chunk. Each wgmma is
-    its own group: a wait that leaves one group outstanding after a later PV has retired all of them."""
-    CW: gl.constexpr = k_smem.shape[4]  # K's chunks: Q's may be 5-D (the packed GQA tiles)
-    s = s_zero
-    for ch in gl.static_range(NCH):
-        k = k_smem.index(stage * NCH + ch).reshape([BLOCK_N, CW])
-        if N < BLOCK_N:
-            k = k.slice(0, N)
-        s = warpgroup_mma(q_smem.index(qi * NCH + ch).reshape([HALF_M, CW]), k.permute((1, 0)), s,
-                          use_acc=ch > 0, is_async=True)
-    return s
-
-
-@gluon.jit
-def _release_q(q_empty, i):
-    """Return the previous query tile's Q buffer (tile i - 1's, none for i = 0) to the loader once the TMA
-    store of its O, staged there, has read it."""
-    if i > 0:
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index((i - 1) % 2), count=1)
-
-
-@gluon.jit
-def _halves(n_start, n_k, row0, diag_r, BLOCK_N: gl.constexpr):
-    """Whether this warpgroup's last key tile (of n_k > 1 from key n_start) has its upper half masked for all
-    its rows: its last row, row0 + HALF_M - 1, sees keys up to row0 + HALF_M - 1 + diag_r (HALF_DIAG)."""
-    return (n_k > 1) & (row0 + diag_r <= n_start + (n_k - 1) * BLOCK_N)
-
-
-@gluon.jit
-def _last_pv(p, acc, v_smem, v_ready, v_empty, step, p_layout: gl.constexpr, STAGES: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr):
-    """A query tile's last PV (key step `step` of the K/V ring), alone: nothing is left to overlap it."""
-    last = step % STAGES
-    mbarrier.wait(v_ready.index(last), (step // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, _v_tile(v_smem, last, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(last), count=1)
-    return acc
-
-
-@gluon.jit
-def _half_last_step(q_smem, qi, p, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, step,
-                    start_n, offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from,
-                    unmasked_to, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    HEAD_DIM_V: gl.constexpr, TREES: gl.constexpr):
-    """The last key step of a query tile whose last key tile (ring step `step`) has its upper half masked
-    for every row of this warpgroup (HALF_DIAG): QK^T, the softmax and PV over the tile's first
-    BLOCK_N / 2 keys (wgmma N and K of 64; start_n: the tile's first key), with the previous step's PV in
-    flight as in the main loop. Returns (acc, m_i, l_i) with the last PV done."""
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
-    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_N, KW])
-    rows_h: gl.constexpr = gl.SliceLayout(1, h_layout)
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cur = step % STAGES
-    prev = (step - 1) % STAGES
-    mbarrier.wait(k_ready.index(cur), (step // STAGES) & 1)
-    s = _qk(q_smem, qi, k_smem, cur, gl.zeros([HALF_M, HALF_N], gl.float32, h_layout), HALF_N, BLOCK_N,
-            NCH)
-    mbarrier.wait(v_ready.index(prev), ((step - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, _v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s,))
-    mbarrier.arrive(k_empty.index(cur), count=1)
-    # the row statistics change layout with S's width only in type: the rows sit in the same registers
-    p_h, m_h, l_h, alpha = softmax_step(s, gl.convert_layout(m_i, rows_h), l_i,
-                                        gl.convert_layout(offs_q, rows_h), start_n, seqlen_k, scores, slope,
-                                        diag, diag_r, diag_l, unmasked_from, unmasked_to, h_layout, HALF_N,
-                                        TREES, True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    mbarrier.wait(v_ready.index(cur), (step // STAGES) & 1)
-    ph_op = gl.convert_layout(p_h.to(v_smem.dtype), p_layout)
-    acc = warpgroup_mma(ph_op, _v_tile(v_smem, cur, HALF_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(cur), count=1)
-    return acc, gl.convert_layout(m_h, rows), l_h
-
-
-@gluon.jit
-def _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, step, start_n,
-                 offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
-                 p_layout: gl.constexpr, N: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, TREES: gl.constexpr):
-    """One key step (ring step `step`, keys start_n..start_n + N) with nothing else of this warpgroup in
-    flight (three consumer warpgroups): QK^T, the softmax, PV. Holds S or P, never both, beside
-    O, so three consumer warpgroups fit their 160 registers; the other warpgroups' matmuls run during this
-    one's softmax. N < BLOCK_N takes the K and V tiles' first N keys (the half-diagonal step, always
-    masked)."""
-    KW: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth  # wgmma's K: 16 (16-bit), 32 (e4m3)
-    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, N, KW])
-    rows: gl.constexpr = m_i.type.layout
-    rows_n: gl.constexpr = gl.SliceLayout(1, st_layout)
-    stage = step % STAGES
-    phase = (step // STAGES) & 1
-    v_tile = _v_tile(v_smem, stage, N, BLOCK_N, HEAD_DIM_V)
-    mbarrier.wait(k_ready.index(stage), phase)
-    s = _qk(q_smem, qi, k_smem, stage, gl.zeros([HALF_M, N], gl.float32, st_layout), N, BLOCK_N, NCH)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    p, m_n, l_n, alpha = softmax_step(s, gl.convert_layout(m_i, rows_n), l_i,
-                                      gl.convert_layout(offs_q, rows_n), start_n, seqlen_k, scores, slope,
-                                      diag, diag_r, diag_l, unmasked_from, unmasked_to, st_layout, N, TREES,
-                                      N < BLOCK_N)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    mbarrier.wait(v_ready.index(stage), phase)
-    acc = warpgroup_mma(gl.convert_layout(p.to(v_smem.dtype), p_layout), v_tile, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(stage), count=1)
-    return acc, gl.convert_layout(m_n, rows), l_n
 
 
 @gluon.jit
@@ -228,7 +97,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                  k_width=32 // dtype.primitive_bitwidth)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     CONSUMERS: gl.constexpr = BLOCK_M // HALF_M
-    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]  # Q's and K's column chunks (_qk)
+    NCH: gl.constexpr = HEAD_DIM // k_smem.shape[4]  # Q's and K's column chunks (fwd_steps.qk)
     Q_BUFS: gl.constexpr = q_smem.shape[0] // (CONSUMERS * NCH)
 
     c = 0  # K/V tiles consumed so far, across query tiles: the loader's counter
@@ -292,22 +161,22 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.wait(q_ready.index(qb), (i // Q_BUFS) & 1)
 
         if BLOCK_M // HALF_M == 3:
-            # three consumers: serial steps (_serial_step)
+            # three consumers: serial steps (fwd_steps.serial_step)
             if DEFER_RELEASE:
-                _release_q(q_empty, i)
+                release_q(q_empty, i)
             n_loop = n_k
             if HALF_DIAG:
                 # the last step on its key tile's first half only (below)
-                n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
+                n_loop = n_k - halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(0, n_loop):
-                acc, m_i, l_i = _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready,
+                acc, m_i, l_i = serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready,
                                              k_empty, v_empty, c + j, n_start + j * BLOCK_N, offs_q, len_k,
                                              tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
                                              unmasked_to, p_layout, BLOCK_N, STAGES, BLOCK_N, HEAD_DIM,
                                              HEAD_DIM_V, TREES)
             if HALF_DIAG:
-                if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
-                    acc, m_i, l_i = _serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready,
+                if halves(n_start, n_k, row0, diag_r, BLOCK_N):
+                    acc, m_i, l_i = serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready,
                                                  k_empty, v_empty, c + n_k - 1,
                                                  n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, tile_scores,
                                                  slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
@@ -317,13 +186,13 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             # key tile 0: QK^T alone
             s0 = c % STAGES
             mbarrier.wait(k_ready.index(s0), (c // STAGES) & 1)
-            s = _qk(q_smem, qi, k_smem, s0, s_zero, BLOCK_N, BLOCK_N, NCH)
+            s = qk(q_smem, qi, k_smem, s0, s_zero, BLOCK_N, BLOCK_N, NCH)
             part0 = None  # not `part`: a name the loop below assigns would be carried through it
             if SPARSE[0] is not None:
                 part0 = partial_bits(SPARSE, at, full, 0, WG * HALF_M, HALF_M, BLOCK_M, BLOCK_N)
             if DEFER_RELEASE:
                 # while it runs: the previous tile's O store and the release of its buffer
-                _release_q(q_empty, i)
+                release_q(q_empty, i)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, len_k, tile_scores, slope, diag,
@@ -331,18 +200,18 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                               TREES, part=part0)
             n_loop = n_k
             if HALF_DIAG:
-                # the last key tile's upper half is masked for every row of this warpgroup (_halves): that
-                # step runs on the tile's first half only
-                n_loop = n_k - _halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
+                # the last key tile's upper half is masked for every row of this warpgroup
+                # (fwd_steps.halves): that step runs on the tile's first half only
+                n_loop = n_k - halves(n_start, n_k, row0, diag_r, BLOCK_N).to(gl.int32)
             for j in range(1, n_loop):
                 cur = (c + j) % STAGES
                 prev = (c + j - 1) % STAGES
                 # issue this key tile's QK^T, then the previous one's PV; the softmax below runs while they do
                 mbarrier.wait(k_ready.index(cur), ((c + j) // STAGES) & 1)
-                s = _qk(q_smem, qi, k_smem, cur, s_zero, BLOCK_N, BLOCK_N, NCH)
+                s = qk(q_smem, qi, k_smem, cur, s_zero, BLOCK_N, BLOCK_N, NCH)
                 mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, _v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc,
+                acc = warpgroup_mma(p_op, v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc,
                                     is_async=True)
                 # wgmma groups retire in order: one left outstanding means QK^T is done, PV may still run
                 s = warpgroup_mma_wait(1, deps=(s,))
@@ -360,21 +229,21 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                 # the PV just finished was in the previous max's units
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             if HALF_DIAG:
-                if _halves(n_start, n_k, row0, diag_r, BLOCK_N):
-                    acc, m_i, l_i = _half_last_step(q_smem, qi, p, acc, m_i, l_i, k_smem, v_smem, k_ready,
+                if halves(n_start, n_k, row0, diag_r, BLOCK_N):
+                    acc, m_i, l_i = half_last_step(q_smem, qi, p, acc, m_i, l_i, k_smem, v_smem, k_ready,
                                                     k_empty, v_ready, v_empty, c + n_k - 1,
                                                     n_start + (n_k - 1) * BLOCK_N, offs_q, len_k, tile_scores,
                                                     slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
                                                     s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
                                                     TREES)
                 else:
-                    acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
+                    acc = last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
                                    HEAD_DIM_V)
             else:
-                acc = _last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
+                acc = last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N,
                                HEAD_DIM_V)
         elif DEFER_RELEASE:
-            _release_q(q_empty, i)
+            release_q(q_empty, i)
         c += n_k
 
         l_tot = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, s_layout))
@@ -412,7 +281,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         # chunks is the same bytes whether Q came as one tile or as chunks
         if o_smem is not None:
             # FP8: a 16-bit O has twice Q's bytes, so it has buffers of its own; the previous tile's store
-            # from this one has completed (_release_q, or the wait below, waited for it)
+            # from this one has completed (release_q, or the wait below, waited for it)
             o_buf = o_smem.index(WG)
         else:
             q_buf = q_smem.index(qi * NCH)
@@ -443,7 +312,7 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
         i += 1
         t, b = next_tile(tile_smem, tile_ready, i)
     if DEFER_RELEASE:
-        _release_q(q_empty, i)
+        release_q(q_empty, i)
 
 
 @gluon.jit
