@@ -152,11 +152,11 @@ for stage in "$@"; do
       tail -3 "$RES/pytest_gpu.log" ;;
     sanitize)
       export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # else the caching allocator hides out-of-bounds reads
-      for case in ${SANITIZE_MEMCHECK-dense decode decode_bad sparse ws_bwd ws_wide_bwd ws_keys ws_padded ws_paged ws_features fp8 softcap_wide}; do
+      for case in ${SANITIZE_MEMCHECK-dense decode decode_bad sparse ws_bwd ws_wide_bwd ws_keys ws_padded ws_paged ws_features ws_ahead fp8 softcap_wide}; do
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py $case 2>&1 | tail -3 \
           | tee -a "$RES/memcheck.log"
       done
-      for case in ${SANITIZE_RACECHECK-ws_fwd ws_bwd ws_wide_bwd ws_keys ws_features fp8 softcap_wide}; do
+      for case in ${SANITIZE_RACECHECK-ws_fwd ws_bwd ws_wide_bwd ws_keys ws_features ws_ahead fp8 softcap_wide}; do
         # the full report per case: a hazard's kernel and addresses (the summary alone names neither)
         timeout "${SANITIZE_S:-120}" compute-sanitizer --tool racecheck --print-limit 40 python3 scripts/sanitize_cases.py \
           $case > "$RES/racecheck-$case.log" 2>&1

@@ -2,7 +2,7 @@
 
     python scripts/sanitize_cases.py [dense] [decode] [decode_bad] [sparse] [ws_fwd] [ws_fwd64] [ws_bwd]
         [ws_deterministic] [ws_features] [ws_chunked] [ws_wide_bwd] [ws_keys] [ws_padded]
-        [ws_paged] [ws_pack] [ws_sparse] [fp8] [softcap_wide]
+        [ws_paged] [ws_pack] [ws_sparse] [ws_ahead] [fp8] [softcap_wide]
 
 (default: the first four).
 
@@ -23,6 +23,8 @@ ws_padded runs both Gluon kernels on head dims below their tiles' widths. ws_pag
 page pools through a block table, entries outside the pool included. ws_pack runs the Gluon forward with
 GQA groups packed into its query tiles (padded groups, a group wider than a warpgroup's rows, every option,
 varlen). ws_sparse runs the Gluon forward's block-sparse variant (lists, bitmasks, empty query blocks).
+ws_ahead runs the Gluon forward with the next key tile's QK^T issued before each softmax (qk_ahead), 16-bit
+and FP8.
 
 softcap_wide runs the Triton forward with a softcap over a padded 256-wide head (varlen, d 160): on its
 route (one stage) and on the 2-stage tiles whose build stops on a misaligned address at full speed but not
@@ -563,6 +565,37 @@ def ws_pack():
     out, _ = attention.attention_forward(q, k, v, softmax_scale=0.1, cu_seqlens_k=cu_k, route=route, **call)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
+
+
+def ws_ahead():
+    # the Gluon forward with each next QK^T issued before the softmax (qk_ahead, 128-row tiles of 64 keys):
+    # 16-bit d 64 / 128 (one key step, two, many; causal sq != sk, a window with softcap and a sink) and FP8
+    from flashattn import config
+    from flashattn import fp8 as q8
+    from flashattn.backends.triton import attention, routes
+
+    def ahead(q, k, v, opts):
+        return dataclasses.replace(routes.gluon_forward_route(attention.spec_of(q, k, v, **opts)),
+                                   qk_ahead=True)
+
+    with config.use_tiles("fwd_ws=128,64,4,2"):
+        for (b, sq, sk, h, hk, d), opts in [((2, 67, 130, 4, 2, 64), dict(causal=True)),
+                                           ((1, 300, 137, 4, 1, 128), dict(causal=True)),
+                                           ((1, 200, 63, 4, 2, 128), {}),
+                                           ((1, 130, 300, 2, 2, 64), dict(window_size=(40, 3), softcap=5.0,
+                                                                          sink=True))]:
+            opts = dict(opts)
+            if opts.pop("sink", False):
+                opts["learnable_sink"] = torch.zeros(h, device="cuda")
+            q, k, v = (t.detach() for t in _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+            out, _ = attention.attention_forward(q, k, v, softmax_scale=d ** -0.5, route=ahead(q, k, v, opts),
+                                                 **opts)
+            (q, qd), (k, kd), (v, vd) = (q8.quantize(t.float(), "head") for t in (q, k, v))
+            out8, _ = attention.attention_forward_fp8(q, k, v, qd, kd, vd, out_dtype=torch.bfloat16,
+                                                      softmax_scale=d ** -0.5, route=ahead(q, k, v, opts),
+                                                      **opts)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all() and torch.isfinite(out8).all()
 
 
 def softcap_wide():

@@ -12,12 +12,13 @@ named, disassembles its cubin with Triton's nvdisasm and reports what the tuning
 
     python scripts/sass_report.py [--kernel attn_bwd_ws_kernel] [--d 64] [--n 1024] [--heads 4]
         [--dv 128] [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
-        [--deterministic] [--pages 128] [--sass OUT.sass] [--ptx OUT.ptx]
+        [--deterministic] [--pages 128] [--fp8] [--route qk_ahead=1] [--sass OUT.sass] [--ptx OUT.ptx]
 
 Counts are per thread (every thread of a warp issues the same stream), as nvdisasm lists them.
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,6 +50,12 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--pages", type=int, default=0,
                    help="the varlen forward alone on page pools of this many keys (paged prefill, no grad)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the FP8 forward alone (e4m3 q, k, v with per-head descales, V seqlen-contiguous; no "
+                        "grad): the Gluon variant's kernel from 2K tokens on the default route")
+    p.add_argument("--route", action="append", default=[], metavar="FIELD=INT",
+                   help="a field of the call's Gluon forward route replaced (e.g. qk_ahead=1, block_n=64); "
+                        "repeatable")
     p.add_argument("--sass", help="also write the whole disassembly here")
     p.add_argument("--ptx", help="also write the kernel's PTX here")
     args = p.parse_args(argv)
@@ -62,7 +69,27 @@ def main(argv=None) -> int:
         return kernel
 
     JITFunction.run = keep
-    from flashattn import flash_attn_func, flash_attn_varlen_func
+    from flashattn import config, flash_attn_func, flash_attn_varlen_func, fp8
+    from flashattn.backends.triton import routes
+
+    if args.route:
+        fields = {name: int(value) for name, value in (item.split("=") for item in args.route)}
+        default = routes.forward_route
+
+        def replaced(spec):
+            route = default(spec)
+            if not isinstance(route, routes.GluonForward):
+                raise SystemExit(f"--route: the call's forward route is {type(route).__name__}, not Gluon")
+            tiles = {k: fields[k] for k in ("block_m", "block_n", "num_stages") if k in fields}
+            if tiles:
+                # the route rebuilt under the tile override, so that what it derives from its tiles (Q
+                # buffers, registers, the half step) follows them
+                with config.use_tiles({"fwd_ws": dataclasses.replace(route.tiles, **tiles)}):
+                    route = default(spec)
+            rest = {k: type(getattr(route, k))(v) for k, v in fields.items() if k not in tiles}
+            return dataclasses.replace(route, **rest)
+
+        routes.forward_route = replaced
 
     h, hk, d, n = args.heads, args.heads_k, args.d, args.n
     dv = args.dv or d
@@ -72,7 +99,14 @@ def main(argv=None) -> int:
         kw["learnable_sink"] = torch.zeros(h, requires_grad=True)
     if args.alibi:
         kw["alibi_slopes"] = torch.rand(h)
-    if args.pages:
+    if args.fp8:
+        q8, qd = fp8.quantize(cc._t(2, n, h, d), "head")
+        k8, kd = fp8.quantize(cc._t(2, n, hk, d), "head")
+        v8, vd = fp8.quantize(cc._t(2, n, hk, dv), "head", seq_contiguous=True)
+        kw.pop("deterministic")
+        with torch.no_grad():
+            flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+    elif args.pages:
         page = args.pages
         pages = -(-n // page)
         q = cc._t(n, h, d)

@@ -132,6 +132,19 @@ def _with_tiles(spec, fn, *args, **kw):
         fn(*args, **kw)
 
 
+def _with_forward_fields(fields: dict, fn, *args, **kw):
+    """fn(*args, **kw) with the forward's default route's `fields` replaced (its signature cache emptied
+    before and after, so that no entry of either kind serves the other)."""
+    default = routes.forward_route
+    routes.forward_route = lambda spec: dataclasses.replace(default(spec), **fields)
+    dense_ops._forward_cache.clear()
+    try:
+        fn(*args, **kw)
+    finally:
+        routes.forward_route = default
+        dense_ops._forward_cache.clear()
+
+
 QUICK = "--quick" in sys.argv  # bf16 at the table's head dims only: the CI test's subset
 
 
@@ -190,6 +203,21 @@ def dense_cases():
         call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
         yield f"dense gluon d={d} {tiles or 'table tiles'} {name}", (
             partial(_with_tiles, tiles, call) if tiles else call)
+    # the forward's QK^T a step ahead (qk_ahead) on 128-row tiles of 64 keys, plain and with every option
+    ahead = [(128, dict(causal=True))] if QUICK else [
+        (d, opts) for d in (64, 128)
+        for opts in (dict(causal=True), dict(window_size=(100, 37), softcap=20.0, alibi=(1, 4), sink=True))]
+    for d, opts in ahead:
+        q = _t(1, 1100, 4, d, grad=True)
+        k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
+        opts = dict(opts)
+        if "alibi" in opts:
+            opts["alibi_slopes"] = torch.rand(opts.pop("alibi"))
+        if opts.pop("sink", False):
+            opts["learnable_sink"] = torch.zeros(4, requires_grad=True)
+        call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
+        yield f"dense gluon d={d} qk_ahead fwd_ws=128,64,4,2 {sorted(opts)}", partial(
+            _with_tiles, "fwd_ws=128,64,4,2", _with_forward_fields, dict(qk_ahead=True), call)
     # the Gluon kernels at d = 256 (the forward's 64-key steps beside one Q buffer, the wide heads' backward),
     # padded and varlen
     cu, cu_k = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), torch.tensor([0, 5, 70, 70, 300],
@@ -416,12 +444,12 @@ def fp8_cases():
                                                causal=True)
     # the Gluon forward's FP8 variant, on an explicit route (the default routes keep FP8 on the Triton one)
 
-    def on_gluon_fp8(qkv, descales, causal=False, window_size=(-1, -1), tiles=None, **options):
+    def on_gluon_fp8(qkv, descales, causal=False, window_size=(-1, -1), tiles=None, fields=None, **options):
         q8, k8, v8 = qkv
         spec = dense_ops.spec_of(q8, k8, v8, causal=causal, window_size=window_size, **options)
 
         def run():
-            route = routes.gluon_forward_route(spec)
+            route = dataclasses.replace(routes.gluon_forward_route(spec), **(fields or {}))
             dense_ops.attention_forward_fp8(q8, k8, v8, *descales.values(), out_dtype=torch.bfloat16,
                                             softmax_scale=0.1, causal=causal, window_size=window_size,
                                             route=route, **options)
@@ -436,6 +464,10 @@ def fp8_cases():
     qkv, descales = quantized(1, 300, 4, 2, 64)
     yield "fp8 gluon d=64 fwd_ws=192,128,4,3 causal", on_gluon_fp8(qkv, descales, causal=True,
                                                                  tiles="fwd_ws=192,128,4,3")
+    for d in (64, 128, 256):
+        qkv, descales = quantized(1, 300, 4, 2, d)
+        yield f"fp8 gluon d={d} qk_ahead fwd_ws=128,64,4,2 causal", on_gluon_fp8(
+            qkv, descales, causal=True, tiles="fwd_ws=128,64,4,2", fields=dict(qk_ahead=True))
     qkv, descales = quantized(2, 190, 4, 2, 128)
     yield "fp8 gluon window softcap alibi sink", on_gluon_fp8(
         qkv, descales, window_size=(40, 3), softcap=10.0, alibi_slopes=torch.rand(4),

@@ -2,6 +2,8 @@
 dequantised inputs with the FP8 tolerance of tests/test_interface_fp8.py, both V layouts, the route asserted.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from utils import assert_close_to_ref
@@ -137,11 +139,11 @@ def test_quantize_kernels_match_the_torch_backend(granularity, dtype):
     assert ((fp8.dequantize(r8, rd).double() - exact).abs() <= bound).all()
 
 
-def _gluon_fp8(q8, k8, v8, qd, kd, vd, **options):
+def _gluon_fp8(q8, k8, v8, qd, kd, vd, fields=None, **options):
     """The Gluon forward's FP8 variant, on its explicit route at any length (the default routes take it
-    from 2K tokens, routes.takes_gluon_fp8_forward)."""
+    from 2K tokens, routes.takes_gluon_fp8_forward); fields: some of the route's replaced."""
     spec = launchers.spec_of(q8, k8, v8, **{k: v for k, v in options.items() if k != "cu_seqlens_k"})
-    route = routes.gluon_forward_route(spec)
+    route = dataclasses.replace(routes.gluon_forward_route(spec), **(fields or {}))
     assert isinstance(route, routes.GluonForward)
     return launchers.attention_forward_fp8(q8, k8, v8, qd, kd, vd, out_dtype=torch.bfloat16, route=route,
                                            softmax_scale=q8.shape[-1] ** -0.5, **options)
@@ -163,6 +165,27 @@ def test_gluon_fp8_forward(name, d, seq_contiguous):
     (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
     v8, vd = _quantized((b, sk, hk, d), seed=3, seq_contiguous=seq_contiguous)
     out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, **opts)
+    _check(out, lse, q8, k8, v8, qd, kd, vd, **opts)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq, sk", [(1000, 1024), (1, 1024), (64, 64), (1000, 63)])
+def test_gluon_fp8_qk_ahead(name, d, sq, sk):
+    # each next key tile's QK^T issued before this one's softmax (the route's qk_ahead, 128-row tiles of 64
+    # keys): one key step, two, and many, with every score option
+    from flashattn import config
+    b, h, hk = 2, 8, 2
+    opts = dict(OPTIONS[name])
+    opts.setdefault("causal", False)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(h, device="cuda") * 0.1
+    if opts.pop("sink", False):
+        opts["learnable_sink"] = torch.randn(h, device="cuda")
+    (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
+    v8, vd = _quantized((b, sk, hk, d), seed=3)
+    with config.use_tiles("fwd_ws=128,64,4,2"):
+        out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, fields=dict(qk_ahead=True), **opts)
     _check(out, lse, q8, k8, v8, qd, kd, vd, **opts)
 
 

@@ -25,7 +25,14 @@ from flashattn.bench.case import Case
 from flashattn.bench.check import FP8_FLOOR, Fp8Oracle
 from flashattn.bench.flops import attention_flops
 from flashattn.bench.providers.base import Provider
-from flashattn.bench.providers.fp8 import RECIPES, TILE_VARIANTS, Recipe, fp8_attention, prepare
+from flashattn.bench.providers.fp8 import (
+    RECIPES,
+    ROUTE_VARIANTS,
+    TILE_VARIANTS,
+    Recipe,
+    fp8_attention,
+    prepare,
+)
 from flashattn.bench.providers.ours import tiled_route
 from flashattn.bench.runner import RunConfig, Runner
 from flashattn.bench.suites.fp8 import (
@@ -383,3 +390,17 @@ def test_runner_checks_the_kernel_and_does_not_time_a_dropped_descale(tmp_path):
     assert good["route_fwd"] == ("TritonForward" if flashattn_config.INTERPRET else "torch")
     assert wrong["error"].startswith("wrong result: output max|err|") and wrong["ms"] is None
     assert wrong["checked_on"].endswith("the oracle on the dequantised e4m3 inputs")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_route_variants_build_their_routes(d):
+    # the qk_ahead providers: the default Gluon FP8 route on their tiles (two consumers' registers), with
+    # qk_ahead on and nothing else of it changed
+    spec = route_spec(dtype="float8_e4m3fn", out_dtype="bfloat16", headdim=d, headdim_v=d, seqlen_q=16384,
+                      seqlen_k=16384)
+    for name, tiles, fields, _ in ROUTE_VARIANTS:
+        plain = tiled_route(routes.gluon_forward_route, spec, tiles)
+        route = tiled_route(routes.gluon_forward_route, spec, tiles, **fields)
+        assert route == dataclasses.replace(plain, qk_ahead=True), name
+        assert route.tiles.block_m == 128 and route.maxnreg == routes.MAXNREG_TWO and not route.half_diag
+    assert flashattn_config.tile_overrides == {}

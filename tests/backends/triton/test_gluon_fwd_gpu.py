@@ -2,15 +2,16 @@
 
 Every case asserts that the call really took the kernel (the `ws_calls` spy on backends/triton/gluon.py's
 launcher, conftest.py), so a change in the routes cannot turn these into tests of the Triton kernels. The
-route's options (the grid, the half-diagonal step, the deferred release, the consumer count) are each run
-against the oracle through route variants. Same tolerance rule as everywhere (tests/utils.py), output and
-LSE.
+route's options (the grid, the half-diagonal step, the deferred release, the consumer count, the QK^T
+issued a step ahead) are each run against the oracle through route variants. Same tolerance rule as
+everywhere (tests/utils.py), output and LSE.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gluon_helpers import VARLEN_K, VARLEN_Q, check_features, check_varlen, options_for
 from gluon_helpers import qkv as _qkv
 from gluon_helpers import vary_routes as _vary_routes
 from test_interface import check_against_oracle
@@ -70,6 +71,9 @@ ORDERS = {
     "tile-end-release": (dict(defer_release=False), None),
     "three-consumers": ({}, "fwd_ws=192,128,4,3"),
     "two-consumers": ({}, "fwd_ws=128,128,4,3"),
+    # each next key tile's QK^T issued before this one's softmax (fwd_steps.ahead_steps): 64-key steps, whose
+    # two S tiles fit beside O (at 128 keys they spill)
+    "qk-ahead": (dict(qk_ahead=True), "fwd_ws=128,64,4,2"),
 }
 _D64_ONLY = ("three-consumers", "two-consumers")
 
@@ -89,6 +93,30 @@ def test_tile_boundary_orders(ws_calls, monkeypatch, order, d, sq, sk, causal):
         use_tiles(monkeypatch, tiles)
     check_against_oracle(*_qkv(3, sq, sk, 24, 8, d), causal=causal, grads=False)
     assert ws_calls
+    assert all(route.qk_ahead == (order == "qk-ahead") for route in ws_calls.routes)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 17), (113, 1023), (1023, 113), (1, 1023), (2049, 1537)])
+@pytest.mark.parametrize("features", ["window", "swa", "softcap", "alibi", "sink",
+                                      "window+softcap+alibi+sink"])
+def test_qk_ahead_features(ws_calls, ws_bwd_calls, monkeypatch, features, sq, sk, d):
+    # the QK^T-ahead steps with every score option: a key step's scores taken for another's, or one step
+    # fewer or more, shows against the oracle (n_k of 1, 2 and many per tile; windows leave some tiles none)
+    use_tiles(monkeypatch, "fwd_ws=128,64,4,2")
+    _vary_routes(monkeypatch, forward=dict(qk_ahead=True))
+    torch.manual_seed(0)
+    check_features(ws_calls, ws_bwd_calls, *_qkv(2, sq, sk, 4, 2, d), **options_for(2, 4, features))
+    assert ws_calls.routes and all(route.qk_ahead for route in ws_calls.routes)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_qk_ahead_varlen(ws_calls, ws_bwd_calls, monkeypatch, causal):
+    use_tiles(monkeypatch, "fwd_ws=128,64,4,2")
+    _vary_routes(monkeypatch, forward=dict(qk_ahead=True))
+    torch.manual_seed(0)
+    check_varlen(ws_calls, ws_bwd_calls, VARLEN_Q, VARLEN_K, 4, 2, 128, causal=causal)
+    assert ws_calls.routes and all(route.qk_ahead for route in ws_calls.routes)
 
 
 def test_d64_many_tiles(ws_calls):

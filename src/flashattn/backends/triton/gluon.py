@@ -328,7 +328,7 @@ def _prepare_forward(pb, route: GluonForward, q, k, v, out, lse, fp8: bool = Fal
     kwargs = dict(GROUP=pb.flags["GROUP"], HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   STAGES=tiles.num_stages, CAUSAL=causal, DEFER_RELEASE=route.defer_release,
                   HALF_DIAG=route.half_diag, TREES=route.trees, Q_BUFS=route.q_buffers, PACK=route.pack,
-                  num_warps=4, maxnreg=route.maxnreg)
+                  QK_AHEAD=route.qk_ahead, num_warps=4, maxnreg=route.maxnreg)
     # the LSE: (batch, nheads, seqlen_q), or (nheads, total_q) under varlen
     lse_strides = (0, lse.stride(0)) if pb.varlen else (lse.stride(0), lse.stride(1))
     return Prepared(

@@ -184,6 +184,11 @@ class GluonForward:
     # FA3's pack_gqa: > 1, a query tile holds a GQA group's heads side by side (the group padded to this
     # power of two), so K and V stream once per group and few query rows still fill a tile (`gqa_pack`)
     pack: int = 1
+    # the next key tile's QK^T issued before this one's softmax, which then overlaps it as well as the
+    # previous tile's PV (one step deeper than FA3's intra-warpgroup pipelining, which every two-consumer
+    # build does): two S tiles in registers beside O, so two consumers only, no half step, no block-sparse
+    # lists (fwd_steps.ahead_steps)
+    qk_ahead: bool = False
     kernel = "gluon"
 
 

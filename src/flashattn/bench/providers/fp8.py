@@ -13,6 +13,9 @@ k_descale and v_descale, on the case's inputs quantised by flashattn.fp8 (the ou
   other tiles (A/B timing of the tile table's rows for FP8): 64-key steps over 2 or 3 K/V stages, 128-key
   steps over 3, two or three consumer warpgroups of 64 rows (128- or 192-row tiles); the Q buffers that fit
   (routes.gluon_q_buffers); a config the Gluon forward cannot take at a head dim fails that row;
+- `flashattn-fp8-m128k64`: 128-row tiles of 64-key steps over 2 stages; `flashattn-fp8-ahead-k64`,
+  `-ahead-k64s3`: the same tiles (over 2 or 3 stages) with the route's qk_ahead (each next key tile's QK^T
+  issued before this one's softmax: fwd_steps.ahead_steps);
 - `flashattn-fp8+quant`: flashattn-fp8 with the three quantize calls (q, k, v from the case's dtype) inside
   the timed call, so its time says whether quantising costs more than FP8 saves;
 - `flashattn-fp8+rot+quant`: the same with the rotation of incoherent processing (quantize's rotate_seed:
@@ -109,11 +112,13 @@ def fp8_attention(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dic
                                      **options)
 
 
-def named_route(route_name: str, **tiles: int) -> Callable:
+def named_route(route_name: str, fields: dict | None = None, **tiles: int) -> Callable:
     """A call of the FP8 forward on x through the launcher with routes.<route_name>(spec) named; tiles: the
     route's tile fields replaced (block_m, block_n, num_stages) as a tile override would (the route built
-    under it once per spec: everything it derives from the tiles follows them)."""
+    under it once per spec: everything it derives from the tiles follows them); fields: its other fields
+    replaced after that (qk_ahead)."""
     tiled: dict = {}
+    fields = fields or {}
 
     def call(x: Fp8Inputs, case: Case, out_dtype: torch.dtype, options: dict) -> torch.Tensor:
         from flashattn.backends.triton import attention, routes
@@ -123,7 +128,7 @@ def named_route(route_name: str, **tiles: int) -> Callable:
         if not tiles:
             route = make(spec)
         elif (route := tiled.get(spec)) is None:
-            route = tiled[spec] = tiled_route(make, spec, tiles)
+            route = tiled[spec] = tiled_route(make, spec, tiles, **fields)
         out, _ = attention.attention_forward_fp8(x.q8, x.k8, x.v8, x.q_descale, x.k_descale, x.v_descale,
                                                  out_dtype=out_dtype, softmax_scale=x.q8.shape[-1] ** -0.5,
                                                  causal=case.causal, route=route, **options)
@@ -191,7 +196,15 @@ TILE_VARIANTS = (
     ("flashattn-fp8-m128", dict(block_m=128), "128-row tiles (two consumer warpgroups)"),
     ("flashattn-fp8-m192", dict(block_m=192), "192-row tiles (three consumer warpgroups, serial steps)"),
     ("flashattn-fp8-k64s3", dict(block_n=64, num_stages=3), "64-key steps over 3 K/V stages"),
+    ("flashattn-fp8-m128k64", dict(block_m=128, block_n=64, num_stages=2),
+     "128-row tiles of 64-key steps over 2 K/V stages (the qk_ahead variants' tiles without it)"),
 )
+# A/B variants of the route's other fields: (name, tiles, fields, description)
+ROUTE_VARIANTS = tuple(
+    (f"flashattn-fp8-ahead-k64{'s3' if stages == 3 else ''}",
+     dict(block_m=128, block_n=64, num_stages=stages), dict(qk_ahead=True),
+     f"128-row tiles of 64-key steps over {stages} K/V stages, each next tile's QK^T issued before this "
+     "one's softmax (qk_ahead)") for stages in (2, 3))
 
 
 def _setup(recipe: Recipe) -> Callable[..., Prepared]:
@@ -211,4 +224,9 @@ PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recip
         Recipe(), case, q, k, v, call=named_route("gluon_forward_route", **tiles), route_fwd="GluonForward"),
         f"flashattn-fp8 on the Gluon forward's FP8 variant with {text} (A/B timing)")
       for name, tiles, text in TILE_VARIANTS),
+    *(Provider(name, lambda case, q, k, v, tiles=tiles, fields=fields: prepare(
+        Recipe(), case, q, k, v, call=named_route("gluon_forward_route", fields, **tiles),
+        route_fwd="GluonForward"),
+        f"flashattn-fp8 on the Gluon forward's FP8 variant with {text} (A/B timing)")
+      for name, tiles, fields, text in ROUTE_VARIANTS),
 ]

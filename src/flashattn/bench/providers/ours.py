@@ -207,26 +207,30 @@ def _group_split(n: int) -> Callable:
     return make
 
 
-def tiled_route(make: Callable, spec, tiles: dict):
+def tiled_route(make: Callable, spec, tiles: dict, **fields):
     """make(spec) (a Gluon forward route maker) with its tiles' fields replaced by `tiles`, built under that
     tile override, so that what the route derives from its tiles (Q buffers, the deferred release, the
-    half-diagonal step, registers) follows them as the route's own rules have it."""
+    half-diagonal step, registers) follows them as the route's own rules have it; then the route's other
+    `fields` replaced (qk_ahead)."""
     from flashattn import config
 
     with config.use_tiles({"fwd_ws": dataclasses.replace(make(spec).tiles, **tiles)}):
-        return make(spec)
+        return dataclasses.replace(make(spec), **fields)
 
 
-def _forward_keys(block_n: int, stages: int) -> Callable:
+def _forward_keys(block_n: int, stages: int, **fields) -> Callable:
     """The default forward route, its Gluon one on block_n-key steps over `stages` K/V slots (tiled_route:
-    two Q buffers where they fit, the half-diagonal step only on 128-key tiles)."""
+    two Q buffers where they fit, the half-diagonal step only on 128-key tiles); fields: as tiled_route's,
+    qk_ahead with 128-row tiles (two consumer warpgroups)."""
     from flashattn.backends.triton import routes as r
+
+    tiles = dict(block_n=block_n, num_stages=stages, **({"block_m": 128} if fields else {}))
 
     def make(spec):
         route = r.forward_route(spec)
         if not isinstance(route, r.GluonForward):
             return route
-        return tiled_route(r.forward_route, spec, dict(block_n=block_n, num_stages=stages))
+        return tiled_route(r.forward_route, spec, tiles, **fields)
 
     return make
 
@@ -276,6 +280,11 @@ def _providers() -> list[Provider]:
                    routed(_forward_keys(n, stages), r.backward_route),
                    f"this project's Gluon forward on {n}-key steps over {stages} K/V stages, the Q buffers "
                    "that fit (A/B timing)") for n, stages in ((32, 2), (64, 2), (64, 3), (128, 2))),
+        *(Provider(f"flashattn-fwd-ahead-k{n}{'s3' if stages == 3 else ''}",
+                   routed(_forward_keys(n, stages, qk_ahead=True), r.backward_route),
+                   f"this project's Gluon forward on 128-row tiles of {n}-key steps over {stages} K/V stages "
+                   "with each next key tile's QK^T issued before this one's softmax (the route's qk_ahead; "
+                   "A/B timing)") for n, stages in ((64, 2), (64, 3))),
         Provider("flashattn-ws-tiles", routed(_replace(r.forward_route, r.GluonForward, persistent=False),
                                               r.backward_route),
                  "this project's Gluon forward on one program per query tile instead of its persistent grid "

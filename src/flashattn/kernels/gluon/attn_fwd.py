@@ -6,9 +6,11 @@ cores idle during the softmax. Here the roles are explicit:
   - a loader warp streams K and V tiles through a ring of shared-memory stages with TMA, one mbarrier pair
     (ready: bytes landed; empty: every consumer done) per stage and operand;
   - two consumer warpgroups each own 64 query rows of the 128-row tile (or three of a 192-row tile, whose
-    steps run serially for lack of registers). Inside one, the next tile's QK^T and
-    the previous tile's PV are in flight while the softmax runs (wgmma is asynchronous; we wait explicitly),
-    and the two warpgroups never synchronise with each other, so one's softmax overlaps the other's matmuls.
+    steps run serially for lack of registers). Inside one, each key tile's QK^T is issued with the
+    previous tile's PV, and the tile's softmax runs while that PV is in flight (wgmma is asynchronous; we
+    wait explicitly); QK_AHEAD (the route's qk_ahead) also issues the next tile's QK^T before the softmax
+    (fwd_steps.ahead_steps: two S tiles in registers, so 64-key steps). The two warpgroups never
+    synchronise with each other, so one's softmax overlaps the other's matmuls.
 The grid is persistent (one program per SM): after its first tile, the loader takes the program's next
 one from a counter in global memory (an atomic add) and hands its index to the consumers through shared
 memory, then fetches its Q (double-buffered) and K/V during the current tile's epilogue, so short sequences
@@ -53,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashattn.kernels.gluon.fwd_loader import loader
 from flashattn.kernels.gluon.fwd_steps import (
+    ahead_steps,
     half_last_step,
     halves,
     last_pv,
@@ -72,7 +75,8 @@ LOG2E = gl.constexpr(1.4426950408889634)
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr,
-              HALF_DIAG: gl.constexpr, TREES: gl.constexpr, PACK: gl.constexpr, WG: gl.constexpr):
+              HALF_DIAG: gl.constexpr, TREES: gl.constexpr, PACK: gl.constexpr, QK_AHEAD: gl.constexpr,
+              WG: gl.constexpr):
     (o_desc, q_smem, k_smem, v_smem, tile_smem, bars, LSE, stride_lse_b, stride_lse_h, features, problem,
      out_rows, fp8) = args
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, tile_ready = bars
@@ -182,6 +186,15 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
                                                  slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
                                                  p_layout, BLOCK_N // 2, STAGES, BLOCK_N, HEAD_DIM,
                                                  HEAD_DIM_V, TREES)
+        elif QK_AHEAD:
+            if n_k > 0:
+                acc, m_i, l_i = ahead_steps(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty,
+                                            v_ready, v_empty, q_empty, i, c, n_k, n_start, offs_q, len_k,
+                                            tile_scores, slope, diag, diag_r, diag_l, unmasked_from,
+                                            unmasked_to, s_layout, p_layout, STAGES, BLOCK_N, HEAD_DIM_V,
+                                            NCH, TREES, DEFER_RELEASE)
+            elif DEFER_RELEASE:
+                release_q(q_empty, i)
         elif n_k > 0:
             # key tile 0: QK^T alone
             s0 = c % STAGES
@@ -319,29 +332,29 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr,
-               PACK: gl.constexpr):
+               PACK: gl.constexpr, QK_AHEAD: gl.constexpr):
     _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, PACK,
-              0)
+              QK_AHEAD, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr,
-               PACK: gl.constexpr):
+               PACK: gl.constexpr, QK_AHEAD: gl.constexpr):
     # a worker partition: the loader's arguments first
     _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, PACK,
-              1)
+              QK_AHEAD, 1)
 
 
 @gluon.jit
 def _consumer2(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                DEFER_RELEASE: gl.constexpr, HALF_DIAG: gl.constexpr, TREES: gl.constexpr,
-               PACK: gl.constexpr):
+               PACK: gl.constexpr, QK_AHEAD: gl.constexpr):
     # the third consumer warpgroup of 192-row tiles
     _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG, TREES, PACK,
-              2)
+              QK_AHEAD, 2)
 
 
 @gluon.jit
@@ -356,7 +369,7 @@ def attn_fwd_ws_kernel(
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_RELEASE: gl.constexpr = False,
     HALF_DIAG: gl.constexpr = False, TREES: gl.constexpr = 3,  # bit 0: the max's tree, 1: the sums'
-    Q_BUFS: gl.constexpr = 2, PACK: gl.constexpr = 1,
+    Q_BUFS: gl.constexpr = 2, PACK: gl.constexpr = 1, QK_AHEAD: gl.constexpr = False,
 ):
     # options, None when off: left / right, the window's sides (CAUSAL: right = 0, and `right` is None);
     # cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at b · stride_alibi_b
@@ -396,6 +409,8 @@ def attn_fwd_ws_kernel(
     # (BLOCK_M rows: the mask's block), no band and no half step (its lists stand for both), a head a tile
     gl.static_assert((FULL_NUM is None) or ((CU_Q is None) and (CONSUMERS == 2) and (not CAUSAL)
                                             and (not HALF_DIAG) and (PACK == 1)))
+    # QK_AHEAD holds two S tiles beside O: two consumers' 240 registers, and none of the steps apart
+    gl.static_assert((not QK_AHEAD) or ((CONSUMERS == 2) and (not HALF_DIAG) and (FULL_NUM is None)))
     if CU_Q is not None:
         n_work = gl.load(PLAN + n_bh // nheads) * nheads
     else:
@@ -459,9 +474,9 @@ def attn_fwd_ws_kernel(
         # per consumer thread and 24 for the loader's
         gl.warp_specialize([
             (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG,
-                          TREES, PACK)),
+                          TREES, PACK, QK_AHEAD)),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                          HALF_DIAG, TREES, PACK)),
+                          HALF_DIAG, TREES, PACK, QK_AHEAD)),
             (loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, PACK)),
         ], [4, 1], [240, 24])
     else:
@@ -469,10 +484,10 @@ def attn_fwd_ws_kernel(
         # what is left (168) for the default partition's consumer
         gl.warp_specialize([
             (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE, HALF_DIAG,
-                          TREES, PACK)),
+                          TREES, PACK, QK_AHEAD)),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                          HALF_DIAG, TREES, PACK)),
+                          HALF_DIAG, TREES, PACK, QK_AHEAD)),
             (_consumer2, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_RELEASE,
-                          HALF_DIAG, TREES, PACK)),
+                          HALF_DIAG, TREES, PACK, QK_AHEAD)),
             (loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, PACK)),
         ], [4, 4, 1], [160, 160, 24])

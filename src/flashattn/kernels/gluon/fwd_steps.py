@@ -148,3 +148,69 @@ def serial_step(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_e
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc, gl.convert_layout(m_n, rows), l_n
+
+
+@gluon.jit
+def ahead_steps(q_smem, qi, acc, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_empty, i, c,
+                n_k, n_start, offs_q, seqlen_k, scores, slope, diag, diag_r, diag_l, unmasked_from,
+                unmasked_to, s_layout: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr, NCH: gl.constexpr, TREES: gl.constexpr,
+                DEFER_RELEASE: gl.constexpr):
+    """A query tile's n_k > 0 key steps (ring steps c .. c + n_k - 1, from key n_start) with each next tile's
+    QK^T issued before this one's softmax (the route's qk_ahead): the softmax of step j runs while step
+    j + 1's QK^T and step j - 1's PV are in flight, where the main loop overlaps it with the PV alone. Two S
+    tiles live at once (the one in the softmax, the next one accumulating) beside O and P. Each step waits
+    for both before it ends, so nothing is in flight across the loop's back edge: an accumulator in flight
+    there makes ptxas serialise every wgmma of the kernel (read in the SASS: a wait after each). wgmma
+    groups retire in order, and a QK^T is NCH groups (qk): with the PV issued before the next QK^T, NCH
+    left outstanding means the PV is done. Returns (acc, m_i, l_i) with the last PV done."""
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+    s = qk(q_smem, qi, k_smem, c % STAGES, s_zero, BLOCK_N, BLOCK_N, NCH)
+    if DEFER_RELEASE:
+        # while it runs: the previous tile's O store and the release of its buffer
+        release_q(q_empty, i)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(c % STAGES), count=1)
+    if n_k > 1:
+        mbarrier.wait(k_ready.index((c + 1) % STAGES), ((c + 1) // STAGES) & 1)
+        s_next = qk(q_smem, qi, k_smem, (c + 1) % STAGES, s_zero, BLOCK_N, BLOCK_N, NCH)
+        # the first step's alpha rescales nothing: O is still zero
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, seqlen_k, scores, slope, diag, diag_r,
+                                          diag_l, unmasked_from, unmasked_to, s_layout, BLOCK_N, TREES)
+        s = warpgroup_mma_wait(0, deps=(s_next,))
+        mbarrier.arrive(k_empty.index((c + 1) % STAGES), count=1)
+        for j in range(1, n_k - 1):
+            # s: step j's scores, p: step j - 1's probabilities (float32, converted just before their PV)
+            prev = (c + j - 1) % STAGES
+            nxt = (c + j + 1) % STAGES
+            mbarrier.wait(v_ready.index(prev), ((c + j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
+            mbarrier.wait(k_ready.index(nxt), ((c + j + 1) // STAGES) & 1)
+            s_next = qk(q_smem, qi, k_smem, nxt, s_zero, BLOCK_N, BLOCK_N, NCH)
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start + j * BLOCK_N, seqlen_k, scores,
+                                              slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                                              s_layout, BLOCK_N, TREES)
+            acc = warpgroup_mma_wait(NCH, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            # the PV just finished was in the previous max's units
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+            s = warpgroup_mma_wait(0, deps=(s_next,))
+            mbarrier.arrive(k_empty.index(nxt), count=1)
+        # the last step: its scores are in; the previous PV runs under its softmax
+        prev = (c + n_k - 2) % STAGES
+        mbarrier.wait(v_ready.index(prev), ((c + n_k - 2) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_tile(v_smem, prev, BLOCK_N, BLOCK_N, HEAD_DIM_V), acc, is_async=True)
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start + (n_k - 1) * BLOCK_N, seqlen_k,
+                                          scores, slope, diag, diag_r, diag_l, unmasked_from, unmasked_to,
+                                          s_layout, BLOCK_N, TREES)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    else:
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, offs_q, n_start, seqlen_k, scores, slope, diag, diag_r,
+                                          diag_l, unmasked_from, unmasked_to, s_layout, BLOCK_N, TREES)
+    acc = last_pv(p, acc, v_smem, v_ready, v_empty, c + n_k - 1, p_layout, STAGES, BLOCK_N, HEAD_DIM_V)
+    return acc, m_i, l_i
