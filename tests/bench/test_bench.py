@@ -401,7 +401,7 @@ def test_forward_key_providers_take_the_q_buffers_that_fit():
     assert (d128.q_buffers, d128.half_diag) == (2, True)
     assert isinstance(_forward_keys(64, 2)(dataclasses.replace(spec, dropout=True)), routes.TritonForward)
     # the qk_ahead providers: 128-row tiles (two consumers) of their key steps, no half step, qk_ahead on
-    ahead = _forward_keys(64, 2, qk_ahead=True)(dataclasses.replace(spec, headdim=128, headdim_v=128))
+    ahead = _forward_keys(64, 2, 128, qk_ahead=True)(dataclasses.replace(spec, headdim=128, headdim_v=128))
     assert (ahead.tiles.block_m, ahead.tiles.block_n, ahead.half_diag) == (128, 64, False) and ahead.qk_ahead
     assert not routes.forward_route(dataclasses.replace(spec, headdim=128, headdim_v=128)).qk_ahead
 

@@ -218,13 +218,13 @@ def tiled_route(make: Callable, spec, tiles: dict, **fields):
         return dataclasses.replace(make(spec), **fields)
 
 
-def _forward_keys(block_n: int, stages: int, **fields) -> Callable:
+def _forward_keys(block_n: int, stages: int, block_m: int | None = None, **fields) -> Callable:
     """The default forward route, its Gluon one on block_n-key steps over `stages` K/V slots (tiled_route:
-    two Q buffers where they fit, the half-diagonal step only on 128-key tiles); fields: as tiled_route's,
-    qk_ahead with 128-row tiles (two consumer warpgroups)."""
+    two Q buffers where they fit, the half-diagonal step only on 128-key tiles), on block_m-row tiles where
+    given; fields: as tiled_route's (qk_ahead, which needs 128 rows: two consumer warpgroups)."""
     from flashattn.backends.triton import routes as r
 
-    tiles = dict(block_n=block_n, num_stages=stages, **({"block_m": 128} if fields else {}))
+    tiles = dict(block_n=block_n, num_stages=stages, **({} if block_m is None else {"block_m": block_m}))
 
     def make(spec):
         route = r.forward_route(spec)
@@ -281,7 +281,7 @@ def _providers() -> list[Provider]:
                    f"this project's Gluon forward on {n}-key steps over {stages} K/V stages, the Q buffers "
                    "that fit (A/B timing)") for n, stages in ((32, 2), (64, 2), (64, 3), (128, 2))),
         *(Provider(f"flashattn-fwd-ahead-k{n}{'s3' if stages == 3 else ''}",
-                   routed(_forward_keys(n, stages, qk_ahead=True), r.backward_route),
+                   routed(_forward_keys(n, stages, 128, qk_ahead=True), r.backward_route),
                    f"this project's Gluon forward on 128-row tiles of {n}-key steps over {stages} K/V stages "
                    "with each next key tile's QK^T issued before this one's softmax (the route's qk_ahead; "
                    "A/B timing)") for n, stages in ((64, 2), (64, 3))),
