@@ -179,20 +179,25 @@ def dense_cases():
     # elsewhere, none; left edge or none), softcap, ALiBi slopes (h,) and (b, h), a sink; d = 64 on two
     # consumer warpgroups (a band narrower than 4K) and three (the tile override), d = 128. The quick set
     # covers each option once per configuration
-    two, three = (64, None), (64, "fwd_ws=192,128,4,3")
+    # qk_ahead: the forward's next QK^T issued before the softmax, on 128-row tiles of 64 keys
+    two, three = (64, None, None), (64, "fwd_ws=192,128,4,3", None)
+    ahead = [(d, "fwd_ws=128,64,4,2", dict(qk_ahead=True)) for d in (64, 128)]
     if QUICK:
         cases = [(two, "swa+softcap", dict(causal=True, window_size=(255, -1), softcap=20.0)),
                  (three, "window+alibi_bh+sink", dict(window_size=(100, 37), alibi=(1, 4), sink=True)),
-                 ((128, None), "right+softcap+alibi", dict(window_size=(-1, 8), softcap=20.0, alibi=(4,))),
-                 ((128, None), "left+sink", dict(window_size=(300, -1), sink=True))]
+                 ((128, None, None), "right+softcap+alibi", dict(window_size=(-1, 8), softcap=20.0,
+                                                                 alibi=(4,))),
+                 ((128, None, None), "left+sink", dict(window_size=(300, -1), sink=True)),
+                 (ahead[1], "causal", dict(causal=True))]
     else:
         options = {"swa": dict(causal=True, window_size=(255, -1)), "window": dict(window_size=(100, 37)),
                    "left": dict(window_size=(300, -1)), "right": dict(window_size=(-1, 8)),
                    "softcap": dict(softcap=20.0), "alibi": dict(alibi=(4,)), "alibi_bh": dict(alibi=(1, 4)),
                    "sink": dict(sink=True),
                    "all": dict(window_size=(100, 37), softcap=20.0, alibi=(1, 4), sink=True)}
-        cases = [(c, name, opts) for c in (two, three, (128, None)) for name, opts in options.items()]
-    for (d, tiles), name, opts in cases:
+        cases = [(c, name, opts) for c in (two, three, (128, None, None)) for name, opts in options.items()]
+        cases += [(c, name, options[name]) for c in ahead for name in ("swa", "all")]
+    for (d, tiles, fields), name, opts in cases:
         q = _t(1, 1100, 4, d, grad=True)
         k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
         opts = dict(opts)
@@ -201,23 +206,10 @@ def dense_cases():
         if opts.pop("sink", False):
             opts["learnable_sink"] = torch.zeros(4, requires_grad=True)
         call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
-        yield f"dense gluon d={d} {tiles or 'table tiles'} {name}", (
-            partial(_with_tiles, tiles, call) if tiles else call)
-    # the forward's QK^T a step ahead (qk_ahead) on 128-row tiles of 64 keys, plain and with every option
-    ahead = [(128, dict(causal=True))] if QUICK else [
-        (d, opts) for d in (64, 128)
-        for opts in (dict(causal=True), dict(window_size=(100, 37), softcap=20.0, alibi=(1, 4), sink=True))]
-    for d, opts in ahead:
-        q = _t(1, 1100, 4, d, grad=True)
-        k, v = (_t(1, 1100, 2, d, grad=True) for _ in range(2))
-        opts = dict(opts)
-        if "alibi" in opts:
-            opts["alibi_slopes"] = torch.rand(opts.pop("alibi"))
-        if opts.pop("sink", False):
-            opts["learnable_sink"] = torch.zeros(4, requires_grad=True)
-        call = partial(_on_gluon, _fwd_bwd, flash_attn_func, q, k, v, **opts)
-        yield f"dense gluon d={d} qk_ahead fwd_ws=128,64,4,2 {sorted(opts)}", partial(
-            _with_tiles, "fwd_ws=128,64,4,2", _with_forward_fields, dict(qk_ahead=True), call)
+        if fields:
+            call = partial(_with_forward_fields, fields, call)
+        label = " ".join([tiles or "table tiles", *(fields or ())])
+        yield f"dense gluon d={d} {label} {name}", partial(_with_tiles, tiles, call) if tiles else call
     # the Gluon kernels at d = 256 (the forward's 64-key steps beside one Q buffer, the wide heads' backward),
     # padded and varlen
     cu, cu_k = torch.tensor([0, 0, 77, 78, 208], dtype=torch.int32), torch.tensor([0, 5, 70, 70, 300],
