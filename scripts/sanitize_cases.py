@@ -585,6 +585,7 @@ def ws_ahead():
                                            ((1, 130, 300, 2, 2, 64), dict(window_size=(40, 3), softcap=5.0,
                                                                           sink=True))]:
             opts = dict(opts)
+            opts.setdefault("causal", False)
             if opts.pop("sink", False):
                 opts["learnable_sink"] = torch.zeros(h, device="cuda")
             q, k, v = (t.detach() for t in _qkv((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
