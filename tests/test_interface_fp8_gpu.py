@@ -170,7 +170,7 @@ def test_gluon_fp8_forward(name, d, seq_contiguous):
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("sq, sk", [(1000, 1024), (1, 1024), (64, 64), (1000, 63)])
+@pytest.mark.parametrize("sq, sk", [(1000, 1024), (1, 1024), (64, 100), (1000, 63)])
 def test_gluon_fp8_qk_ahead(name, d, sq, sk):
     # each next key tile's QK^T issued before this one's softmax (the route's qk_ahead, 128-row tiles of 64
     # keys): one key step, two, and many, with every score option
