@@ -139,6 +139,17 @@ def test_quantize_kernels_match_the_torch_backend(granularity, dtype):
     assert ((fp8.dequantize(r8, rd).double() - exact).abs() <= bound).all()
 
 
+def _launcher_options(name: str, h: int) -> dict:
+    """OPTIONS[name] as the launchers take them: causal given, ALiBi slopes and sink logits for h heads."""
+    opts = dict(OPTIONS[name])
+    opts.setdefault("causal", False)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(h, device="cuda") * 0.1
+    if opts.pop("sink", False):
+        opts["learnable_sink"] = torch.randn(h, device="cuda")
+    return opts
+
+
 def _gluon_fp8(q8, k8, v8, qd, kd, vd, fields=None, **options):
     """The Gluon forward's FP8 variant, on its explicit route at any length (the default routes take it
     from 2K tokens, routes.takes_gluon_fp8_forward); fields: some of the route's replaced."""
@@ -156,12 +167,7 @@ def test_gluon_fp8_forward(name, d, seq_contiguous):
     # seqlen_k 1037: not a multiple of 16, so V goes through kmajor_v's padded copy; 1024 keys read in place
     b, sq, h, hk = 2, 1000, 8, 2
     sk = 1024 if seq_contiguous else 1037
-    opts = dict(OPTIONS[name])
-    opts.setdefault("causal", False)
-    if opts.pop("alibi", False):
-        opts["alibi_slopes"] = torch.rand(h, device="cuda") * 0.1
-    if opts.pop("sink", False):
-        opts["learnable_sink"] = torch.randn(h, device="cuda")
+    opts = _launcher_options(name, h)
     (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
     v8, vd = _quantized((b, sk, hk, d), seed=3, seq_contiguous=seq_contiguous)
     out, lse = _gluon_fp8(q8, k8, v8, qd, kd, vd, **opts)
@@ -176,12 +182,7 @@ def test_gluon_fp8_qk_ahead(name, d, sq, sk):
     # keys): one key step, two, and many, with every score option
     from flashattn import config
     b, h, hk = 2, 8, 2
-    opts = dict(OPTIONS[name])
-    opts.setdefault("causal", False)
-    if opts.pop("alibi", False):
-        opts["alibi_slopes"] = torch.rand(h, device="cuda") * 0.1
-    if opts.pop("sink", False):
-        opts["learnable_sink"] = torch.randn(h, device="cuda")
+    opts = _launcher_options(name, h)
     (q8, qd), (k8, kd) = _quantized((b, sq, h, d), seed=1, sign=-1), _quantized((b, sk, hk, d), seed=2)
     v8, vd = _quantized((b, sk, hk, d), seed=3)
     with config.use_tiles("fwd_ws=128,64,4,2"):
