@@ -18,7 +18,6 @@ Counts are per thread (every thread of a warp issues the same stream), as nvdisa
 """
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -69,8 +68,9 @@ def main(argv=None) -> int:
         return kernel
 
     JITFunction.run = keep
-    from flashattn import config, flash_attn_func, flash_attn_varlen_func, fp8
+    from flashattn import flash_attn_func, flash_attn_varlen_func, fp8
     from flashattn.backends.triton import routes
+    from flashattn.bench.providers.ours import tiled_route
 
     if args.route:
         fields = {name: int(value) for name, value in (item.split("=") for item in args.route)}
@@ -81,13 +81,10 @@ def main(argv=None) -> int:
             if not isinstance(route, routes.GluonForward):
                 raise SystemExit(f"--route: the call's forward route is {type(route).__name__}, not Gluon")
             tiles = {k: fields[k] for k in ("block_m", "block_n", "num_stages") if k in fields}
-            if tiles:
-                # the route rebuilt under the tile override, so that what it derives from its tiles (Q
-                # buffers, registers, the half step) follows them
-                with config.use_tiles({"fwd_ws": dataclasses.replace(route.tiles, **tiles)}):
-                    route = default(spec)
             rest = {k: type(getattr(route, k))(v) for k, v in fields.items() if k not in tiles}
-            return dataclasses.replace(route, **rest)
+            # rebuilt under the tile override (the bench's A/B providers' helper), so that what the route
+            # derives from its tiles (Q buffers, registers, the half step) follows them
+            return tiled_route(default, spec, tiles, **rest)
 
         routes.forward_route = replaced
 
