@@ -72,9 +72,9 @@
 #                 contiguous and paged 64, beside the 16-bit cache in the same process
 #   cp            the cp suite on one GPU: each ring step's and Ulysses' local work measured, the multi-GPU
 #                 times predicted from them and an assumed link (flashattn/bench/suites/cp.py says how)
-#   qk-ahead      the Gluon forward's qk_ahead variant (tuning-log v87): its GPU tests (-k ahead), memcheck and
-#                 racecheck on ws_ahead, the fp8 suite at 16K and the train suite's forward at 2K / 8K beside
-#                 the same tiles without it, the default, cuDNN (and FA4)
+#   qk-ahead      the Gluon forward's qk_ahead variant (tuning-log v87): the fp8 suite at 16K and the train
+#                 suite's forward at 2K / 8K beside the same tiles without it, the default, cuDNN (and FA4);
+#                 its tests are gpu-tests' (GPU_TESTS_K=ahead) and sanitize's (ws_ahead), in the call before
 #   sparse        the sparse suite at 16K (SPARSE_SEQLENS: one run each), forward and forward + backward (SPARSE_MODES)
 #                 beside flex (and flex on FA4's kernels), the block-sparse kernels (flashattn-sparse-kernels) and
 #                 the same with the forward on the Gluon kernel's variant (flashattn-sparse-gluon-fwd) and
@@ -228,17 +228,8 @@ for stage in "$@"; do
       bench "${FP8_S:-300}" fp8-tiles --suite fp8 --modes fwd --seqlens "${FP8_SEQLENS:-16384}" \
         --providers "flashattn-fp8-gluon,${FP8_TILES:-flashattn-fp8-k64,flashattn-fp8-k128s3,flashattn-fp8-m128},flashattn,sdpa-cudnn$FA4" ;;
     qk-ahead)
-      # the forward's next QK^T issued before the softmax (tuning-log v87): its GPU tests, memcheck and
-      # racecheck, then FP8 at 16K beside the same tiles without it and the default, and the 16-bit train
-      # suite's forward beside the 64-key steps without it (each with cuDNN and FA4 where carried)
-      timeout "${GPU_TESTS_S:-240}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider -n "${GPU_TESTS_N:-8}" \
-        --results-log "$RES/gpu_results.log" -k ahead tests/backends/triton/test_gluon_fwd_gpu.py \
-        tests/test_interface_fp8_gpu.py > "$RES/pytest_gpu.log" 2>&1
-      grep -A15 -E "^(FAILED|ERROR)" "$RES/gpu_results.log" | head -40; cut -d' ' -f1 "$RES/gpu_results.log" | sort | uniq -c
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py \
-        ws_ahead 2>&1 | tail -3 | tee "$RES/memcheck-ahead.log"
-      timeout 120 compute-sanitizer --tool racecheck --print-limit 40 python3 scripts/sanitize_cases.py ws_ahead \
-        > "$RES/racecheck-ahead.log" 2>&1; tail -3 "$RES/racecheck-ahead.log"
+      # the forward's next QK^T issued before the softmax (tuning-log v87): FP8 at 16K beside the same tiles
+      # without it and the default, and the 16-bit train suite's forward beside the 64-key steps without it
       bench "${FP8_S:-200}" fp8-ahead --suite fp8 --modes fwd --seqlens 16384 --providers \
         "flashattn-fp8-gluon,flashattn-fp8-ahead-k64,flashattn-fp8-ahead-k64s3,flashattn-fp8-m128k64,flashattn,sdpa-cudnn$FA4"
       bench "${TRAIN_S:-200}" train-ahead --suite train --headdims 64,128 --modes fwd --seqlens 2048,8192 \
