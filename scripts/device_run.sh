@@ -166,9 +166,11 @@ for stage in "$@"; do
         tail -3 "$RES/racecheck-$case.log" | tee -a "$RES/racecheck.log"
       done
       # synccheck: barrier use in the backward kernels (a named barrier across both consumer warpgroups: v83)
+      # the full report per case, as racecheck's: which barrier, which threads (the summary names neither)
       for case in ${SANITIZE_SYNCCHECK-ws_bwd ws_wide_bwd ws_keys}; do
-        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool synccheck python3 scripts/sanitize_cases.py $case 2>&1 \
-          | tail -3 | tee -a "$RES/synccheck.log"
+        timeout "${SANITIZE_S:-120}" compute-sanitizer --tool synccheck --print-limit 40 python3 \
+          scripts/sanitize_cases.py $case > "$RES/synccheck-$case.log" 2>&1
+        tail -3 "$RES/synccheck-$case.log" | tee -a "$RES/synccheck.log"
       done
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     fuzz-memcheck)
