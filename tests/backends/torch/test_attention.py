@@ -1,68 +1,31 @@
 """The chunked pure-PyTorch backend against the fp64 oracle, with the tolerance rule.
 
 Most tests shrink the chunk to 32 so that small shapes still cross many chunk boundaries (tails included);
-the 1023 and memory tests use the real chunk sizes.
+the 1023 and memory tests use the real chunk sizes. Each holds its calls on the chunked route (CPU calls
+without a score option would take ATen's fused kernel, tests/backends/torch/test_fused.py's subject).
 """
 
-import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from utils import assert_close_to_ref, make_qkv
+from torch_backend_checks import first_order_grad_bounds, leaf, leaf64, recorded, run_and_check
+from utils import make_qkv
 
 import flashattn.backends.torch.attention as tb
+from flashattn.backends.torch import fused
 from flashattn.backends.torch import tiles as tb_tiles
 from flashattn.reference import attention_ref
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
+def chunked_route(monkeypatch):
+    monkeypatch.setattr(fused, "mask_kind", lambda *args, **kwargs: None)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch, chunked_route):
     monkeypatch.setattr(tb_tiles, "_MIN_CHUNK", 32)
     monkeypatch.setattr(tb_tiles, "_MAX_CHUNK", 32)
-
-
-def _leaf64(t):
-    return t.detach().double().requires_grad_()
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_()
-
-
-def run_and_check(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, grads=True):
-    """Forward (and backward) of the backend vs the fp64 oracle, baseline = plain PyTorch in q's dtype."""
-    d = q.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    kw = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = tb.attention_forward(q, k, v, softmax_scale=scale, **kw)
-    assert out.dtype == q.dtype and out.shape == q.shape[:3] + v.shape[3:]
-    assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-
-    q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
-    out_ref, lse_ref = attention_ref(q64, k64, v64, softmax_scale=scale, **kw)
-    qp, kp, vp = _leaf(q), _leaf(k), _leaf(v)
-    out_pt, lse_pt = attention_ref(qp, kp, vp, softmax_scale=scale, upcast=False, **kw)
-    assert_close_to_ref(out, out_ref, out_pt, name="out")
-    assert_close_to_ref(lse, lse_ref, lse_pt, name="lse")
-    # a row that sees no key: exactly 0 out
-    dead = torch.isinf(lse_ref).transpose(1, 2)  # (b, sq, h)
-    assert (out[dead] == 0).all()
-    if not grads:
-        return out, lse, None
-
-    dout = torch.randn_like(out)
-    dq, dk, dv, dsink = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kw)
-    assert dsink is None
-    for g_, x in zip((dq, dk, dv), (q, k, v), strict=True):
-        assert g_.dtype == x.dtype and g_.shape == x.shape
-    g_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout.double())
-    g_pt = torch.autograd.grad(out_pt, (qp, kp, vp), dout)
-    for name, g_, gr, gp in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, g_pt, strict=True):
-        assert_close_to_ref(g_, gr, gp, factor=3.0, name=name)
-    assert (dq[dead] == 0).all()
-    return out, lse, (dq, dk, dv)
 
 
 LOW = [torch.float16, torch.float32]
@@ -150,46 +113,22 @@ def test_fully_masked_rows():
         assert torch.isfinite(t).all()
 
 
-def _first_order_grad_bounds(q, k, v, dout, lse, scale):
-    """fp32 error bounds for (dq, dk, dv) of a FlashAttention backward, non-causal, from fp64 dense terms.
-
-    Two roundings that plain PyTorch does not have dominate once logits are huge: P = exp(s - lse) is
-    recomputed from the fp32 LSE (relative error up to eps * |lse|), and dS = P * (dP - D) cancels
-    D = rowsum(dO * O) against dP in fp32.  Each bound is eps * (1 + max|lse|) times the magnitude of the
-    sum before any cancellation, e.g. dq: scale * sum_j P_ij (|dP_ij| + |D_i|) |K_j|.
-    """
-    g = q.shape[2] // k.shape[2]
-    q, dout, lse = q.double(), dout.double(), lse.double()
-    k, v = k.double().repeat_interleave(g, 2), v.double().repeat_interleave(g, 2)
-    p = torch.exp(torch.einsum("bihd,bjhd->bhij", q, k) * scale - lse.unsqueeze(-1))
-    out = torch.einsum("bhij,bjhd->bihd", p, v)
-    dp = torch.einsum("bihd,bjhd->bhij", dout, v)
-    delta = (dout * out).sum(-1).transpose(1, 2).unsqueeze(-1)
-    a = p * (dp.abs() + delta.abs())
-    e = 2.0**-24 * (1 + lse.abs().max().item())
-    return (
-        e * scale * torch.einsum("bhij,bjhd->bihd", a, k.abs()).max().item(),
-        e * scale * torch.einsum("bhij,bihd->bjhd", a, q.abs()).max().item(),
-        e * torch.einsum("bhij,bihd->bjhd", p, dout.abs()).max().item(),
-    )
-
-
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("seed", range(4))
 def test_extreme_logits_fp32(seed):
     # Logits ~1e4 (inputs x100): softmax is nearly one-hot.  The forward meets the tolerance rule; the
     # gradients must be finite and within the first-order fp32 error bound of the FlashAttention backward
-    # (see _first_order_grad_bounds), which the plain-PyTorch baseline does not share.
+    # (see first_order_grad_bounds), which the plain-PyTorch baseline does not share.
     torch.manual_seed(seed)
     q, k, v = make_qkv(1, 90, 75, 2, 1, 16, torch.float32, scale=100.0)
     out, lse, _ = run_and_check(q, k, v, softmax_scale=0.25, grads=False)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     dout = torch.randn_like(out)
     grads = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.25, causal=False)[:3]
-    q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
     out_ref, lse_ref = attention_ref(q64, k64, v64, softmax_scale=0.25)
     g_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout.double())
-    bounds = _first_order_grad_bounds(q, k, v, dout, lse_ref, 0.25)
+    bounds = first_order_grad_bounds(q, k, v, dout, lse_ref, 0.25)
     for name, g_, gr, bound in zip(("dq", "dk", "dv"), grads, g_ref, bounds, strict=True):
         assert torch.isfinite(g_).all(), name
         err = (g_.double() - gr).abs().max().item()
@@ -217,7 +156,7 @@ def test_float64_is_exact():
     kw = dict(causal=True, softmax_scale=0.4, softcap=1.5, alibi_slopes=torch.rand(2))
     out, lse = tb.attention_forward(q, k, v, **kw)
     assert lse.dtype == torch.float64
-    q64, k64, v64 = _leaf(q), _leaf(k), _leaf(v)
+    q64, k64, v64 = leaf(q), leaf(k), leaf(v)
     out_ref, lse_ref = attention_ref(q64, k64, v64, **kw)
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-12, atol=1e-12)
@@ -227,47 +166,23 @@ def test_float64_is_exact():
         torch.testing.assert_close(g_, gr, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.usefixtures("chunked_route")
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqlen_1023_default_chunks(causal):
     q, k, v = make_qkv(1, 1023, 1023, 2, 1, 32, torch.float32)
     run_and_check(q, k, v, causal=causal)
 
 
-class _Recorder(TorchDispatchMode):
-    """Records the largest tensor any op produces and the matmul FLOPs."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
-            a, b_ = args[0], args[1]
-            self.flops += 2 * a.shape[:-1].numel() * b_.shape[-1] * a.shape[-1]
-        return out
-
-
-def _recorded(fn):
-    rec = _Recorder()
-    with rec:
-        result = fn()
-    return rec, result
-
-
+@pytest.mark.usefixtures("chunked_route")
 @pytest.mark.parametrize("causal,n", [(False, 4096), (True, 8192)])
 def test_memory_is_linear(causal, n):
     # Every tensor the backend makes must be tile-sized (chunk**2 = 2**20 elements) or O(N d), far below
     # N x N (2**24 / 2**26 elements); the non-causal case runs at 4096 only to keep the test fast.
     d = 16
     q, k, v = make_qkv(1, n, n, 1, 1, d, torch.float32)
-    fwd, (out, lse) = _recorded(lambda: tb.attention_forward(q, k, v, softmax_scale=0.25, causal=causal))
+    fwd, (out, lse) = recorded(lambda: tb.attention_forward(q, k, v, softmax_scale=0.25, causal=causal))
     dout = torch.randn_like(out)
-    bwd, _ = _recorded(
+    bwd, _ = recorded(
         lambda: tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.25, causal=causal)
     )
     tile = tb_tiles.chunk_size(1) ** 2
@@ -290,9 +205,9 @@ def test_memory_is_linear_with_training_features(monkeypatch):
     cu = torch.tensor([0, 200, n], dtype=torch.int32)
     kw = dict(softmax_scale=0.25, causal=True, dropout_p=0.3, rng_seed=3, learnable_sink=torch.zeros(h),
               cu_seqlens_q=cu, cu_seqlens_k=cu)
-    fwd, (out, lse) = _recorded(lambda: tb.attention_forward(q, k, v, **kw))
+    fwd, (out, lse) = recorded(lambda: tb.attention_forward(q, k, v, **kw))
     dout = torch.randn_like(out)
-    bwd, _ = _recorded(lambda: tb.attention_backward(dout, q, k, v, out, lse, **kw))
+    bwd, _ = recorded(lambda: tb.attention_backward(dout, q, k, v, out, lse, **kw))
     bound = max(h * 64 * 64, n * h * d)  # one score tile, or one O(N d) tensor
     assert fwd.max_numel <= bound and bwd.max_numel <= bound
     assert bound * 8 <= n * n * h

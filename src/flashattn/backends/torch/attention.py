@@ -1,8 +1,9 @@
 """``attention_forward`` / ``attention_backward``: argument checks, and the padded and varlen layouts cut
-into groups of equal-length sequences for :mod:`.forward` and :mod:`.backward`.
+into groups of equal-length sequences for :mod:`.forward` and :mod:`.backward` (the chunked route) or
+:mod:`.fused` (ATen's fused CPU kernel, where :func:`.fused.mask_kind` says it computes the group exactly).
 
 Padded: the whole batch is one group.  Varlen: every sequence is its own group of one (a Python loop over
-the batch; each sequence still runs as chunked tiles), sliced out of the packed tensors as views.
+the batch), sliced out of the packed tensors as views.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 
 import torch
 
+from flashattn.backends.torch import fused
 from flashattn.backends.torch.backward import backward_group
 from flashattn.backends.torch.forward import forward_group
 from flashattn.backends.torch.tiles import Spec, Tiles, compute_dtype
@@ -123,6 +125,11 @@ def _lse_view(lse, sl):
     return lse if sl is None else lse[:, sl].unsqueeze(0)
 
 
+def _fused_kind(spec, qg, kg, vg, slopes, kw):
+    return fused.mask_kind(spec, qg.shape[1], kg.shape[1], qg.shape[3], vg.shape[3], device=qg.device,
+                           alibi=slopes is not None, sink=kw["learnable_sink"] is not None)
+
+
 def _tiles(spec, q, k, slopes, idx, mq, mk, kw):
     return Tiles(spec, q, k, alibi_slopes=slopes, sink=kw["learnable_sink"], batch_idx=idx,
                  max_seqlen_q=mq, max_seqlen_k=mk)
@@ -133,7 +140,8 @@ def attention_forward(
     dropout_p=0.0, rng_seed=0, rng_offset=0, learnable_sink=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None,
 ):
-    """Chunked exact attention (no autograd).
+    """Exact attention (no autograd): chunked torch operations, or ATen's fused CPU kernel for the calls it
+    computes exactly (:func:`flashattn.backends.torch.fused.mask_kind`).
 
     Args:
         q: ``(b, sq, h, d)``, or ``(total_q, h, d)`` with cu_seqlens (varlen).
@@ -173,6 +181,10 @@ def attention_forward(
     for idx, qsl, ksl, slopes, mq, mk in _groups(q, k, v, **_group_kw(kw)):
         qg, kg, vg = _tokens(q, qsl), _tokens(k, ksl), _tokens(v, ksl)
         if qg.shape[1] == 0:
+            continue
+        kind = _fused_kind(spec, qg, kg, vg, slopes, kw)
+        if kind is not None:
+            fused.forward_fused(spec, kind, qg, kg, vg, _tokens(out, qsl), _lse_view(lse, qsl))
             continue
         tiles = _tiles(spec, qg, kg, slopes, idx, mq, mk, kw)
         forward_group(tiles, qg, kg, vg, _tokens(out, qsl), _lse_view(lse, qsl))
@@ -221,7 +233,7 @@ def attention_backward(
 
     Returns ``(dq, dk, dv, dsink)``: dq, dk, dv shaped like q, k, v in their dtypes, dk/dv summed over each
     GQA group; dsink ``(h,)`` float32 (float64 for float64 inputs), or None without a learnable sink.  Rows
-    that saw no key contribute nothing.  Always deterministic (sequential accumulation), so
+    that saw no key contribute nothing.  Always deterministic (sequential accumulation on either route), so
     ``deterministic`` changes nothing.
     """
     del deterministic
@@ -242,6 +254,11 @@ def attention_backward(
         qg, kg, vg = _tokens(q, qsl), _tokens(k, ksl), _tokens(v, ksl)
         if qg.shape[1] == 0 or kg.shape[1] == 0:
             continue  # nothing to differentiate: the gradients stay 0
+        kind = _fused_kind(spec, qg, kg, vg, slopes, kw)
+        if kind is not None:
+            fused.backward_fused(spec, kind, _tokens(dout, qsl), qg, kg, vg, _tokens(out, qsl),
+                                 _lse_view(lse, qsl), _tokens(dq, qsl), _tokens(dk, ksl), _tokens(dv, ksl))
+            continue
         tiles = _tiles(spec, qg, kg, slopes, idx, mq, mk, kw)
         backward_group(
             tiles, _tokens(dout, qsl), qg, kg, vg, _tokens(out, qsl), _lse_view(lse, qsl),

@@ -1,0 +1,222 @@
+"""The torch backend's fused route (ATen's CPU flash-attention kernel, backends/torch/fused.py): which calls
+take it, and those calls against the fp64 oracle under the tolerance rule at odd shapes, GQA, every dtype,
+strided inputs and extreme logits; public calls assert the route they took, so that a silent fallback to
+the chunked route (or the reverse) fails here."""
+
+import math
+
+import pytest
+import torch
+from torch_backend_checks import first_order_grad_bounds, leaf64, recorded, run_and_check
+from utils import assert_close_to_ref, make_qkv
+
+import flashattn.backends.torch.attention as tb
+from flashattn import config, flash_attn_func, flash_attn_varlen_func
+from flashattn.backends.torch import fused
+from flashattn.backends.torch.tiles import Spec
+from flashattn.reference import attention_ref
+
+CPU = torch.device("cpu")
+
+
+def _spec(causal=False, window=(-1, -1), softcap=0.0, dropout_p=0.0):
+    return Spec(softmax_scale=1.0, causal=causal, window_size=window, softcap=softcap, dropout_p=dropout_p,
+                rng_seed=0, rng_offset=0, cdtype=torch.float32)
+
+
+@pytest.mark.parametrize("causal,window,sq,sk,kind", [
+    (False, (-1, -1), 17, 113, fused.FULL),
+    (False, (-1, -1), 113, 17, fused.FULL),
+    (True, (-1, -1), 113, 113, fused.CAUSAL),
+    (True, (-1, -1), 1, 113, fused.FULL),  # one query, aligned with the last key: it sees every key
+    (True, (-1, -1), 17, 113, None),  # the bottom-right diagonal misses key 0 for query 0
+    (True, (-1, -1), 113, 17, None),  # rows that see no key
+    (False, (-1, 0), 50, 50, fused.CAUSAL),  # causal spelled as a window
+    (False, (-1, 96), 113, 17, fused.CAUSAL),  # a diagonal through key 0 for query 0
+    (False, (99, -1), 50, 100, fused.FULL),  # the last query's left edge at key 0: hides nothing
+    (False, (98, -1), 50, 100, None),
+    (False, (-1, 49), 50, 50, fused.FULL),  # the first query's right edge at the last key
+    (False, (-1, 48), 50, 50, None),
+    (True, (10, -1), 50, 50, None),
+    (False, (20, 5), 50, 50, None),
+    (True, (-1, -1), 1, 1, fused.FULL),
+])
+def test_mask_kind(causal, window, sq, sk, kind):
+    assert fused.mask_kind(_spec(causal, window), sq, sk, 32, 32, device=CPU, alibi=False, sink=False) == kind
+
+
+@pytest.mark.parametrize("change", ["cuda", "dv", "alibi", "sink", "softcap", "dropout", "no keys"])
+def test_mask_kind_keeps_other_calls_chunked(change):
+    args = dict(spec=_spec(), sq=17, sk=33, d=32, dv=32, device=CPU, alibi=False, sink=False)
+    assert fused.mask_kind(**args) == fused.FULL
+    changed = {"cuda": dict(device=torch.device("cuda")), "dv": dict(dv=16), "alibi": dict(alibi=True),
+               "sink": dict(sink=True), "softcap": dict(spec=_spec(softcap=5.0)),
+               "dropout": dict(spec=_spec(dropout_p=0.1)), "no keys": dict(sk=0)}[change]
+    assert fused.mask_kind(**{**args, **changed}) is None
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The names of the route functions the torch backend calls, in order."""
+    calls = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    for name in ("forward_fused", "backward_fused"):
+        spy(fused, name)
+    for name in ("forward_group", "backward_group"):
+        spy(tb, name)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (17, 113), (113, 17), (113, 113), (64, 96)])
+def test_seqlens(routes, sq, sk, causal, dtype):
+    q, k, v = make_qkv(2, sq, sk, 4, 2, 40, dtype)
+    spec = _spec(causal)
+    kind = fused.mask_kind(spec, sq, sk, 40, 40, device=CPU, alibi=False, sink=False)
+    run_and_check(q, k, v, causal=causal)
+    expect = ["forward_fused", "backward_fused"] if kind else ["forward_group", "backward_group"]
+    assert routes == expect
+    # every non-causal call, and the causal ones whose diagonal runs from key 0, take the fused route
+    assert (kind is not None) == (not causal or sq == sk or sq == 1)
+
+
+def test_float64_is_exact(routes):
+    q, k, v = make_qkv(1, 50, 70, 2, 1, 8, torch.float64)
+    kw = dict(softmax_scale=0.4, causal=False)
+    out, lse = tb.attention_forward(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    grads = tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
+    assert lse.dtype == torch.float64
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    out_ref, lse_ref = attention_ref(q64, k64, v64, **kw)
+    grads_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout)
+    for got, want in zip((out, lse, *grads), (out_ref, lse_ref, *grads_ref), strict=True):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    assert routes == ["forward_fused", "backward_fused"]
+
+
+@pytest.mark.parametrize("d", [40, 59, 96, 192, 256])
+def test_head_dims(routes, d):
+    q, k, v = make_qkv(1, 65, 65, 4, 2, d, torch.float16)
+    run_and_check(q, k, v, causal=True)
+    assert routes == ["forward_fused", "backward_fused"]
+
+
+@pytest.mark.parametrize("h,hk", [(8, 2), (8, 1), (3, 3)])
+def test_gqa_mqa(routes, h, hk):
+    q, k, v = make_qkv(2, 33, 70, h, hk, 32, torch.float32)
+    run_and_check(q, k, v)
+    assert routes == ["forward_fused", "backward_fused"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlen_1023(routes, causal):
+    q, k, v = make_qkv(1, 1023, 1023, 2, 1, 32, torch.float32)
+    run_and_check(q, k, v, causal=causal)
+    assert routes == ["forward_fused", "backward_fused"]
+
+
+def test_strided_inputs(routes):
+    q, k, v = make_qkv(2, 37, 90, 4, 2, 48, torch.float16, layout="strided")
+    assert not q.is_contiguous()
+    out, lse, _ = run_and_check(q, k, v)
+    out_c, lse_c = tb.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                                        softmax_scale=48**-0.5, causal=False)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    assert routes == ["forward_fused", "backward_fused", "forward_fused"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_extreme_logits_fp32(routes, seed):
+    # logits ~1e4: the forward under the tolerance rule, the gradients within the first-order fp32 bounds
+    # of a FlashAttention backward (torch_backend_checks.first_order_grad_bounds)
+    torch.manual_seed(seed)
+    q, k, v = make_qkv(1, 90, 75, 2, 1, 16, torch.float32, scale=100.0)
+    out, lse, _ = run_and_check(q, k, v, softmax_scale=0.25, grads=False)
+    dout = torch.randn_like(out)
+    grads = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.25, causal=False)[:3]
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    out_ref, lse_ref = attention_ref(q64, k64, v64, softmax_scale=0.25)
+    g_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout.double())
+    bounds = first_order_grad_bounds(q, k, v, dout, lse_ref, 0.25)
+    for name, g_, gr, bound in zip(("dq", "dk", "dv"), grads, g_ref, bounds, strict=True):
+        err = (g_.double() - gr).abs().max().item()
+        assert torch.isfinite(g_).all() and err <= bound, f"{name}: {err:.4g} > {bound:.4g}"
+    assert routes == ["forward_fused", "backward_fused"]
+
+
+def test_fused_and_chunked_routes_agree(monkeypatch):
+    q, k, v = make_qkv(2, 70, 70, 4, 2, 32, torch.float32)
+    kw = dict(softmax_scale=0.2, causal=True)
+    out, lse = tb.attention_forward(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    grads = tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
+    monkeypatch.setattr(fused, "mask_kind", lambda *args, **kwargs: None)
+    out_c, lse_c = tb.attention_forward(q, k, v, **kw)
+    grads_c = tb.attention_backward(dout, q, k, v, out_c, lse_c, **kw)[:3]
+    for a, b in zip((out, lse, *grads), (out_c, lse_c, *grads_c), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_makes_no_n_by_n_tensor():
+    # the fused kernel's own buffers are per thread and per block (inside ATen); the route itself makes
+    # O(N d) tensors: q, k, v in the compute dtype, k and v repeated over a GQA group, the outputs
+    n, h, hk, d = 4096, 4, 2, 16
+    q, k, v = make_qkv(1, n, n, h, hk, d, torch.float16)
+    kw = dict(softmax_scale=0.25, causal=True)
+    fwd, (out, lse) = recorded(lambda: tb.attention_forward(q, k, v, **kw))
+    bwd, _ = recorded(lambda: tb.attention_backward(torch.randn_like(out), q, k, v, out, lse, **kw))
+    bound = n * h * d  # q in the compute dtype; k, v repeated to h heads
+    assert max(fwd.max_numel, bwd.max_numel) <= bound and bound * 32 <= n * n
+
+
+def test_varlen_mixes_the_routes(routes):
+    # per sequence: (5, 5) and (40, 40) causal on the fused route, (17, 30) causal on the chunked one (its
+    # diagonal misses key 0), an empty one skipped, (1, 9) fused (one query sees every key)
+    lens_q, lens_k = [5, 40, 0, 17, 1], [5, 40, 3, 30, 9]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
+                  for ls in (lens_q, lens_k))
+    h, hk, d = 4, 2, 24
+    q = torch.randn(sum(lens_q), h, d, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), hk, d, requires_grad=True) for _ in range(2))
+    with config.use_backend("torch"):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert routes == ["forward_fused", "forward_fused", "forward_group", "forward_fused",
+                      "backward_fused", "backward_fused", "backward_group", "backward_fused"]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in (0, 1, 3, 4):  # sequence 2 has no query
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        one = [leaf64(x[s].unsqueeze(0)) for x, s in ((q, qs), (k, ks), (v, ks))]
+        ref, _ = attention_ref(*one, causal=True)
+        pt = [x[s].detach().unsqueeze(0).requires_grad_() for x, s in ((q, qs), (k, ks), (v, ks))]
+        out_pt, _ = attention_ref(*pt, causal=True, upcast=False)
+        assert_close_to_ref(out[qs].unsqueeze(0), ref, out_pt, name=f"out of sequence {i}")
+        g_ref = torch.autograd.grad(ref, one, dout[qs].unsqueeze(0).double())
+        g_pt = torch.autograd.grad(out_pt, pt, dout[qs].unsqueeze(0))
+        for name, g_, gr, gp, s in zip(("dq", "dk", "dv"), grads, g_ref, g_pt, (qs, ks, ks), strict=True):
+            assert_close_to_ref(g_[s].unsqueeze(0), gr, gp, factor=3.0, name=f"{name} of sequence {i}")
+
+
+def test_public_call_takes_the_route(routes):
+    # the public function on CPU tensors: a plain causal call fused both ways, a softcap call chunked
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 50, 50, 2, 1, 32, torch.float32))
+    with config.use_backend("torch"):
+        flash_attn_func(q, k, v, causal=True).sum().backward()
+        assert routes == ["forward_fused", "backward_fused"]
+        routes.clear()
+        flash_attn_func(q, k, v, causal=True, softcap=5.0).sum().backward()
+        assert routes == ["forward_group", "backward_group"]
+    assert math.isfinite(q.grad.sum().item())
