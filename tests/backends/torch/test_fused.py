@@ -137,6 +137,23 @@ def test_strided_inputs(routes):
     assert routes == ["forward_fused", "backward_fused", "forward_fused"]
 
 
+@pytest.mark.parametrize("layout", ["seqlen-contiguous v", "stride-0 batch"])
+def test_other_strides(routes, layout):
+    # ATen's kernel reads a row's head dim as contiguous: a V laid out seqlen-contiguous (the FP8 path's
+    # layout, dequantised) is copied first, or its outputs are wrong (the torch backend's fuzz found it);
+    # a batch broadcast with stride 0 is read in place
+    if layout == "seqlen-contiguous v":
+        # the fuzz's case: one head, (b, h, d, s) in memory
+        q, k, v = make_qkv(1, 16, 16, 1, 1, 32, torch.float32)
+        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        assert v.stride(1) == 1 and v.stride(3) != 1
+    else:
+        q, k, v = make_qkv(3, 20, 40, 4, 2, 16, torch.float32)
+        k, v = (x[:1].expand(3, -1, -1, -1) for x in (k, v))
+    run_and_check(q, k, v)
+    assert routes == ["forward_fused", "backward_fused"]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_extreme_logits_fp32(routes, seed):
     # logits ~1e4: the forward under the tolerance rule, the gradients within the first-order fp32 bounds

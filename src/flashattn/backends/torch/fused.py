@@ -51,8 +51,11 @@ def mask_kind(spec: Spec, sq: int, sk: int, d: int, dv: int, *, device: torch.de
 
 def _heads_first(x, group: int, dtype):
     """(nb, s, hx, d) -> (nb, hx * group, s, d) in dtype; each head repeated group times (GQA: ATen's kernel
-    takes as many kv heads as query heads)."""
+    takes as many kv heads as query heads). ATen's kernel takes any strides but the last: it reads a row's d
+    values as contiguous (a V laid out seqlen-contiguous gave wrong outputs), so such an x is copied."""
     x = x.permute(0, 2, 1, 3).to(dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     if group == 1:
         return x
     nb, hx, s, d = x.shape
