@@ -1,13 +1,13 @@
 """The torch backend's fused route (ATen's CPU flash-attention kernel, backends/torch/fused.py): which calls
-take it, and those calls against the fp64 oracle under the tolerance rule at odd shapes, GQA, every dtype,
-strided inputs and extreme logits; public calls assert the route they took, so that a silent fallback to
-the chunked route (or the reverse) fails here."""
+take it, and those calls against the fp64 oracle under the tolerance rule at odd shapes, GQA, 16-bit and
+float64 inputs (float32 ones stay chunked), strided inputs and extreme scales; each test asserts the route
+its calls took, so that a silent fallback to the chunked route (or the reverse) fails here."""
 
 import math
 
 import pytest
 import torch
-from torch_backend_checks import first_order_grad_bounds, leaf64, recorded, run_and_check
+from torch_backend_checks import leaf64, recorded, run_and_check
 from utils import assert_close_to_ref, make_qkv
 
 import flashattn.backends.torch.attention as tb
@@ -42,14 +42,19 @@ def _spec(causal=False, window=(-1, -1), softcap=0.0, dropout_p=0.0):
     (True, (-1, -1), 1, 1, fused.FULL),
 ])
 def test_mask_kind(causal, window, sq, sk, kind):
-    assert fused.mask_kind(_spec(causal, window), sq, sk, 32, 32, device=CPU, alibi=False, sink=False) == kind
+    kw = dict(dtype=torch.bfloat16, device=CPU, alibi=False, sink=False)
+    assert fused.mask_kind(_spec(causal, window), sq, sk, 32, 32, **kw) == kind
 
 
-@pytest.mark.parametrize("change", ["cuda", "dv", "alibi", "sink", "softcap", "dropout", "no keys"])
+@pytest.mark.parametrize("change",
+                         ["float32", "cuda", "dv", "alibi", "sink", "softcap", "dropout", "no keys"])
 def test_mask_kind_keeps_other_calls_chunked(change):
-    args = dict(spec=_spec(), sq=17, sk=33, d=32, dv=32, device=CPU, alibi=False, sink=False)
+    args = dict(spec=_spec(), sq=17, sk=33, d=32, dv=32, dtype=torch.float16, device=CPU, alibi=False,
+                sink=False)
     assert fused.mask_kind(**args) == fused.FULL
-    changed = {"cuda": dict(device=torch.device("cuda")), "dv": dict(dv=16), "alibi": dict(alibi=True),
+    assert fused.mask_kind(**{**args, "dtype": torch.float64}) == fused.FULL
+    changed = {"float32": dict(dtype=torch.float32), "cuda": dict(device=torch.device("cuda")),
+               "dv": dict(dv=16), "alibi": dict(alibi=True),
                "sink": dict(sink=True), "softcap": dict(spec=_spec(softcap=5.0)),
                "dropout": dict(spec=_spec(dropout_p=0.1)), "no keys": dict(sk=0)}[change]
     assert fused.mask_kind(**{**args, **changed}) is None
@@ -82,13 +87,12 @@ def routes(monkeypatch):
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (17, 113), (113, 17), (113, 113), (64, 96)])
 def test_seqlens(routes, sq, sk, causal, dtype):
     q, k, v = make_qkv(2, sq, sk, 4, 2, 40, dtype)
-    spec = _spec(causal)
-    kind = fused.mask_kind(spec, sq, sk, 40, 40, device=CPU, alibi=False, sink=False)
+    kind = fused.mask_kind(_spec(causal), sq, sk, 40, 40, dtype=dtype, device=CPU, alibi=False, sink=False)
     run_and_check(q, k, v, causal=causal)
     expect = ["forward_fused", "backward_fused"] if kind else ["forward_group", "backward_group"]
     assert routes == expect
-    # every non-causal call, and the causal ones whose diagonal runs from key 0, take the fused route
-    assert (kind is not None) == (not causal or sq == sk or sq == 1)
+    # 16-bit calls without a mask, and causal ones whose diagonal runs from key 0, take the fused route
+    assert (kind is not None) == (dtype != torch.float32 and (not causal or sq == sk or sq == 1))
 
 
 def test_float64_is_exact(routes):
@@ -115,14 +119,14 @@ def test_head_dims(routes, d):
 
 @pytest.mark.parametrize("h,hk", [(8, 2), (8, 1), (3, 3)])
 def test_gqa_mqa(routes, h, hk):
-    q, k, v = make_qkv(2, 33, 70, h, hk, 32, torch.float32)
+    q, k, v = make_qkv(2, 33, 70, h, hk, 32, torch.bfloat16)
     run_and_check(q, k, v)
     assert routes == ["forward_fused", "backward_fused"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqlen_1023(routes, causal):
-    q, k, v = make_qkv(1, 1023, 1023, 2, 1, 32, torch.float32)
+    q, k, v = make_qkv(1, 1023, 1023, 2, 1, 32, torch.float16)
     run_and_check(q, k, v, causal=causal)
     assert routes == ["forward_fused", "backward_fused"]
 
@@ -143,38 +147,31 @@ def test_other_strides(routes, layout):
     # layout, dequantised) is copied first, or its outputs are wrong (the torch backend's fuzz found it);
     # a batch broadcast with stride 0 is read in place
     if layout == "seqlen-contiguous v":
-        # the fuzz's case: one head, (b, h, d, s) in memory
-        q, k, v = make_qkv(1, 16, 16, 1, 1, 32, torch.float32)
+        # the fuzz's case (an FP8 call's dequantised V): one head, (b, h, d, s) in memory
+        q, k, v = make_qkv(1, 16, 16, 1, 1, 32, torch.float16)
         v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         assert v.stride(1) == 1 and v.stride(3) != 1
     else:
-        q, k, v = make_qkv(3, 20, 40, 4, 2, 16, torch.float32)
+        q, k, v = make_qkv(3, 20, 40, 4, 2, 16, torch.float16)
         k, v = (x[:1].expand(3, -1, -1, -1) for x in (k, v))
     run_and_check(q, k, v)
     assert routes == ["forward_fused", "backward_fused"]
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_extreme_logits_fp32(routes, seed):
-    # logits ~1e4: the forward under the tolerance rule, the gradients within the first-order fp32 bounds
-    # of a FlashAttention backward (torch_backend_checks.first_order_grad_bounds)
+def test_extreme_scale_fp16(routes, seed):
+    # softmax_scale 30 on N(0, 1) inputs: logits of standard deviation ~120, nearly one-hot rows
     torch.manual_seed(seed)
-    q, k, v = make_qkv(1, 90, 75, 2, 1, 16, torch.float32, scale=100.0)
-    out, lse, _ = run_and_check(q, k, v, softmax_scale=0.25, grads=False)
-    dout = torch.randn_like(out)
-    grads = tb.attention_backward(dout, q, k, v, out, lse, softmax_scale=0.25, causal=False)[:3]
-    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
-    out_ref, lse_ref = attention_ref(q64, k64, v64, softmax_scale=0.25)
-    g_ref = torch.autograd.grad(out_ref, (q64, k64, v64), dout.double())
-    bounds = first_order_grad_bounds(q, k, v, dout, lse_ref, 0.25)
-    for name, g_, gr, bound in zip(("dq", "dk", "dv"), grads, g_ref, bounds, strict=True):
-        err = (g_.double() - gr).abs().max().item()
-        assert torch.isfinite(g_).all() and err <= bound, f"{name}: {err:.4g} > {bound:.4g}"
+    q, k, v = make_qkv(1, 90, 75, 2, 2, 16, torch.float16)
+    out, lse, grads = run_and_check(q, k, v, softmax_scale=30.0)
+    for t in (out, lse, *grads):
+        assert torch.isfinite(t).all()
     assert routes == ["forward_fused", "backward_fused"]
 
 
 def test_fused_and_chunked_routes_agree(monkeypatch):
-    q, k, v = make_qkv(2, 70, 70, 4, 2, 32, torch.float32)
+    # float64 on both routes: the same values to float64's rounding
+    q, k, v = make_qkv(2, 70, 70, 4, 2, 32, torch.float64)
     kw = dict(softmax_scale=0.2, causal=True)
     out, lse = tb.attention_forward(q, k, v, **kw)
     dout = torch.randn_like(out)
@@ -183,7 +180,7 @@ def test_fused_and_chunked_routes_agree(monkeypatch):
     out_c, lse_c = tb.attention_forward(q, k, v, **kw)
     grads_c = tb.attention_backward(dout, q, k, v, out_c, lse_c, **kw)[:3]
     for a, b in zip((out, lse, *grads), (out_c, lse_c, *grads_c), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_makes_no_n_by_n_tensor():
@@ -205,8 +202,8 @@ def test_varlen_mixes_the_routes(routes):
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
                   for ls in (lens_q, lens_k))
     h, hk, d = 4, 2, 24
-    q = torch.randn(sum(lens_q), h, d, requires_grad=True)
-    k, v = (torch.randn(sum(lens_k), hk, d, requires_grad=True) for _ in range(2))
+    q = torch.randn(sum(lens_q), h, d, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), hk, d, dtype=torch.float16, requires_grad=True) for _ in range(2))
     with config.use_backend("torch"):
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         dout = torch.randn_like(out)
@@ -229,7 +226,7 @@ def test_varlen_mixes_the_routes(routes):
 
 def test_public_call_takes_the_route(routes):
     # the public function on CPU tensors: a plain causal call fused both ways, a softcap call chunked
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 50, 50, 2, 1, 32, torch.float32))
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 50, 50, 2, 1, 32, torch.bfloat16))
     with config.use_backend("torch"):
         flash_attn_func(q, k, v, causal=True).sum().backward()
         assert routes == ["forward_fused", "backward_fused"]

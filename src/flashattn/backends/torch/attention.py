@@ -126,8 +126,8 @@ def _lse_view(lse, sl):
 
 
 def _fused_kind(spec, qg, kg, vg, slopes, kw):
-    return fused.mask_kind(spec, qg.shape[1], kg.shape[1], qg.shape[3], vg.shape[3], device=qg.device,
-                           alibi=slopes is not None, sink=kw["learnable_sink"] is not None)
+    return fused.mask_kind(spec, qg.shape[1], kg.shape[1], qg.shape[3], vg.shape[3], dtype=qg.dtype,
+                           device=qg.device, alibi=slopes is not None, sink=kw["learnable_sink"] is not None)
 
 
 def _tiles(spec, q, k, slopes, idx, mq, mk, kw):
