@@ -126,6 +126,8 @@ def _lse_view(lse, sl):
 
 
 def _fused_kind(spec, qg, kg, vg, slopes, kw):
+    if not qg.dtype == kg.dtype == vg.dtype:  # (internal callers only: the public functions refuse it)
+        return None
     return fused.mask_kind(spec, qg.shape[1], kg.shape[1], qg.shape[3], vg.shape[3], dtype=qg.dtype,
                            device=qg.device, alibi=slopes is not None, sink=kw["learnable_sink"] is not None)
 

@@ -9,9 +9,12 @@ mask is top-left (query i sees keys up to i); those calls, bands that hide anyth
 rows that see no key stay on the chunked route. So do float32 inputs: the kernel exponentiates with a fast
 approximation (ATen's exp_u20), and in float32 its gradients broke the tolerance rule (3x plain PyTorch's
 error) where the chunked route's did not: a fuzz case, and 16 of 113 sampled calls with logits of standard
-deviation above 6 (the chunked route 3). 16-bit inputs run it in float32, whose error is far below theirs,
-and float64 inputs in float64. :func:`mask_kind` says which route a group takes; it is a pure function of
-the call's spec, dtype and the group's shapes, so the forward and the backward agree.
+deviation above 6 (the chunked route 3). 16-bit inputs take the forward in their own dtype (float32
+accumulation, P rounded to 16 bits for PV, as the GPU kernels do; on this machine's AMX its bf16 forward ran
+1.5-2.5x faster than on float32 copies) and the backward in float32 (ATen's 16-bit backward ran up to 2.5x
+slower at N = 128); float64 inputs run both in float64. :func:`mask_kind` says which route a group takes;
+it is a pure function of the call's spec, dtype and the group's shapes, so the forward and the backward
+agree.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def mask_kind(spec: Spec, sq: int, sk: int, d: int, dv: int, *, dtype: torch.dty
               alibi: bool, sink: bool) -> str | None:
     """FULL (every query sees every key), CAUSAL (query i sees keys 0..i: the band of a bottom-right
     causal mask or window whose diagonal passes through key 0 for query 0) when the fused kernel computes
-    the group exactly; None for the chunked route. dtype: the inputs' (float32 stays chunked).
+    the group exactly; None for the chunked route. dtype: q's, k's and v's (float32 stays chunked).
 
     Query i is aligned with key i + sk - sq (bottom-right) and sees keys in
     [i + sk - sq - left, i + sk - sq + right] (window_size = (left, right), -1: unbounded; causal: right 0).
@@ -68,17 +71,19 @@ def _heads_first(x, group: int, dtype):
 
 def forward_fused(spec: Spec, kind: str, q, k, v, out, lse) -> None:
     """Writes ``out`` ``(nb, sq, h, d)`` and ``lse`` ``(nb, h, sq)`` (views into the caller's buffers) from
-    q ``(nb, sq, h, d)``, k and v ``(nb, sk, hk, d)``, computed in spec.cdtype."""
+    q ``(nb, sq, h, d)``, k and v ``(nb, sk, hk, d)``, all of one dtype, computed in it (ATen accumulates a
+    16-bit call in float32)."""
     group = q.shape[2] // k.shape[2]
-    o, l_ = _forward_op(_heads_first(q, 1, spec.cdtype), _heads_first(k, group, spec.cdtype),
-                        _heads_first(v, group, spec.cdtype), 0.0, kind == CAUSAL, scale=spec.softmax_scale)
+    c = q.dtype
+    o, l_ = _forward_op(_heads_first(q, 1, c), _heads_first(k, group, c), _heads_first(v, group, c), 0.0,
+                        kind == CAUSAL, scale=spec.softmax_scale)
     out.copy_(o.permute(0, 2, 1, 3))
     lse.copy_(l_)
 
 
 def backward_fused(spec: Spec, kind: str, dout, q, k, v, out, lse, dq, dk, dv) -> None:
     """Writes ``dq`` ``(nb, sq, h, d)`` and ``dk`` / ``dv`` ``(nb, sk, hk, d)``, summed over each GQA group,
-    by ATen's backward from the forward's ``out`` and ``lse``."""
+    by ATen's backward in spec.cdtype (float32 for 16-bit inputs) from the forward's ``out`` and ``lse``."""
     nb, sk, hk, d = k.shape
     group = q.shape[2] // hk
     c = spec.cdtype
