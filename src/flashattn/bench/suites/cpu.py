@@ -1,4 +1,5 @@
-"""`cpu`: a small fp32 suite that runs anywhere (the default without a GPU): ours vs naive vs SDPA."""
+"""`cpu`: a small suite that runs anywhere (the default without a GPU): ours vs naive vs SDPA, fp32 unless
+--dtype says otherwise."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def _grid(quick: bool) -> Grid:
 
 SUITE = Suite(
     name="cpu",
-    description="fp32 on the CPU, b=2, h=4, d in {32, 64}, N 128..512, causal and not",
+    description="the CPU, b=2, h=4, d in {32, 64}, N 128..512, causal and not; fp32 (--dtype bf16 or fp16: "
+                "the torch backend's fused route, ATen's CPU kernel, where fp32 stays on its chunked route)",
     grid=_grid,
     providers=("flashattn", "torch-backend", "naive", "sdpa-flash", "sdpa-math"),
     device="cpu",
