@@ -110,6 +110,16 @@ def test_float64_is_exact(routes):
     assert routes == ["forward_fused", "backward_fused"]
 
 
+@pytest.mark.parametrize("sq,sk,window", [(113, 17, (-1, 96)), (50, 100, (99, -1)), (50, 50, (-1, 49)),
+                                           (40, 40, (-1, 0))])
+def test_windows_that_take_the_route(routes, sq, sk, window):
+    # bands the fused kernel computes: a diagonal through key 0 for query 0 (sq > sk here: ATen's top-left
+    # causal mask with more queries than keys), and left or right edges past every key
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 32, torch.bfloat16)
+    run_and_check(q, k, v, window_size=window)
+    assert routes == ["forward_fused", "backward_fused"]
+
+
 @pytest.mark.parametrize("d", [40, 59, 96, 192, 256])
 def test_head_dims(routes, d):
     q, k, v = make_qkv(1, 65, 65, 4, 2, d, torch.float16)
