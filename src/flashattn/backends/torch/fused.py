@@ -11,12 +11,13 @@ mask is top-left (query i sees keys up to i); those calls, bands that hide anyth
 rows that see no key stay on the chunked route. So do float32 inputs: the kernel exponentiates with a fast
 approximation (ATen's exp_u20), and in float32 its gradients broke the tolerance rule (3x plain PyTorch's
 error) where the chunked route's did not: a fuzz case, and 16 of 113 sampled calls with logits of standard
-deviation above 6 (the chunked route 3). 16-bit inputs take the forward in their own dtype (float32
-accumulation, P rounded to 16 bits for PV, as the GPU kernels do; on this machine's AMX its bf16 forward ran
-1.5-2.5x faster than on float32 copies) and the backward in float32 (ATen's 16-bit backward ran up to 2.5x
-slower at N = 128); float64 inputs run both in float64. :func:`mask_kind` says which route a group takes;
-it is a pure function of the call's spec, dtype and the group's shapes, so the forward and the backward
-agree.
+deviation above 6 (the chunked route 3). 16-bit inputs run it on float32 copies, as the chunked route
+computes them, and float64 inputs in float64. In the inputs' own 16 bits (P rounded for PV, as the GPU
+kernels do) its bf16 forward ran 1.5-2.5x faster on this machine's AMX, but broke the rule too: a fuzz
+case's fp16 output, and a bf16 dV one rounding off where the forward's LSE (from bf16 products) and the
+backward's float32 scores differed by 2.4e-7, so that a lone key's P was not 1; on float32 copies both
+pass. :func:`mask_kind` says which route a group takes; it is a pure function of the call's spec, dtype and
+the group's shapes, so the forward and the backward agree.
 """
 
 from __future__ import annotations
@@ -73,10 +74,9 @@ def _heads_first(x, group: int, dtype):
 
 def forward_fused(spec: Spec, kind: str, q, k, v, out, lse) -> None:
     """Writes ``out`` ``(nb, sq, h, d)`` and ``lse`` ``(nb, h, sq)`` (views into the caller's buffers) from
-    q ``(nb, sq, h, d)``, k and v ``(nb, sk, hk, d)``, all of one dtype, computed in it (ATen accumulates a
-    16-bit call in float32)."""
+    q ``(nb, sq, h, d)``, k and v ``(nb, sk, hk, d)``, computed in spec.cdtype (float32 for 16-bit inputs)."""
     group = q.shape[2] // k.shape[2]
-    c = q.dtype
+    c = spec.cdtype
     o, l_ = _forward_op(_heads_first(q, 1, c), _heads_first(k, group, c), _heads_first(v, group, c), 0.0,
                         kind == CAUSAL, scale=spec.softmax_scale)
     out.copy_(o.permute(0, 2, 1, 3))
