@@ -2,7 +2,7 @@
 (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward), for the calls whose semantics it
 has exactly. It is the same algorithm as :mod:`.forward` (key blocks, an online softmax, recomputation from
 the LSE), written in C++ and threaded over (sequence, head, query block). On this machine's two cores, bf16,
-N 128-512, its forward took 0.31x the chunked route's time and forward + backward 0.57x
+N 128-512, its forward took 0.61x the chunked route's time and forward + backward 0.63x
 (benchmarks/results/2026-12-08-cpu-bf16): the chunked route's ~35 torch operations a query chunk, not their
 arithmetic, set the time of small problems.
 
