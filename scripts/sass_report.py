@@ -12,7 +12,8 @@ named, disassembles its cubin with Triton's nvdisasm and reports what the tuning
 
     python scripts/sass_report.py [--kernel attn_bwd_ws_kernel] [--d 64] [--n 1024] [--heads 4]
         [--dv 128] [--heads-k 2] [--causal] [--sink] [--softcap 50] [--window 100,37] [--alibi] [--varlen]
-        [--deterministic] [--pages 128] [--fp8] [--route qk_ahead=1] [--sass OUT.sass] [--ptx OUT.ptx]
+        [--deterministic] [--pages 128] [--fp8] [--route qk_ahead=1] [--bwd-route dq_writer=1]
+        [--sass OUT.sass] [--ptx OUT.ptx]
 
 Counts are per thread (every thread of a warp issues the same stream), as nvdisasm lists them.
 """
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--route", action="append", default=[], metavar="FIELD=INT",
                    help="a field of the call's Gluon forward route replaced (e.g. qk_ahead=1, block_n=64); "
                         "repeatable")
+    p.add_argument("--bwd-route", action="append", default=[], metavar="FIELD=INT",
+                   help="a field of the call's Gluon backward route replaced (e.g. dq_writer=1); repeatable")
     p.add_argument("--sass", help="also write the whole disassembly here")
     p.add_argument("--ptx", help="also write the kernel's PTX here")
     args = p.parse_args(argv)
@@ -87,6 +90,22 @@ def main(argv=None) -> int:
             return tiled_route(default, spec, tiles, **rest)
 
         routes.forward_route = replaced
+
+    if args.bwd_route:
+        import dataclasses
+
+        bwd_fields = {name: int(value) for name, value in (item.split("=") for item in args.bwd_route)}
+        default_bwd = routes.backward_route
+
+        def replaced_bwd(spec):
+            route = default_bwd(spec)
+            if not isinstance(route, routes.GluonBackward):
+                raise SystemExit(f"--bwd-route: the call's backward route is {type(route).__name__}, "
+                                 "not Gluon")
+            return dataclasses.replace(route, **{k: type(getattr(route, k))(v)
+                                                 for k, v in bwd_fields.items()})
+
+        routes.backward_route = replaced_bwd
 
     h, hk, d, n = args.heads, args.heads_k, args.d, args.n
     dv = args.dv or d
