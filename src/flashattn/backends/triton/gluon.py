@@ -402,9 +402,6 @@ def backward(pb, route: GluonBackward, q, k, v, dout, stats, dq_acc, dk, dv, sof
         sparse = sparse_backward_args(block_mask)
     elif block_mask is not None:
         raise FlashAttnError("the wide heads' Gluon backward has no block-sparse variant")
-    if route.dq_writer and (route.d_qk or route.wide_keys or route.deterministic or block_mask is not None):
-        raise FlashAttnError("dq_writer is attn_bwd.py's variant for calls without deterministic=True or a "
-                             "block-sparse mask (the wide heads' kernels have none)")
     if prepared is None:
         prepared = _prepare_backward(pb, route, *_as_batch(pb, streamed), stats, softmax_scale)
     prepared((*streamed, stats), (*prepared.args, *alibi_args(alibi_slopes), *varlen, *split, learnable_sink,
@@ -476,8 +473,7 @@ def _prepare_backward(pb, route: GluonBackward, q, dout, k, v, dk, dv, dq_acc, s
         if route.dq_order_rows % m:
             raise FlashAttnError(f"dq_order_rows is {route.dq_order_rows}; it must be a multiple of the "
                                  f"backward's query rows a step ({m})")
-        kwargs = dict(common, HEAD_DIM=width, DEFER_DQ=route.defer_dq, ORDER_M=route.dq_order_rows,
-                      DQ_WRITER=route.dq_writer)
+        kwargs = dict(common, HEAD_DIM=width, DEFER_DQ=route.defer_dq, ORDER_M=route.dq_order_rows)
     n_bhk = pb.batch * pb.nheads_k * route.group_split  # the group's parts count as heads of their own
     return Prepared(
         Bound(kernel, (n_tiles * pb.nheads_k * route.group_split,), kwargs), specs,

@@ -224,10 +224,6 @@ class GluonBackward:
     # deterministic, attn_bwd.py's kernel: the query rows over which its dQ writer keeps the order (a
     # multiple of tiles.block_m: one count wait and one count-in for that many rows; 0: block_m)
     dq_order_rows: int = 0
-    # attn_bwd.py's kernel, not deterministic: the consumers hand their dQ halves to a dQ-writer warp, which
-    # issues the TMA reduce-adds as they come (FA3's and FA4's dQ path), instead of issuing them and waiting
-    # for their reads themselves; no block-sparse lists
-    dq_writer: bool = False
     # attn_bwd_dsplit.py's kernel (wide heads): its Q/K column units (192 or 256) and dO stages (num_stages
     # counts the Q stages there); 0: attn_bwd.py's
     d_qk: int = 0

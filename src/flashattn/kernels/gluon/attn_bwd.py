@@ -39,9 +39,8 @@ under a right edge (causal included), the last key tile first, and the programs 
 (REVERSE), so that each step's predecessors reached that query tile a step or more earlier (a key tile's
 first query tile lies 128 rows past its predecessor's); without one, the first key tile first. Each program
 waits only for programs launched before it, which are running or done. Which calls come here is the routes'
-choice (backends/triton/routes.py). DQ_WRITER hands the adds to the same writer warp without the order
-(FA3's and FA4's dQ path: the consumers never issue a TMA reduce nor wait for one). The key tile and query
-tiles of a program are bwd_tiles.py's; dQ's reduce-adds and the dQ writer, bwd_dq.py's.
+choice (backends/triton/routes.py). The key tile and query tiles of a program are bwd_tiles.py's; dQ's
+reduce-adds and the dQ writer, bwd_dq.py's.
 """
 
 from triton.experimental import gluon
@@ -194,14 +193,14 @@ def _dq_of(ds_smem, ds_ready, b, phase, k0_cols, k1_cols, q_zero):
 @gluon.jit
 def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-              SPLIT: gl.constexpr, DQ_WRITER: gl.constexpr, WG: gl.constexpr):
+              SPLIT: gl.constexpr, WG: gl.constexpr):
     (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem, dq_smem, seq_smem, bars,
      scales, problem, kv_rows, kv_acc, sink, det, widths, sparse) = args
     d_qk, d_v = widths
     SINK, DSINK = sink
     LOCK, _, dq_full, dq_empty = det
     handoff = None
-    if (LOCK is not None) or DQ_WRITER:
+    if LOCK is not None:
         handoff = (dq_full.index(0), dq_empty.index(0))
     kv_bar, ready, empty, ds_ready, done, seq_ready = bars
     qk_scale, sm_scale, cap_in, cap_out, ALIBI, stride_alibi_b = scales
@@ -384,16 +383,16 @@ def _consumer(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consumer0(args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-               SPLIT: gl.constexpr, DQ_WRITER: gl.constexpr):
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, DQ_WRITER, 0)
+               SPLIT: gl.constexpr):
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, 0)
 
 
 @gluon.jit
 def _consumer1(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
-               SPLIT: gl.constexpr, DQ_WRITER: gl.constexpr):
+               SPLIT: gl.constexpr):
     # a worker partition: the loader's signature
-    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, DQ_WRITER, 1)
+    _consumer(args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, 1)
 
 
 @gluon.jit
@@ -405,7 +404,7 @@ def attn_bwd_ws_kernel(
     K_ORDER, PART_BITS, mask_b, mask_h, n_kblocks, n_qblocks, max_qfull, max_qpart, max_part,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr = False, SPLIT: gl.constexpr = 1,
-    ORDER_M: gl.constexpr = 0, DQ_WRITER: gl.constexpr = False,
+    ORDER_M: gl.constexpr = 0,
 ):
     # options, None when off, as the forward's: left / right, the window's sides (CAUSAL: right = 0, and
     # `right` is None); cap_in = softmax_scale / softcap, cap_out = softcap / ln 2; ALIBI: float32 slopes at
@@ -421,8 +420,6 @@ def attn_bwd_ws_kernel(
     # LOCK (DETERMINISTIC; else None): zeroed int32 counters, query tile m0 of head h of batch b at
     # b · stride_lock_b + h · stride_lock_h + m0 (varlen: b's packed first row + m0, stride_lock_b 0);
     # ORDER_M: the rows over which the dQ writer keeps the order (a multiple of BLOCK_M; 0: BLOCK_M).
-    # DQ_WRITER (without LOCK): the consumers stage their dQ halves for the dQ-writer warp as DETERMINISTIC
-    # does, and it reduce-adds them as they come, so that no consumer issues a TMA reduce or waits for one.
     # SPLIT > 1 under DETERMINISTIC: DK_ACC / DV_ACC have SPLIT times the kv heads (`part_heads`).
     # Q_FULL_NUM .. max_part: a block-sparse mask (sparse_bwd.py; None when off)
     gl.static_assert(BLOCK_N == 2 * HALF_N)
@@ -434,9 +431,6 @@ def attn_bwd_ws_kernel(
                                               and (SINK is None) and (LOCK is None)))
     # the sink's add in no fixed order: not with DETERMINISTIC
     gl.static_assert(LOCK is None or SINK is None)
-    # the dQ writer walks the consumers' steps as key_tile lists them: no block-sparse lists
-    gl.static_assert((not DQ_WRITER) or (Q_FULL_NUM is None))
-    WRITER: gl.constexpr = (LOCK is not None) or DQ_WRITER
     gl.static_assert(GROUP % SPLIT == 0)
     # dSᵀ buffers per warpgroup: 2 when both compute a step's dQ in that step, 4 when it is deferred a step
     NBUF: gl.constexpr = 4 if DEFER_DQ else 2
@@ -464,10 +458,10 @@ def attn_bwd_ws_kernel(
     seq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if CU_Q is not None:
         mbarrier.init(seq_ready.index(0), count=1)
-    # a dQ writer (DETERMINISTIC, DQ_WRITER): the staged dQ halves of both warpgroups, and their release
+    # DETERMINISTIC: the staged dQ halves of both warpgroups, and their release by the dQ writer
     dq_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    if WRITER:
+    if LOCK is not None:
         mbarrier.init(dq_full.index(0), count=2)
         mbarrier.init(dq_empty.index(0), count=1)
     mbarrier.init(kv_bar, count=1)
@@ -488,22 +482,21 @@ def attn_bwd_ws_kernel(
     loader_args = ((q_desc, do_desc, k_desc, v_desc, stats_desc),
                    (q_smem, do_smem, k_smem, v_smem, stats_smem, seq_smem), bars, problem, LOCK, sparse)
     # registers: the launch's maxnreg (168 x 12 warps fills the register file) moved by setmaxnreg to 240 per
-    # consumer thread and 24 for the loader's; the dQ writer is a second one-warp partition, in the loader's
-    # warpgroup
-    if WRITER:
+    # consumer thread and 24 for the loader's; DETERMINISTIC's dQ writer is a second one-warp partition, in
+    # the loader's warpgroup
+    if LOCK is not None:
         gl.warp_specialize([
-            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT,
-                          DQ_WRITER)),
+            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
-                          SPLIT, DQ_WRITER)),
+                          SPLIT)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
             (dq_writer, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
                           SPLIT, 1, ORDER_M)),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
-            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT, False)),
+            (_consumer0, (args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ, SPLIT)),
             (_consumer1, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, DEFER_DQ,
-                          SPLIT, False)),
+                          SPLIT)),
             (_loader, (args, loader_args, STAGES, BLOCK_M, BLOCK_N, HEAD_DIM, GROUP, CAUSAL, SPLIT)),
         ], [4, 1], [240, 24])

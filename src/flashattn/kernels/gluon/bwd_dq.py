@@ -1,9 +1,8 @@
 """dQ's way out of the Gluon backward (attn_bwd.py; the dQ writer serves attn_bwd_keys.py too): each
 consumer warpgroup's dQ columns of a query tile go through a float32 staging tile in shared memory and a TMA
-reduce-add into the float32 dQ buffer, or to a dQ-writer warp that issues the reduce-adds: under
-DETERMINISTIC in a fixed order across programs (FA3's scheme: a counter per query head and tile in global
-memory, waited on with acquire loads and counted into with a release add once the writer's own adds have
-landed), under attn_bwd.py's DQ_WRITER as they come.
+reduce-add into the float32 dQ buffer, or, under DETERMINISTIC, to a dQ-writer warp that adds them in a
+fixed order across programs (FA3's scheme: a counter per query head and tile in global memory, waited on
+with acquire loads and counted into with a release add once the writer's own adds have landed).
 """
 
 from triton._C.libtriton import ir
@@ -100,15 +99,15 @@ def count_slot(det, off_b, off_h, q_start, t0, TILE: gl.constexpr, n, n_last, di
 
 @gluon.jit
 def writer_tile(problem, seq_smem, seq_ready, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, ORDERED: gl.constexpr = True):
-    """A dQ writer's program as its consumers see it (key_tile; ORDERED: in the fixed order's launch order,
-    the last key tile first under a right edge): (batch, its part's first query head, the dQ descriptor's
-    batch, first query row, query tiles, the sequence's first query row, the key tile's index, the last key
-    tile's, and seqlen_k - seqlen_q)."""
+                GROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    """A dQ writer's program as its consumers see it (key_tile in the fixed order's launch order: the last key
+    tile first under a right edge): (batch, its part's first query head, the dQ descriptor's batch, first
+    query row, query tiles, the sequence's first query row, the key tile's index, the last key tile's, and
+    seqlen_k - seqlen_q)."""
     varlen: gl.constexpr = problem[7] is not None
     b = writer_sequence(seq_smem, seq_ready, varlen)
     off_b, off_hk, part, start_n, m_first, n_m, q_start, k_start, seqlen_q, seqlen_k = key_tile(
-        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, ORDERED and (CAUSAL or problem[6] is not None))
+        problem, b, BLOCK_M, BLOCK_N, CAUSAL, SPLIT, CAUSAL or problem[6] is not None)
     head0 = off_hk * GROUP + part * (GROUP // SPLIT)
     desc_b = 0 if varlen else off_b
     return (off_b, head0, desc_b, m_first, n_m, q_start, start_n // BLOCK_N, gl.cdiv(seqlen_k, BLOCK_N) - 1,
@@ -119,11 +118,9 @@ def writer_tile(problem, seq_smem, seq_ready, BLOCK_M: gl.constexpr, BLOCK_N: gl
 def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DEFER_DQ: gl.constexpr,
               SPLIT: gl.constexpr, SETS: gl.constexpr = 1, COUNT_M: gl.constexpr = 0):
-    """Reduce-add each step's staged dQ tiles (HEAD_DIM's columns in units of the dQ descriptor's width,
-    tile w holding unit w: attn_bwd.py's two warpgroups' halves, attn_bwd_keys.py's three 64-column units):
-    under DETERMINISTIC (LOCK given) in the fixed order below; without it as they come (attn_bwd.py's
-    DQ_WRITER: the consumers hand their adds off instead of issuing them and waiting for their reads, FA3's
-    and FA4's dQ path).
+    """DETERMINISTIC: reduce-add each step's staged dQ tiles (HEAD_DIM's columns in units of the dQ
+    descriptor's width, tile w holding unit w: attn_bwd.py's two warpgroups' halves, attn_bwd_keys.py's
+    three 64-column units) in the fixed order.
     Store k of this program is step k's query tile and head, in the consumers' step order (DEFER_DQ stores
     a step late, in the same order), staged in set k % SETS (its units in tiles (k % SETS) · units + w, its
     barriers dq_full / dq_empty index k % SETS). The order is kept per counter tile of COUNT_M rows (BLOCK_M
@@ -140,9 +137,8 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
     _, _, dq_full, dq_empty = args[17]
     left = problem[5]
     right = problem[6]
-    ORDERED: gl.constexpr = args[17][0] is not None
     off_b, head0, desc_b, m_first, n_m, q_start, n, n_last, diag = writer_tile(
-        problem, seq_smem, seq_ready, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT, ORDERED)
+        problem, seq_smem, seq_ready, BLOCK_M, BLOCK_N, GROUP, CAUSAL, SPLIT)
     HEADS: gl.constexpr = GROUP // SPLIT
     TILE: gl.constexpr = BLOCK_M if COUNT_M == 0 else COUNT_M
     gl.static_assert(TILE % BLOCK_M == 0)
@@ -158,10 +154,9 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
             m0 = m_first + i * BLOCK_M
             t0 = (m0 // TILE) * TILE
             k = gl.minimum(n_m - i, (t0 + TILE - m0) // BLOCK_M)  # this program's steps in counter tile t0
-            if ORDERED:
-                counter, before = count_slot(args[17], off_b, off_h, q_start, t0, TILE, n, n_last, diag,
-                                             left, right, BLOCK_N, CAUSAL)
-                wait_count(counter, before, lanes)  # while the consumers compute the step
+            counter, before = count_slot(args[17], off_b, off_h, q_start, t0, TILE, n, n_last, diag, left,
+                                         right, BLOCK_N, CAUSAL)
+            wait_count(counter, before, lanes)  # while the consumers compute the step
             for j in range(k):
                 st = c + j
                 mbarrier.wait(dq_full.index(st % SETS), (st // SETS) & 1)
@@ -170,7 +165,6 @@ def dq_writer(args, loader_args, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BL
                                dq_smem.index((st % SETS) * UNITS + w))
                 tma.store_wait(0)  # the staging tiles read: the consumers may write the next ones
                 mbarrier.arrive(dq_empty.index(st % SETS), count=1)
-            if ORDERED:
-                count_in(counter, lanes)
+            count_in(counter, lanes)
             c += k
             i += k
