@@ -86,7 +86,7 @@ def routes(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (17, 113), (113, 17), (113, 113), (64, 96)])
 def test_seqlens(routes, sq, sk, causal, dtype):
-    q, k, v = make_qkv(2, sq, sk, 4, 2, 40, dtype)
+    q, k, v = make_qkv(2, sq, sk, 4, 4, 40, dtype)
     kind = fused.mask_kind(_spec(causal), sq, sk, 40, 40, dtype=dtype, device=CPU, alibi=False, sink=False)
     run_and_check(q, k, v, causal=causal)
     expect = ["forward_fused", "backward_fused"] if kind else ["forward_group", "backward_group"]
@@ -115,28 +115,30 @@ def test_float64_is_exact(routes):
 def test_windows_that_take_the_route(routes, sq, sk, window):
     # bands the fused kernel computes: a diagonal through key 0 for query 0 (sq > sk here: ATen's top-left
     # causal mask with more queries than keys), and left or right edges past every key
-    q, k, v = make_qkv(1, sq, sk, 4, 2, 32, torch.bfloat16)
+    q, k, v = make_qkv(1, sq, sk, 4, 4, 32, torch.bfloat16)
     run_and_check(q, k, v, window_size=window)
     assert routes == ["forward_fused", "backward_fused"]
 
 
 @pytest.mark.parametrize("d", [40, 59, 96, 192, 256])
 def test_head_dims(routes, d):
-    q, k, v = make_qkv(1, 65, 65, 4, 2, d, torch.float16)
+    q, k, v = make_qkv(1, 65, 65, 4, 4, d, torch.float16)
     run_and_check(q, k, v, causal=True)
     assert routes == ["forward_fused", "backward_fused"]
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h,hk", [(8, 2), (8, 1), (3, 3)])
-def test_gqa_mqa(routes, h, hk):
-    q, k, v = make_qkv(2, 33, 70, h, hk, 32, torch.bfloat16)
-    run_and_check(q, k, v)
+def test_gqa_mqa(routes, h, hk, causal):
+    # without a mask the group's query rows stacked, under a causal one k and v repeated (fused._layout)
+    q, k, v = make_qkv(2, 70, 70, h, hk, 32, torch.bfloat16)
+    run_and_check(q, k, v, causal=causal)
     assert routes == ["forward_fused", "backward_fused"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqlen_1023(routes, causal):
-    q, k, v = make_qkv(1, 1023, 1023, 2, 1, 32, torch.float16)
+    q, k, v = make_qkv(1, 1023, 1023, 2, 2, 32, torch.float16)
     run_and_check(q, k, v, causal=causal)
     assert routes == ["forward_fused", "backward_fused"]
 
@@ -181,7 +183,7 @@ def test_extreme_scale_fp16(routes, seed):
 
 def test_fused_and_chunked_routes_agree(monkeypatch):
     # float64 on both routes: the same values to float64's rounding
-    q, k, v = make_qkv(2, 70, 70, 4, 2, 32, torch.float64)
+    q, k, v = make_qkv(2, 70, 70, 4, 4, 32, torch.float64)
     kw = dict(softmax_scale=0.2, causal=True)
     out, lse = tb.attention_forward(q, k, v, **kw)
     dout = torch.randn_like(out)
@@ -193,16 +195,32 @@ def test_fused_and_chunked_routes_agree(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_makes_no_n_by_n_tensor():
+@pytest.mark.parametrize("causal,hk", [(True, 4), (True, 2), (False, 2)])
+def test_makes_no_n_by_n_tensor(routes, causal, hk):
     # the fused kernel's own buffers are per thread and per block (inside ATen); the route itself makes
-    # O(N d) tensors: q, k, v in the compute dtype, k and v repeated over a GQA group, the outputs
-    n, h, hk, d = 4096, 4, 2, 16
+    # O(N d) tensors: q, k, v in the compute dtype (GQA: k and v repeated to h heads, or q stacked), the
+    # outputs
+    n, h, d = 4096, 4, 16
     q, k, v = make_qkv(1, n, n, h, hk, d, torch.float16)
-    kw = dict(softmax_scale=0.25, causal=True)
+    kw = dict(softmax_scale=0.25, causal=causal)
     fwd, (out, lse) = recorded(lambda: tb.attention_forward(q, k, v, **kw))
     bwd, _ = recorded(lambda: tb.attention_backward(torch.randn_like(out), q, k, v, out, lse, **kw))
-    bound = n * h * d  # q in the compute dtype; k, v repeated to h heads
+    bound = n * h * d  # q in the compute dtype
     assert max(fwd.max_numel, bwd.max_numel) <= bound and bound * 32 <= n * n
+    assert routes == ["forward_fused", "backward_fused"]
+
+
+def test_gqa_without_a_mask_stacks_the_group(routes):
+    # decode-shaped MQA: the group's query rows go through one call against k and v as they are (no copy of
+    # them per query head, which would be the largest tensor here), and match the oracle
+    n, h, d = 4096, 8, 16
+    q, k, v = make_qkv(1, 1, n, h, 1, d, torch.float16)
+    run_and_check(q, k, v, causal=True)
+    fwd, (out, lse) = recorded(lambda: tb.attention_forward(q, k, v, softmax_scale=0.25, causal=True))
+    bwd, _ = recorded(lambda: tb.attention_backward(torch.randn_like(out), q, k, v, out, lse,
+                                                    softmax_scale=0.25, causal=True))
+    assert max(fwd.max_numel, bwd.max_numel) <= n * d  # k's float32 copy, not h copies of it
+    assert routes == ["forward_fused", "backward_fused"] * 2
 
 
 def test_varlen_mixes_the_routes(routes):
@@ -211,7 +229,7 @@ def test_varlen_mixes_the_routes(routes):
     lens_q, lens_k = [5, 40, 0, 17, 1], [5, 40, 3, 30, 9]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
                   for ls in (lens_q, lens_k))
-    h, hk, d = 4, 2, 24
+    h, hk, d = 4, 4, 24
     q = torch.randn(sum(lens_q), h, d, dtype=torch.float16, requires_grad=True)
     k, v = (torch.randn(sum(lens_k), hk, d, dtype=torch.float16, requires_grad=True) for _ in range(2))
     with config.use_backend("torch"):
@@ -236,7 +254,7 @@ def test_varlen_mixes_the_routes(routes):
 
 def test_public_call_takes_the_route(routes):
     # the public function on CPU tensors: a plain causal call fused both ways, a softcap call chunked
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 50, 50, 2, 1, 32, torch.bfloat16))
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 50, 50, 2, 2, 32, torch.bfloat16))
     with config.use_backend("torch"):
         flash_attn_func(q, k, v, causal=True).sum().backward()
         assert routes == ["forward_fused", "backward_fused"]

@@ -16,8 +16,13 @@ computes them, and float64 inputs in float64. In the inputs' own 16 bits (P roun
 kernels do) its bf16 forward ran 1.5-2.5x faster on this machine's AMX, but broke the rule too: a fuzz
 case's fp16 output, and a bf16 dV one rounding off where the forward's LSE (from bf16 products) and the
 backward's float32 scores differed by 2.4e-7, so that a lone key's P was not 1; on float32 copies both
-pass. :func:`mask_kind` says which route a group takes; it is a pure function of the call's spec, dtype and
-the group's shapes, so the forward and the backward agree.
+pass. The kernel takes as many kv heads as query heads: where every row sees every key a GQA group's
+query rows are stacked into one sequence against k and v as they are (FA3's pack_gqa; a decode step at
+32/8 heads, 4K-16K keys, 0.22-0.26x the time of k and v repeated per query head), and under a causal mask,
+whose band follows each row's position, k and v are repeated (against the chunked route, forward 0.58-0.96x
+the time and forward + backward 0.60-1.04x at 32/8, 32/1 and 16/4 heads, N 256-1024). :func:`mask_kind`
+says which route a group takes; it is a pure function of the call's spec, dtype and the group's shapes, so
+the forward and the backward agree.
 """
 
 from __future__ import annotations
@@ -59,41 +64,71 @@ def mask_kind(spec: Spec, sq: int, sk: int, d: int, dv: int, *, dtype: torch.dty
     return None
 
 
-def _heads_first(x, group: int, dtype):
-    """(nb, s, hx, d) -> (nb, hx * group, s, d) in dtype; each head repeated group times (GQA: ATen's kernel
-    takes as many kv heads as query heads). ATen's kernel takes any strides but the last: it reads a row's d
-    values as contiguous (a V laid out seqlen-contiguous gave wrong outputs), so such an x is copied."""
+def _heads_first(x, dtype, repeat: int = 1):
+    """(nb, s, hx, d) -> (nb, hx * repeat, s, d) in dtype, each head repeated `repeat` times. ATen's kernel
+    takes any strides but the last: it reads a row's d values as contiguous (a V laid out seqlen-contiguous
+    gave wrong outputs), so such an x is copied."""
     x = x.permute(0, 2, 1, 3).to(dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if group == 1:
+    if repeat == 1:
         return x
     nb, hx, s, d = x.shape
-    return x.unsqueeze(2).expand(nb, hx, group, s, d).reshape(nb, hx * group, s, d)
+    return x.unsqueeze(2).expand(nb, hx, repeat, s, d).reshape(nb, hx * repeat, s, d)
+
+
+def _layout(kind: str, group: int) -> tuple[int, int]:
+    """(query rows stacked per kv head, kv head repeats): a GQA group's query rows stacked into one sequence
+    where every row sees every key (FULL), else k and v repeated per query head (CAUSAL: the mask follows
+    each row's position)."""
+    return (group, 1) if kind == FULL else (1, group)
+
+
+def _query_rows(x, stack: int, dtype):
+    """A query-side tensor (q, out, dout: (nb, sq, h, d)) as the kernel's query operand: (nb, h, sq, d), or
+    with stack > 1 (nb, h // stack, stack * sq, d), a GQA group's heads' rows one after another (FA3's
+    pack_gqa)."""
+    if stack == 1:
+        return _heads_first(x, dtype)  # a view where the dtype matches: the kernel takes the strides
+    nb, sq, h, d = x.shape
+    x = x.to(dtype).unflatten(2, (h // stack, stack)).permute(0, 2, 3, 1, 4).reshape(nb, h // stack,
+                                                                                      stack * sq, d)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _unstack(rows, out, stack: int) -> None:
+    """Copies the kernel's query-side result (nb, h // stack, stack * sq, d) into out (nb, sq, h, d)."""
+    nb, sq, h, d = out.shape
+    stacked_rows = rows.view(nb, h // stack, stack, sq, d)
+    out.unflatten(2, (h // stack, stack)).copy_(stacked_rows.permute(0, 3, 1, 2, 4))
 
 
 def forward_fused(spec: Spec, kind: str, q, k, v, out, lse) -> None:
     """Writes ``out`` ``(nb, sq, h, d)`` and ``lse`` ``(nb, h, sq)`` (views into the caller's buffers) from
-    q ``(nb, sq, h, d)``, k and v ``(nb, sk, hk, d)``, computed in spec.cdtype (float32 for 16-bit inputs)."""
-    group = q.shape[2] // k.shape[2]
+    q ``(nb, sq, h, d)``, k and v ``(nb, sk, hk, d)``, computed in spec.cdtype (float32 for 16-bit inputs);
+    GQA as _layout says."""
+    stack, repeat = _layout(kind, q.shape[2] // k.shape[2])
     c = spec.cdtype
-    o, l_ = _forward_op(_heads_first(q, 1, c), _heads_first(k, group, c), _heads_first(v, group, c), 0.0,
-                        kind == CAUSAL, scale=spec.softmax_scale)
-    out.copy_(o.permute(0, 2, 1, 3))
-    lse.copy_(l_)
+    o, l_ = _forward_op(_query_rows(q, stack, c), _heads_first(k, c, repeat), _heads_first(v, c, repeat),
+                        0.0, kind == CAUSAL, scale=spec.softmax_scale)
+    _unstack(o, out, stack)
+    lse.copy_(l_.reshape(lse.shape))
 
 
 def backward_fused(spec: Spec, kind: str, dout, q, k, v, out, lse, dq, dk, dv) -> None:
-    """Writes ``dq`` ``(nb, sq, h, d)`` and ``dk`` / ``dv`` ``(nb, sk, hk, d)``, summed over each GQA group,
-    by ATen's backward in spec.cdtype (float32 for 16-bit inputs) from the forward's ``out`` and ``lse``."""
+    """Writes ``dq`` ``(nb, sq, h, d)`` and ``dk`` / ``dv`` ``(nb, sk, hk, d)``, summed over each GQA group
+    (by the kernel where the group's rows are stacked, here where k and v were repeated), by ATen's backward
+    in spec.cdtype (float32 for 16-bit inputs) from the forward's ``out`` and ``lse``."""
     nb, sk, hk, d = k.shape
-    group = q.shape[2] // hk
+    stack, repeat = _layout(kind, q.shape[2] // hk)
     c = spec.cdtype
-    gq, gk, gv = _backward_op(_heads_first(dout, 1, c), _heads_first(q, 1, c), _heads_first(k, group, c),
-                              _heads_first(v, group, c), _heads_first(out, 1, c), lse.to(c), 0.0,
-                              kind == CAUSAL, scale=spec.softmax_scale)
-    dq.copy_(gq.permute(0, 2, 1, 3))
+    rows = lse.to(c).reshape(nb, lse.shape[1] // stack, stack * lse.shape[2])
+    gq, gk, gv = _backward_op(_query_rows(dout, stack, c), _query_rows(q, stack, c),
+                              _heads_first(k, c, repeat), _heads_first(v, c, repeat),
+                              _query_rows(out, stack, c), rows, 0.0, kind == CAUSAL,
+                              scale=spec.softmax_scale)
+    _unstack(gq, dq, stack)
     for grad, g in ((dk, gk), (dv, gv)):
-        if group > 1:
-            g = g.view(nb, hk, group, sk, d).sum(dim=2)
+        if repeat > 1:
+            g = g.view(nb, hk, repeat, sk, d).sum(dim=2)
         grad.copy_(g.permute(0, 2, 1, 3))
