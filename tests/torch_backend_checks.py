@@ -1,6 +1,7 @@
 """The torch backend's checks against the fp64 oracle (tests/backends/torch/): a call forward and backward
 under the tolerance rule, the first-order fp32 bounds of the gradients at extreme logits, and a recorder
-of the tensors and matmul FLOPs a call makes."""
+of the tensors and matmul FLOPs a call makes; a call's forward and backward through the backend, and the
+chunked route held for a test's calls."""
 
 import math
 
@@ -10,6 +11,20 @@ from utils import assert_close_to_ref
 
 import flashattn.backends.torch.attention as tb
 from flashattn.reference import attention_ref
+
+
+def hold_chunked_route(monkeypatch):
+    """Every call of the test on the chunked route (CPU calls without a score option would take ATen's fused
+    kernel, backends/torch/fused.py)."""
+    from flashattn.backends.torch import fused
+
+    monkeypatch.setattr(fused, "mask_kind", lambda *args, **kwargs: None)
+
+
+def fwd_bwd(q, k, v, dout, **kw):
+    """(out, lse, dq, dk, dv) of the backend's forward and backward."""
+    out, lse = tb.attention_forward(q, k, v, **kw)
+    return (out, lse) + tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
 
 
 def leaf64(t):

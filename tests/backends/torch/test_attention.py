@@ -8,18 +8,24 @@ without a score option would take ATen's fused kernel, tests/backends/torch/test
 
 import pytest
 import torch
-from torch_backend_checks import first_order_grad_bounds, leaf, leaf64, recorded, run_and_check
+from torch_backend_checks import (
+    first_order_grad_bounds,
+    hold_chunked_route,
+    leaf,
+    leaf64,
+    recorded,
+    run_and_check,
+)
 from utils import make_qkv
 
 import flashattn.backends.torch.attention as tb
-from flashattn.backends.torch import fused
 from flashattn.backends.torch import tiles as tb_tiles
 from flashattn.reference import attention_ref
 
 
 @pytest.fixture
 def chunked_route(monkeypatch):
-    monkeypatch.setattr(fused, "mask_kind", lambda *args, **kwargs: None)
+    hold_chunked_route(monkeypatch)
 
 
 @pytest.fixture

@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
+from torch_backend_checks import fwd_bwd, hold_chunked_route
 from utils import assert_close_to_ref, make_qkv
 
 import flashattn.backends.torch.attention as tb
-from flashattn.backends.torch import fused
 from flashattn.backends.torch import tiles as tb_tiles
 from flashattn.bert_padding import pad_input, unpad_input
 from flashattn.dropout import dropout_keep_mask
@@ -24,7 +24,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(tb_tiles, "_MIN_CHUNK", 32)
     monkeypatch.setattr(tb_tiles, "_MAX_CHUNK", 32)
     # the chunked route for every call, plain ones included (the fused route: test_fused.py)
-    monkeypatch.setattr(fused, "mask_kind", lambda *args, **kwargs: None)
+    hold_chunked_route(monkeypatch)
 
 
 def _leaf(t, dtype=None):
@@ -121,19 +121,14 @@ def test_dropout_zero_is_no_dropout():
     assert all(torch.equal(a, b) for a, b in zip(base, zero, strict=True))
 
 
-def _fwd_bwd(q, k, v, dout, **kw):
-    out, lse = tb.attention_forward(q, k, v, **kw)
-    return (out, lse) + tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
-
-
 def test_dropout_determinism_and_seeds():
     q, k, v = make_qkv(2, 50, 60, 4, 2, 16)
     dout = torch.randn(2, 50, 4, 16)
     kw = dict(softmax_scale=0.25, causal=False, dropout_p=0.3, rng_seed=7, rng_offset=0)
-    first, again = _fwd_bwd(q, k, v, dout, **kw), _fwd_bwd(q, k, v, dout, **kw)
+    first, again = fwd_bwd(q, k, v, dout, **kw), fwd_bwd(q, k, v, dout, **kw)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     for change in (dict(rng_seed=8), dict(rng_offset=4 * 50 * 60)):
-        other = _fwd_bwd(q, k, v, dout, **dict(kw, **change))
+        other = fwd_bwd(q, k, v, dout, **dict(kw, **change))
         assert torch.equal(first[1], other[1])  # lse is the un-dropped one
         for a, b in zip(first[:1] + first[2:], other[:1] + other[2:], strict=True):
             assert not torch.equal(a, b)

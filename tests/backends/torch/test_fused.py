@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from torch_backend_checks import leaf64, recorded, run_and_check
+from torch_backend_checks import fwd_bwd, hold_chunked_route, leaf64, recorded, run_and_check
 from utils import assert_close_to_ref, make_qkv
 
 import flashattn.backends.torch.attention as tb
@@ -98,9 +98,8 @@ def test_seqlens(routes, sq, sk, causal, dtype):
 def test_float64_is_exact(routes):
     q, k, v = make_qkv(1, 50, 70, 2, 1, 8, torch.float64)
     kw = dict(softmax_scale=0.4, causal=False)
-    out, lse = tb.attention_forward(q, k, v, **kw)
-    dout = torch.randn_like(out)
-    grads = tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
+    dout = torch.randn_like(q)
+    out, lse, *grads = fwd_bwd(q, k, v, dout, **kw)
     assert lse.dtype == torch.float64
     q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
     out_ref, lse_ref = attention_ref(q64, k64, v64, **kw)
@@ -185,13 +184,10 @@ def test_fused_and_chunked_routes_agree(monkeypatch):
     # float64 on both routes: the same values to float64's rounding
     q, k, v = make_qkv(2, 70, 70, 4, 4, 32, torch.float64)
     kw = dict(softmax_scale=0.2, causal=True)
-    out, lse = tb.attention_forward(q, k, v, **kw)
-    dout = torch.randn_like(out)
-    grads = tb.attention_backward(dout, q, k, v, out, lse, **kw)[:3]
-    monkeypatch.setattr(fused, "mask_kind", lambda *args, **kwargs: None)
-    out_c, lse_c = tb.attention_forward(q, k, v, **kw)
-    grads_c = tb.attention_backward(dout, q, k, v, out_c, lse_c, **kw)[:3]
-    for a, b in zip((out, lse, *grads), (out_c, lse_c, *grads_c), strict=True):
+    dout = torch.randn_like(q)
+    on_fused = fwd_bwd(q, k, v, dout, **kw)
+    hold_chunked_route(monkeypatch)
+    for a, b in zip(on_fused, fwd_bwd(q, k, v, dout, **kw), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
