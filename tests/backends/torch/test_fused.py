@@ -180,7 +180,7 @@ def test_extreme_scale_fp16(routes, seed):
     assert routes == ["forward_fused", "backward_fused"]
 
 
-def test_fused_and_chunked_routes_agree(monkeypatch):
+def test_fused_and_chunked_routes_agree(routes, monkeypatch):
     # float64 on both routes: the same values to float64's rounding
     q, k, v = make_qkv(2, 70, 70, 4, 4, 32, torch.float64)
     kw = dict(softmax_scale=0.2, causal=True)
@@ -189,6 +189,7 @@ def test_fused_and_chunked_routes_agree(monkeypatch):
     hold_chunked_route(monkeypatch)
     for a, b in zip(on_fused, fwd_bwd(q, k, v, dout, **kw), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert routes == ["forward_fused", "backward_fused", "forward_group", "backward_group"]
 
 
 @pytest.mark.parametrize("causal,hk", [(True, 4), (True, 2), (False, 2)])
