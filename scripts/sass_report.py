@@ -19,6 +19,7 @@ Counts are per thread (every thread of a warp issues the same stream), as nvdisa
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -30,6 +31,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from sass_listing import report  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def _fields(items) -> dict:
+    """FIELD=INT options as {field: int}."""
+    return {name: int(value) for name, value in (item.split("=") for item in items)}
 
 
 def main(argv=None) -> int:
@@ -75,35 +81,38 @@ def main(argv=None) -> int:
     from flashattn.backends.triton import routes
     from flashattn.bench.providers.ours import tiled_route
 
+    def gluon_route(option, default, kind, spec):
+        """default(spec), which --route / --bwd-route (option) replace fields of: a Gluon route."""
+        route = default(spec)
+        if not isinstance(route, kind):
+            raise SystemExit(f"{option}: the call's route is {type(route).__name__}, not {kind.__name__}")
+        return route
+
+    def typed(route, fields):
+        """FIELD=INT values as the route's own field types (bool, int)."""
+        return {k: type(getattr(route, k))(v) for k, v in fields.items()}
+
     if args.route:
-        fields = {name: int(value) for name, value in (item.split("=") for item in args.route)}
+        fields = _fields(args.route)
         default = routes.forward_route
 
         def replaced(spec):
-            route = default(spec)
-            if not isinstance(route, routes.GluonForward):
-                raise SystemExit(f"--route: the call's forward route is {type(route).__name__}, not Gluon")
+            route = gluon_route("--route", default, routes.GluonForward, spec)
             tiles = {k: fields[k] for k in ("block_m", "block_n", "num_stages") if k in fields}
-            rest = {k: type(getattr(route, k))(v) for k, v in fields.items() if k not in tiles}
             # rebuilt under the tile override (the bench's A/B providers' helper), so that what the route
             # derives from its tiles (Q buffers, registers, the half step) follows them
+            rest = typed(route, {k: v for k, v in fields.items() if k not in tiles})
             return tiled_route(default, spec, tiles, **rest)
 
         routes.forward_route = replaced
 
     if args.bwd_route:
-        import dataclasses
-
-        bwd_fields = {name: int(value) for name, value in (item.split("=") for item in args.bwd_route)}
+        bwd_fields = _fields(args.bwd_route)
         default_bwd = routes.backward_route
 
         def replaced_bwd(spec):
-            route = default_bwd(spec)
-            if not isinstance(route, routes.GluonBackward):
-                raise SystemExit(f"--bwd-route: the call's backward route is {type(route).__name__}, "
-                                 "not Gluon")
-            return dataclasses.replace(route, **{k: type(getattr(route, k))(v)
-                                                 for k, v in bwd_fields.items()})
+            route = gluon_route("--bwd-route", default_bwd, routes.GluonBackward, spec)
+            return dataclasses.replace(route, **typed(route, bwd_fields))
 
         routes.backward_route = replaced_bwd
 
