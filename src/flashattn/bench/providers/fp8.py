@@ -211,6 +211,14 @@ def _setup(recipe: Recipe) -> Callable[..., Prepared]:
     return lambda case, q, k, v: prepare(recipe, case, q, k, v)
 
 
+def _gluon_variant(name: str, tiles: dict, fields: dict, text: str) -> Provider:
+    """flashattn-fp8 on the Gluon forward's FP8 variant with its tiles and other route fields replaced."""
+    return Provider(name, lambda case, q, k, v: prepare(
+        Recipe(), case, q, k, v, call=named_route("gluon_forward_route", fields, **tiles),
+        route_fwd="GluonForward"),
+        f"flashattn-fp8 on the Gluon forward's FP8 variant with {text} (A/B timing)")
+
+
 PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recipe in RECIPES.items()] + [
     Provider("flashattn-fp8-gluon",
              lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=named_route("gluon_forward_route"),
@@ -220,13 +228,6 @@ PROVIDERS = [Provider(name, _setup(recipe), _DESCRIPTIONS[name]) for name, recip
              lambda case, q, k, v: prepare(Recipe(), case, q, k, v, call=named_route("triton_forward_route"),
                                            route_fwd="TritonForward"),
              _DESCRIPTIONS["flashattn-fp8-triton"]),
-    *(Provider(name, lambda case, q, k, v, tiles=tiles: prepare(
-        Recipe(), case, q, k, v, call=named_route("gluon_forward_route", **tiles), route_fwd="GluonForward"),
-        f"flashattn-fp8 on the Gluon forward's FP8 variant with {text} (A/B timing)")
-      for name, tiles, text in TILE_VARIANTS),
-    *(Provider(name, lambda case, q, k, v, tiles=tiles, fields=fields: prepare(
-        Recipe(), case, q, k, v, call=named_route("gluon_forward_route", fields, **tiles),
-        route_fwd="GluonForward"),
-        f"flashattn-fp8 on the Gluon forward's FP8 variant with {text} (A/B timing)")
-      for name, tiles, fields, text in ROUTE_VARIANTS),
+    *(_gluon_variant(name, tiles, {}, text) for name, tiles, text in TILE_VARIANTS),
+    *(_gluon_variant(*variant) for variant in ROUTE_VARIANTS),
 ]
